@@ -1,0 +1,67 @@
+"""Attention over the paged KV cache: the one call every model layer makes.
+
+The runner flattens a mixed batch into one row of tokens, decodes first:
+
+    tokens:  [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]      d = decode, p = prefill chunk
+              one each    chunk of seq 3   chunk of seq 4
+
+and describes it with `AttentionMetadata`. A layer computes q, k, v for all
+those tokens, then `paged_attention` writes k, v into the cache at
+`slot_mapping` and computes attention for each part, reading K/V back only
+through block tables. Which kernels do the work is the backend's business
+(`kernels/reference.py` on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoserve.kernels import reference
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One sequence's prefill chunk inside the flat token row."""
+
+    query_start: int             # index of its first token in the flat row
+    num_query: int               # tokens in the chunk
+    context_len: int             # cached prefix + chunk
+    block_table: torch.Tensor    # [ceil(context_len / bs)] int64
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor            # [T] int64: cache slot of every token in the row
+    num_decodes: int                      # the first num_decodes tokens are one decode each
+    decode_block_tables: torch.Tensor     # [num_decodes, nb] int64, padded
+    decode_seq_lens: torch.Tensor         # [num_decodes] int64, new token included
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def paged_attention(
+    q: torch.Tensor,        # [T, Hq, D]
+    k: torch.Tensor,        # [T, Hkv, D]
+    v: torch.Tensor,        # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D] this layer's cache
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:          # [T, Hq, D]
+    # 1. Write this step's K/V first, so every query below can see its own token.
+    reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    # 2. Decodes: one query each, batched together.
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = reference.decode_attention(
+            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+        )
+    # 3. Prefill chunks: causal over (cached prefix + chunk), one sequence at a time.
+    for chunk in meta.prefills:
+        s, e = chunk.query_start, chunk.query_start + chunk.num_query
+        out[s:e] = reference.prefill_attention(
+            q[s:e], k_cache, v_cache, chunk.block_table, chunk.context_len, scale
+        )
+    return out

@@ -1,0 +1,67 @@
+"""EngineConfig: every setting of an engine, validated in one place.
+
+The config only checks values that make sense on their own. Settings that
+depend on the model (its maximum context, its KV head count) are resolved by
+the engine after loading, in `resolve()`, which fills in `num_blocks` and
+`max_model_len` and rejects combinations that could never run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = "tiny-llama"           # HF id, local directory, .gguf file, "smollm2", "tiny-gpt2" or "tiny-llama"
+    dtype: str = "float32"              # weights and KV cache: "float32", "bfloat16" or "float16"
+    device: str = "cpu"                 # "cpu" or "cuda"
+    block_size: int = 16                # tokens per KV block
+    num_blocks: int | None = None       # KV blocks in the pool; None: as many as kv_cache_memory_mb holds
+    kv_cache_memory_mb: float = 256.0   # KV budget used when num_blocks is None
+    max_num_seqs: int = 32              # at most this many requests run in one step
+    max_num_batched_tokens: int = 512   # token budget of one step (decodes + prefill chunks)
+    max_model_len: int | None = None    # prompt + output limit; None: the model's, capped by the pool and budget
+    enable_chunked_prefill: bool = True  # let a long prompt spread over several steps
+    preemption_mode: str = "recompute"  # what happens to a request evicted for memory: recompute its KV later
+    attention_backend: str = "auto"     # "torch" (reference) or "auto" (torch until the Triton kernels land)
+    seed: int = 0                       # seeds random weights of tiny models and unseeded requests
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
+        if self.kv_cache_memory_mb <= 0:
+            raise ValueError(f"kv_cache_memory_mb must be positive, got {self.kv_cache_memory_mb}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.preemption_mode != "recompute":
+            raise ValueError(f"preemption_mode must be 'recompute' (swap arrives with the CPU block pool), got {self.preemption_mode!r}")
+        if self.attention_backend not in ("torch", "auto"):
+            raise ValueError(f"attention_backend must be 'torch' or 'auto', got {self.attention_backend!r}")
+
+    def resolve(self, model_max_len: int, bytes_per_block: int) -> None:
+        """Fill in num_blocks and max_model_len once the model is known."""
+        if self.num_blocks is None:
+            self.num_blocks = max(1, int(self.kv_cache_memory_mb * 2**20) // bytes_per_block)
+        pool_tokens = self.num_blocks * self.block_size
+        if self.max_model_len is None:
+            limit = min(model_max_len, pool_tokens)
+            if not self.enable_chunked_prefill:
+                # Without chunking a whole prompt must fit in one step's budget.
+                limit = min(limit, self.max_num_batched_tokens)
+            self.max_model_len = limit
+        elif self.max_model_len > model_max_len:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's {model_max_len} positions")
+        elif not self.enable_chunked_prefill and self.max_model_len > self.max_num_batched_tokens:
+            raise ValueError(
+                f"with chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len}) or a long prompt could never be scheduled"
+            )

@@ -1,0 +1,60 @@
+"""Incremental detokenization and stop strings: from token ids to streamable text.
+
+Text cannot be produced one token at a time by decoding each token alone:
+byte-level BPE splits a multi-byte character across tokens, and
+SentencePiece decides spaces from the neighbouring tokens. So each update
+decodes the whole output and takes the new part, and holds back
+
+* a trailing U+FFFD (an incomplete UTF-8 character, completed by the next token),
+* the last `len(longest stop string) - 1` characters, which might be the start
+  of a stop string: the text a user sees never contains a stop string, not
+  even half of one for a step.
+
+When a stop string appears, the text is cut just before it and the sequence
+stops. The engine owns the other stop conditions (EOS, stop ids, max_tokens).
+"""
+
+from __future__ import annotations
+
+from nanoserve.sampling_params import SamplingParams
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.stop = params.stop
+        self.skip_special_tokens = params.skip_special_tokens
+        self.hold = max((len(s) for s in self.stop), default=1) - 1   # chars that may start a stop string
+        self.text = ""       # everything decoded so far (cut at a stop string)
+        self.released = 0    # how much of `text` has been handed out
+
+    def update(self, output_token_ids: list[int], check_stop: bool = True) -> tuple[str, bool]:
+        """Decode after new tokens; return (newly releasable text, hit a stop string)."""
+        if self.tokenizer is None:
+            return "", False
+        text = self.tokenizer.decode(output_token_ids, skip_special_tokens=self.skip_special_tokens)
+        stopped = False
+        if check_stop and self.stop:
+            # Only the tail can hold a new stop string: start a little before the old end
+            # (a few characters more, in case the last character was incomplete before).
+            search_from = max(0, len(self.text) - self.hold - 4)
+            hits = [i for i in (text.find(s, search_from) for s in self.stop) if i >= 0]
+            if hits:
+                text, stopped = text[: min(hits)], True
+        self.text = text
+        if stopped:
+            return self.flush(), True
+        end = len(text) - self.hold
+        while end > self.released and text[end - 1] == "\ufffd":   # wait for the rest of the character
+            end -= 1
+        return self._release(end), False
+
+    def flush(self) -> str:
+        """The request is over: release everything that is left."""
+        return self._release(len(self.text))
+
+    def _release(self, end: int) -> str:
+        if end <= self.released:
+            return ""
+        delta, self.released = self.text[self.released : end], end
+        return delta

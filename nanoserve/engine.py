@@ -1,0 +1,261 @@
+"""LLMEngine: requests in, one scheduler step at a time, outputs and events out.
+
+    engine = LLMEngine(EngineConfig(model="tiny-llama"))
+    engine.add_request("r1", "Hello", SamplingParams(max_tokens=8, temperature=0))
+    while engine.has_unfinished_requests():
+        result = engine.step()
+
+One `step()` is:
+
+    plan    = scheduler.schedule()      who runs, how many tokens each, which blocks
+    batch   = runner.prepare(plan)      flat token row + slot mapping + block tables
+    logits  = runner.run(batch)         one forward; attention reads K/V through block tables
+    tokens  = sampler(logits, rows)     one token for every sequence whose chunk reached its end
+    postprocess                         append tokens, detokenize, check stops, free finished
+
+The engine owns request bookkeeping, stop conditions and events; it delegates
+blocks to the pool, batching to the scheduler, tensors to the runner and
+token choice to the sampler. `LLM` (in `llm.py`) wraps it for offline batches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence as Seq
+
+import torch
+
+from nanoserve import events as ev
+from nanoserve.block_pool import BlockPool
+from nanoserve.config import EngineConfig
+from nanoserve.detokenizer import IncrementalDetokenizer
+from nanoserve.models.loader import LoadedModel, load_model
+from nanoserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepResult, StepStats
+from nanoserve.runner import ModelRunner, kv_bytes_per_block
+from nanoserve.sampler import SampledToken, Sampler, SamplingRow
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.scheduler import Scheduler
+from nanoserve.sequence import Sequence, SequenceStatus
+from nanoserve.trace import EventBus
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None, **kwargs) -> None:
+        """Build an engine from a config (or its fields as keyword arguments).
+
+        `loaded` reuses an already loaded model (e.g. several engines in a test).
+        """
+        self.config = config = config or EngineConfig(**kwargs)
+        dtype = DTYPES[config.dtype]
+        self.loaded = loaded or load_model(config.model, dtype, config.device, config.seed)
+        self.tokenizer = self.loaded.tokenizer
+        self.eos_token_id = self.loaded.eos_token_id
+        model = self.loaded.model
+        config.resolve(model.max_positions, kv_bytes_per_block(model, config.block_size, dtype))
+        self.pool = BlockPool(config.num_blocks, config.block_size)
+        self.bus = EventBus()
+        self.scheduler = Scheduler(config, self.pool, self._emit)
+        self.runner = ModelRunner(model, config.num_blocks, config.block_size, dtype, torch.device(config.device))
+        self.sampler = Sampler()
+        self.vocab_size = model.config.vocab_size
+        self.requests: dict[str, Sequence] = {}      # unfinished requests by id
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.step_count = 0
+        self._events: list[ev.Event] = []            # events since the last step() returned
+        self._rng = torch.Generator().manual_seed(config.seed)   # seeds the RNG of unseeded requests
+
+    # -- requests ---------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | Seq[int],
+                    params: SamplingParams | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request. Raises ValueError (and changes nothing) on bad input."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        max_len = self.config.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {max_len}, "
+                             "which leaves no room to generate")
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
+        seq = Sequence(request_id, text, token_ids, params, generator=torch.Generator().manual_seed(seed))
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
+        if params.logprobs is not None:
+            seq.logprobs = []
+        self.requests[request_id] = seq
+        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params)
+        self.scheduler.add(seq)
+        self._emit(ev.RequestAdded(self.step_count, request_id, text or "", len(token_ids), params.max_tokens))
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.config.model!r} has no tokenizer: pass the prompt as token ids")
+            token_ids = self.tokenizer(prompt).input_ids
+            if not token_ids:
+                raise ValueError("prompt is empty after tokenization")
+            return prompt, list(token_ids)
+        token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return None, token_ids
+
+    def abort_request(self, request_id: str) -> RequestOutput:
+        """Stop a request now and free all its blocks. Raises KeyError for an unknown id."""
+        if request_id not in self.requests:
+            raise KeyError(f"no unfinished request {request_id!r}")
+        seq = self.requests[request_id]
+        self._emit(ev.RequestAborted(self.step_count, request_id))
+        return self._finish(seq, SequenceStatus.FINISHED_ABORTED, delta="")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # -- the step ----------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        t0 = time.perf_counter()
+        self.step_count += 1
+        self.scheduler.step = self.step_count
+        self._emit(ev.StepStarted(self.step_count, len(self.scheduler.waiting), len(self.scheduler.running)))
+        plan = self.scheduler.schedule()
+        outputs: dict[str, RequestOutput] = {}
+        for seq in plan.failed:
+            outputs[seq.request_id] = self._finish(seq, seq.status, delta="")
+        if plan.chunks:
+            batch = self.runner.prepare(plan.chunks)
+            logits = self.runner.run(batch)                      # [S, vocab]
+            rows = [SamplingRow(c.seq.params, c.seq.prompt_token_ids, c.seq.output_token_ids,
+                                c.seq.generator, self.eos_token_id) for c in batch.sampling_chunks]
+            sampled = self.sampler(logits, rows)
+            self.scheduler.update(plan)                          # the KV of every chunk is now written
+            for chunk, token in zip(batch.sampling_chunks, sampled):
+                outputs[chunk.seq.request_id] = self._append_token(chunk.seq, token)
+        prefill = sum(c.num_tokens for c in plan.chunks if c.is_prefill)
+        stats = StepStats(
+            step=self.step_count, num_seqs=len(plan.chunks), num_prefill_tokens=prefill,
+            num_decode_tokens=plan.num_tokens - prefill, num_preempted=len(plan.preempted),
+            num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
+            num_free_blocks=self.pool.num_free_blocks, num_blocks=self.pool.num_blocks,
+            duration_s=time.perf_counter() - t0,
+        )
+        self._emit(ev.StepFinished(self.step_count, stats.num_seqs, prefill, stats.num_decode_tokens,
+                                   stats.num_free_blocks, stats.duration_s))
+        events, self._events = self._events, []
+        return StepResult(list(outputs.values()), events, stats)
+
+    def _append_token(self, seq: Sequence, token: SampledToken) -> RequestOutput:
+        """Postprocess one sampled token: text, logprobs, stop conditions."""
+        params = seq.params
+        seq.output_token_ids.append(token.token_id)
+        seq.cumulative_logprob += token.logprob
+        if seq.logprobs is not None:
+            seq.logprobs.append(token.top_logprobs or {token.token_id: token.logprob})
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        n = seq.num_output_tokens
+        may_stop = n >= params.min_tokens               # nothing stops a request before min_tokens
+        delta, hit_stop_string = self.detokenizers[seq.request_id].update(seq.output_token_ids, may_stop)
+        status = None
+        is_eos = token.token_id == self.eos_token_id and not params.ignore_eos
+        if may_stop and (is_eos or token.token_id in params.stop_token_ids or hit_stop_string):
+            status = SequenceStatus.FINISHED_STOPPED
+        elif n >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:   # release the text held back in case it started a stop string
+            delta += self.detokenizers[seq.request_id].flush()
+        self._emit(ev.TokenSampled(self.step_count, seq.request_id, token.token_id, delta, token.logprob))
+        seq.output_text += delta
+        if status is not None:
+            return self._finish(seq, status, delta)
+        return self._output(seq, delta)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, delta: str) -> RequestOutput:
+        """Close a request: free its blocks, forget it, say so."""
+        self.detokenizers.pop(seq.request_id)
+        if not seq.is_finished:   # (the scheduler already closed requests it failed)
+            self.scheduler.finish(seq, status)
+        self.requests.pop(seq.request_id)
+        self._emit(ev.RequestFinished(self.step_count, seq.request_id, seq.status.finish_reason,
+                                      seq.num_output_tokens, seq.error or ""))
+        return self._output(seq, delta)
+
+    def _output(self, seq: Sequence, delta: str) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0, text=seq.output_text, token_ids=list(seq.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            finish_reason=seq.status.finish_reason, delta=delta, error=seq.error,
+        )
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
+                             RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time))
+
+    # -- watching ------------------------------------------------------------------------
+
+    def _emit(self, event: ev.Event) -> None:
+        self._events.append(event)
+        if self.bus.active:
+            self.bus.publish(event)
+
+    def subscribe(self, callback: Callable[[ev.Event], None]) -> Callable[[], None]:
+        """Call `callback` with every event from now on, first an EngineSynced; returns unsubscribe."""
+        unsubscribe = self.bus.subscribe(callback)
+        callback(self._synced())
+        return unsubscribe
+
+    def _synced(self) -> ev.EngineSynced:
+        s = self.snapshot()
+        return ev.EngineSynced(
+            self.step_count, self.config.model, self.pool.num_blocks, self.pool.block_size,
+            tuple(s["pool"]["ref_counts"]), tuple(s["pool"]["free_queue"]),
+            tuple((r["request_id"], r["status"], r["prompt"], r["num_prompt_tokens"], r["output_text"],
+                   r["num_output_tokens"], r["num_computed_tokens"], tuple(r["block_table"]))
+                  for r in s["requests"]),
+        )
+
+    def snapshot(self) -> dict:
+        """The engine's state as plain data: pool, block tables, queues."""
+        def view(seq: Sequence) -> dict:
+            return {
+                "request_id": seq.request_id, "status": seq.status.value, "prompt": seq.prompt or "",
+                "num_prompt_tokens": seq.num_prompt_tokens, "output_text": seq.output_text,
+                "num_output_tokens": seq.num_output_tokens, "num_computed_tokens": seq.num_computed_tokens,
+                "block_table": list(seq.block_table), "max_tokens": seq.params.max_tokens,
+            }
+        return {
+            "step": self.step_count,
+            "model": self.config.model,
+            "pool": self.pool.snapshot(),
+            "waiting": [s.request_id for s in self.scheduler.waiting],
+            "running": [s.request_id for s in self.scheduler.running],
+            "requests": [view(s) for s in self.requests.values()],
+        }
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any bookkeeping invariant is broken."""
+        self.scheduler.check_invariants()
+        live = {s.request_id for s in self.scheduler.running} | {s.request_id for s in self.scheduler.waiting}
+        assert live == set(self.requests), f"queues {sorted(live)} != requests {sorted(self.requests)}"
+        if not self.requests:
+            assert self.pool.num_used_blocks == 0, f"{self.pool.num_used_blocks} blocks leaked with no requests"
+
+    def __rich__(self):
+        from nanoserve.viz.repl import render_engine
+        return render_engine(self)
+
+    def __repr__(self) -> str:
+        from nanoserve.viz.repl import to_text
+        return to_text(self)

@@ -1,0 +1,55 @@
+"""LLM: generate completions for a list of prompts in one call (offline batch inference).
+
+It adds every prompt to an `LLMEngine` and steps until all are done, with a
+progress bar. Continuous batching does the rest: requests of different
+lengths finish at different steps and free their seats for the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine import LLMEngine
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "tiny-llama", **config) -> None:
+        """`config` takes any EngineConfig field, e.g. LLM("smollm2", block_size=16, num_blocks=512)."""
+        self.engine = LLMEngine(EngineConfig(model=model, **config))
+        self._counter = 0
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in the order of `prompts`."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]                      # one prompt, as text or as token ids
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        ids = []
+        for prompt, params in zip(prompts, sampling_params):
+            ids.append(str(self._counter))
+            self.engine.add_request(ids[-1], prompt, params)
+            self._counter += 1
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            num_tokens = 0
+            while self.engine.has_unfinished_requests():
+                result = self.engine.step()
+                num_tokens += result.stats.num_decode_tokens + result.stats.num_prefill_tokens
+                for out in result.outputs:
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+                bar.set_postfix(tok_per_s=f"{num_tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}")
+        return [finished[i] for i in ids]

@@ -1,0 +1,84 @@
+"""What the engine hands back: RequestOutput, CompletionOutput, StepResult.
+
+Shapes follow vLLM's outputs so that code reading them carries over. Each
+step returns a `StepResult` with the outputs of the requests that got a new
+token (or finished) in that step, the step's events, and its statistics.
+`CompletionOutput.delta` is the text added in this step, for streaming.
+How these print in a REPL lives in `viz/repl.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanoserve.events import Event
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float              # time.monotonic() when the request was added
+    first_token_time: float | None   # when its first token was sampled
+    finish_time: float | None        # when it finished
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int                       # which of the request's n completions (always 0 until n > 1 exists)
+    text: str                        # the text so far (never contains a stop string)
+    token_ids: list[int]             # the generated tokens so far
+    cumulative_logprob: float        # sum of the chosen tokens' log-probabilities
+    logprobs: list[dict[int, float]] | None   # per token: {token_id: logprob}, if asked for
+    finish_reason: str | None        # "stop", "length", "abort" or None while running
+    delta: str = ""                  # text added in this step
+    error: str | None = None         # why the engine gave up, when finish_reason is "abort" without a user abort
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+    def __rich__(self):
+        from nanoserve.viz.repl import render_request_output
+        return render_request_output(self)
+
+    def __repr__(self) -> str:
+        from nanoserve.viz.repl import to_text
+        return to_text(self)
+
+
+@dataclass(slots=True)
+class StepStats:
+    step: int
+    num_seqs: int                   # sequences in the forward pass
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preempted: int
+    num_waiting: int                # after the step
+    num_running: int
+    num_free_blocks: int
+    num_blocks: int
+    duration_s: float
+
+
+@dataclass(slots=True)
+class StepResult:
+    outputs: list[RequestOutput]
+    events: list[Event] = field(default_factory=list)
+    stats: StepStats | None = None
+
+    def __rich__(self):
+        from nanoserve.viz.repl import render_step_result
+        return render_step_result(self)
+
+    def __repr__(self) -> str:
+        from nanoserve.viz.repl import to_text
+        return to_text(self)

@@ -1,0 +1,226 @@
+"""Sampler: turn one row of logits per sequence into the next token.
+
+This module owns everything between the model's last-position logits and the
+chosen token id: penalties, the min_tokens mask, temperature, top-k, top-p,
+min-p, the random draw, and the log-probabilities reported back. It does not
+decide when a sequence stops (the engine checks EOS, stop strings and
+max_tokens) and it does not create the per-request RNGs (the engine makes one
+`torch.Generator` per seeded request and passes it in every step).
+
+The pipeline, for logits of shape [B, V] (B sequences, vocabulary V):
+
+    raw logits --penalties--> --min_tokens mask--> processed logits
+        greedy rows (temperature 0): argmax(processed)
+        sampled rows: /temperature -> top-k -> top-p -> min-p -> softmax -> draw
+
+Each step is a module-level function that returns a new tensor, so the
+speculative decoder can rebuild the exact target distribution with `probs`.
+Work is vectorised over the batch; only the final draw loops over rows,
+because every seeded row draws from its own generator. That is what makes a
+seeded request give the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one sequence in the batch."""
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]     # the prompt (repetition_penalty looks here too)
+    output_token_ids: Sequence[int]     # tokens generated so far (all penalties look here)
+    generator: torch.Generator | None   # per-request RNG; None draws from torch's default RNG
+    eos_token_id: int | None            # the model's EOS, masked while output is shorter than min_tokens
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int                           # the chosen token
+    logprob: float                          # its log-prob under the raw model distribution
+    top_logprobs: dict[int, float] | None   # params.logprobs best raw log-probs, plus the chosen one
+
+
+def _column(rows: Sequence[SamplingRow], name: str, device: torch.device) -> torch.Tensor:
+    """One SamplingParams field for every row, as a float32 column [B, 1]."""
+    values = [float(getattr(r.params, name)) for r in rows]
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """How many times each token occurs in each row's list: [B, V] float32."""
+    max_len = max((len(ids) for ids in token_lists), default=0)
+    counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.float32, device=device)
+    if max_len == 0:
+        return counts[:, :vocab_size]
+    # Pad ragged lists with an extra column V that we throw away afterwards.
+    padded = [list(ids) + [vocab_size] * (max_len - len(ids)) for ids in token_lists]
+    index = torch.tensor(padded, dtype=torch.long, device=device)  # [B, L]
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Repetition (HF), then frequency and presence (OpenAI) penalties. Returns a new [B, V] tensor."""
+    B, V = logits.shape
+    if all(r.params.repetition_penalty == 1.0 and r.params.presence_penalty == 0.0
+           and r.params.frequency_penalty == 0.0 for r in rows):
+        return logits  # fast path: nothing to do
+    out_counts = _token_counts([r.output_token_ids for r in rows], V, logits.device)  # [B, V]
+
+    if any(r.params.repetition_penalty != 1.0 for r in rows):
+        # A token is "seen" if it is anywhere in the prompt or the output.
+        seen = (_token_counts([r.prompt_token_ids for r in rows], V, logits.device) + out_counts) > 0
+        rep = _column(rows, "repetition_penalty", logits.device)      # [B, 1]
+        # Push seen tokens towards "less likely": shrink positive logits, grow negative ones.
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+
+    freq = _column(rows, "frequency_penalty", logits.device)           # [B, 1]
+    pres = _column(rows, "presence_penalty", logits.device)            # [B, 1]
+    return logits - freq * out_counts - pres * (out_counts > 0).float()
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Forbid EOS and stop_token_ids (-inf) for rows that have not yet made min_tokens tokens."""
+    row_idx, tok_idx = [], []
+    for i, r in enumerate(rows):
+        if len(r.output_token_ids) >= r.params.min_tokens:
+            continue
+        banned = list(r.params.stop_token_ids)
+        if r.eos_token_id is not None:
+            banned.append(r.eos_token_id)  # masked even with ignore_eos: it is a no-op then anyway
+        row_idx += [i] * len(banned)
+        tok_idx += banned
+    if not row_idx:
+        return logits
+    logits = logits.clone()
+    logits[torch.tensor(row_idx, device=logits.device), torch.tensor(tok_idx, device=logits.device)] = float("-inf")
+    return logits
+
+
+def apply_temperature(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Divide each row by its temperature. Greedy rows (temperature 0) are left as they are."""
+    temp = _column(rows, "temperature", logits.device)                 # [B, 1]
+    return logits / torch.where(temp == 0, torch.ones_like(temp), temp)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Keep the top_k largest logits, then the nucleus of mass top_p among them; -inf the rest."""
+    B, V = logits.shape
+    ks = [r.params.top_k if 0 < r.params.top_k < V else V for r in rows]
+    ps = [r.params.top_p for r in rows]
+    if all(k == V for k in ks) and all(p == 1.0 for p in ps):
+        return logits  # fast path: no sort
+    sorted_logits, order = logits.sort(dim=-1, descending=True)        # both [B, V]
+
+    # top-k: everything strictly below the k-th largest value goes (ties with it stay).
+    k = torch.tensor(ks, dtype=torch.long, device=logits.device).unsqueeze(1)  # [B, 1]
+    kth = sorted_logits.gather(1, k - 1)                                # [B, 1]
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+
+    # top-p on what top-k left, renormalised: keep a token while the mass of the
+    # tokens before it is still below top_p. The token that crosses is kept, and
+    # so is the first one (mass before it is 0).
+    sorted_probs = sorted_logits.softmax(dim=-1)                        # [B, V]
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs            # [B, V]
+    p = torch.tensor(ps, dtype=torch.float32, device=logits.device).unsqueeze(1)  # [B, 1]
+    drop = (mass_before >= p) & (p < 1.0)   # top_p == 1 never drops (guards against rounding)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+
+    # Undo the sort: position j of the sorted row goes back to column order[j].
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    if all(r.params.min_p == 0.0 for r in rows):
+        return logits
+    min_p = _column(rows, "min_p", logits.device)                      # [B, 1]
+    probs = logits.softmax(dim=-1)                                      # [B, V]
+    top = probs.max(dim=-1, keepdim=True).values                        # [B, 1]
+    return logits.masked_fill(probs < min_p * top, float("-inf"))
+
+
+def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Raw logits -> penalised and masked float32 logits [B, V]. Greedy rows take argmax of this."""
+    assert logits.dim() == 2 and logits.shape[0] == len(rows), "logits must be [B, V], one row per SamplingRow"
+    logits = logits.to(torch.float32, copy=True)  # a copy: the caller's tensor is never touched
+    return apply_min_tokens(apply_penalties(logits, rows), rows)
+
+
+def _target_probs(processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Processed logits [B, V] -> the distribution each row draws from [B, V]."""
+    greedy = torch.tensor([r.params.greedy for r in rows], dtype=torch.bool, device=processed.device)
+    if bool(greedy.all()):
+        return torch.nn.functional.one_hot(processed.argmax(dim=-1), processed.shape[-1]).float()
+    x = apply_temperature(processed, rows)
+    x = apply_top_k_top_p(x, rows)
+    x = apply_min_p(x, rows)
+    p = x.softmax(dim=-1)                                               # [B, V]
+    if bool(greedy.any()):
+        one_hot = torch.nn.functional.one_hot(processed.argmax(dim=-1), processed.shape[-1]).float()
+        p = torch.where(greedy.unsqueeze(1), one_hot, p)
+    return p
+
+
+def probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The exact distribution [B, V] float32 the sampler draws from (one-hot for greedy rows)."""
+    return _target_probs(process_logits(logits, rows), rows)
+
+
+def _draw(p: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """One token per row from p [B, V]: [B] long. Greedy rows are one-hot, so they draw their argmax."""
+    tokens = torch.empty(len(rows), dtype=torch.long, device=p.device)
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    if greedy:
+        tokens[greedy] = p[greedy].argmax(dim=-1)
+    # Unseeded rows share torch's default RNG, so one call serves them all.
+    shared = [i for i, r in enumerate(rows) if not r.params.greedy and r.generator is None]
+    if shared:
+        tokens[shared] = torch.multinomial(p[shared], 1).squeeze(1)
+    # Seeded rows draw alone from their own generator, on the generator's device.
+    for i, r in enumerate(rows):
+        if not r.params.greedy and r.generator is not None:
+            row = p[i].to(r.generator.device)                           # [V]
+            tokens[i] = torch.multinomial(row, 1, generator=r.generator).item()
+    return tokens
+
+
+class Sampler:
+    """Chooses one token per row and reports its raw log-probability."""
+
+    def probs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        return probs(logits, rows)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+        if len(rows) == 0:
+            return []
+        tokens = _draw(probs(logits, rows), rows)                       # [B]
+        # Log-probs are reported under the raw model, before any processing.
+        raw_logprobs = logits.float().log_softmax(dim=-1)               # [B, V]
+        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        token_ids = tokens.tolist()
+
+        wanted = [r.params.logprobs for r in rows if r.params.logprobs]
+        top_vals, top_ids = [], []
+        if wanted:  # one topk for the whole batch, at the largest count anyone asked for
+            k = min(max(wanted), raw_logprobs.shape[-1])
+            vals, ids = raw_logprobs.topk(k, dim=-1)                    # both [B, k]
+            top_vals, top_ids = vals.tolist(), ids.tolist()
+
+        out = []
+        for i, r in enumerate(rows):
+            top = None
+            if r.params.logprobs is not None:
+                n = r.params.logprobs
+                top = dict(zip(top_ids[i][:n], top_vals[i][:n])) if n else {}
+                top[token_ids[i]] = chosen[i]
+            out.append(SampledToken(token_ids[i], chosen[i], top))
+        return out

@@ -1,0 +1,132 @@
+"""Sequence: one request's tokens, KV bookkeeping and lifecycle.
+
+A sequence is the unit the scheduler moves around. It knows its tokens
+(prompt + generated), how many of them already have KV in the cache
+(`num_computed_tokens`), which physical blocks hold that KV (`block_table`),
+and where it is in its life:
+
+    WAITING ──admit──▶ RUNNING ──finish──▶ FINISHED_STOPPED / FINISHED_LENGTH
+       ▲                  │
+       └───preempt────────┘            (any unfinished state) ──abort──▶ FINISHED_ABORTED
+    RUNNING ──swap out──▶ SWAPPED ──swap in──▶ RUNNING
+
+Preemption by recompute sends a RUNNING sequence back to WAITING with its
+blocks freed and `num_computed_tokens = 0`; its generated tokens are kept and
+recomputed as if they were prompt. SWAPPED belongs to swap preemption (the
+CPU block pool), which arrives with the memory-mechanisms work.
+
+The scheduler owns the transitions; the engine owns text and stop checks.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI/vLLM name of a finished state: "stop", "length" or "abort"."""
+        return _FINISH_REASON.get(self)
+
+
+_FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED}
+_FINISH_REASON = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+# Allowed moves of the state machine above; anything else is a bug.
+_TRANSITIONS = {
+    SequenceStatus.WAITING: {SequenceStatus.RUNNING, SequenceStatus.FINISHED_ABORTED},
+    SequenceStatus.RUNNING: {SequenceStatus.WAITING, SequenceStatus.SWAPPED, *_FINISHED},
+    SequenceStatus.SWAPPED: {SequenceStatus.RUNNING, SequenceStatus.FINISHED_ABORTED},
+}
+
+
+@dataclass(slots=True)
+class Sequence:
+    request_id: str
+    prompt: str | None                   # the text, when the request came as text
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    generator: torch.Generator | None = None  # per-request RNG (seeded requests and reproducible runs)
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # physical block id per block of context
+    num_computed_tokens: int = 0         # tokens whose K/V are written in the cache
+    output_text: str = ""                # detokenized output, stop string excluded
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None  # per output token, when params.logprobs is set
+    error: str | None = None             # why the engine gave up on this request, if it did
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    # -- token counts -------------------------------------------------------------
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still without KV: the whole prompt at first, 1 when decoding."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the newest token still lacks KV (a prompt, or a recompute after preemption)."""
+        return self.num_uncomputed_tokens > 1
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output, without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        if start >= p:
+            return self.output_token_ids[start - p : stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def set_status(self, new: SequenceStatus) -> None:
+        """Move along the state machine; raise on a move it does not have."""
+        if new not in _TRANSITIONS.get(self.status, ()):
+            raise RuntimeError(f"{self.request_id}: illegal transition {self.status.name} -> {new.name}")
+        self.status = new
+        if new.is_finished:
+            self.finish_time = time.monotonic()
