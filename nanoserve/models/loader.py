@@ -145,7 +145,31 @@ def resolve_model_path(name: str) -> str:
         return str(path)
     if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise ValueError(f"unknown model {name!r}; accepted: {ACCEPTED}")
+    if not hub_available(name):
+        raise ValueError(f"unknown model {name!r}: not a local path, not in the Hugging Face cache, and the "
+                         f"hub cannot be reached; accepted: {ACCEPTED}")
     return name   # a Hugging Face id
+
+
+def hub_available(model_id: str) -> bool:
+    """Is `model_id` in the local HF cache, or is the hub reachable to fetch it?
+
+    Checked up front so that an unknown name fails in a moment instead of
+    after a minute of download retries.
+    """
+    import socket
+
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(model_id, "config.json"), str):
+        return True
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", ""):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
 
 
 # -- loading -------------------------------------------------------------------------

