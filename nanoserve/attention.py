@@ -29,6 +29,7 @@ class PrefillChunk:
     num_query: int               # tokens in the chunk
     context_len: int             # cached prefix + chunk
     block_table: torch.Tensor    # [ceil(context_len / bs)] int64
+    mask: torch.Tensor           # [num_query, context_len] bool causal mask (built once per step)
 
 
 @dataclass(slots=True)
@@ -37,6 +38,7 @@ class AttentionMetadata:
     num_decodes: int                      # the first num_decodes tokens are one decode each
     decode_block_tables: torch.Tensor     # [num_decodes, nb] int64, padded
     decode_seq_lens: torch.Tensor         # [num_decodes] int64, new token included
+    decode_mask: torch.Tensor             # [num_decodes, 1, 1, nb * bs] bool: which gathered slots are real
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -56,12 +58,12 @@ def paged_attention(
     nd = meta.num_decodes
     if nd:
         out[:nd] = reference.decode_attention(
-            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, meta.decode_mask
         )
     # 3. Prefill chunks: causal over (cached prefix + chunk), one sequence at a time.
     for chunk in meta.prefills:
         s, e = chunk.query_start, chunk.query_start + chunk.num_query
         out[s:e] = reference.prefill_attention(
-            q[s:e], k_cache, v_cache, chunk.block_table, chunk.context_len, scale
+            q[s:e], k_cache, v_cache, chunk.block_table, chunk.context_len, scale, chunk.mask
         )
     return out

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from nanoserve.attention import AttentionMetadata, PrefillChunk
+from nanoserve.kernels.reference import decode_mask, prefill_mask
 from nanoserve.scheduler import ScheduledChunk
 
 
@@ -76,7 +77,8 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in pos]
             if n > 1:
                 context = start + n
-                prefills.append(PrefillChunk(row, n, context, self._tensor(table[: -(-context // bs)])))
+                table_t = self._tensor(table[: -(-context // bs)])
+                prefills.append(PrefillChunk(row, n, context, table_t, prefill_mask(n, context, self.device)))
             if chunk.samples:
                 logits_indices.append(row + n - 1)
 
@@ -87,11 +89,13 @@ class ModelRunner:
         tables = [c.seq.block_table[: -(-L // bs)] for c, L in zip(decode_chunks, seq_lens)]
         padded = [t + [0] * (width - len(t)) for t in tables]
 
+        decode_seq_lens = self._tensor(seq_lens)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             num_decodes=num_decodes,
             decode_block_tables=self._tensor(padded).view(num_decodes, width),
-            decode_seq_lens=self._tensor(seq_lens),
+            decode_seq_lens=decode_seq_lens,
+            decode_mask=decode_mask(decode_seq_lens, width * bs),
             prefills=prefills,
         )
         return Batch(

@@ -74,7 +74,7 @@ def expected(tiny_llama_dir, tiny_gpt2_dir):
     def get(kind):
         if kind not in cache:
             model_dir = tiny_llama_dir if kind == "llama" else tiny_gpt2_dir
-            cache[kind] = hf_greedy(model_dir, prompts(512), MAX_TOKENS)
+            cache[kind] = hf_greedy(model_dir, prompts(257), MAX_TOKENS)
         return cache[kind]
     return get
 
@@ -84,7 +84,7 @@ def expected(tiny_llama_dir, tiny_gpt2_dir):
 def test_greedy_matches_hf(kind, name, expected, tiny_llama, tiny_gpt2):
     loaded = tiny_llama if kind == "llama" else tiny_gpt2
     config, must_preempt = CONFIGS[name]
-    got, preempted = engine_greedy(loaded, prompts(512), MAX_TOKENS, **config)
+    got, preempted = engine_greedy(loaded, prompts(257), MAX_TOKENS, **config)
     assert got == expected(kind)
     if must_preempt:
         assert preempted > 0, "the pool was meant to be small enough to force preemption"

@@ -59,21 +59,24 @@ def decode_attention(
     block_tables: torch.Tensor,  # [B, nb] int64, padded with any valid id past each sequence's end
     seq_lens: torch.Tensor,      # [B] int64 tokens in each sequence, the new one included
     scale: float,
+    mask: torch.Tensor | None = None,   # [B, 1, 1, L] from decode_mask(), to build it once per step
 ) -> torch.Tensor:               # [B, Hq, D]
     k = gather_kv(k_cache, block_tables).transpose(1, 2)   # [B, Hkv, L, D]
     v = gather_kv(v_cache, block_tables).transpose(1, 2)
-    L = k.shape[2]
-    # Only the first seq_lens[b] positions of row b are real tokens; the rest
-    # are padding blocks (or stale slots of the last block) and are masked out.
-    valid = torch.arange(L, device=q.device)[None, :] < seq_lens[:, None]   # [B, L]
+    if mask is None:
+        mask = decode_mask(seq_lens, k.shape[2])
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),                            # [B, Hq, 1, D]
-        k, v,
-        attn_mask=valid[:, None, None, :],         # [B, 1, 1, L]
-        scale=scale,
-        enable_gqa=True,
+        k, v, attn_mask=mask, scale=scale, enable_gqa=True,
     )
     return out.squeeze(2)
+
+
+def decode_mask(seq_lens: torch.Tensor, L: int) -> torch.Tensor:
+    """[B, 1, 1, L] bool: only the first seq_lens[b] positions of row b are real tokens;
+    the rest are padding blocks (or unused slots of the last block)."""
+    valid = torch.arange(L, device=seq_lens.device)[None, :] < seq_lens[:, None]   # [B, L]
+    return valid[:, None, None, :]
 
 
 def prefill_attention(
@@ -83,16 +86,21 @@ def prefill_attention(
     block_table: torch.Tensor,   # [nb] int64 blocks covering the first ctx tokens
     context_len: int,            # ctx: cached prefix + this chunk
     scale: float,
+    mask: torch.Tensor | None = None,   # [Tq, ctx] from prefill_mask(), to build it once per step
 ) -> torch.Tensor:               # [Tq, Hq, D]
-    num_q = q.shape[0]
     k = gather_kv(k_cache, block_table[None])[0, :context_len].transpose(0, 1)   # [Hkv, ctx, D]
     v = gather_kv(v_cache, block_table[None])[0, :context_len].transpose(0, 1)
-    # Query i sits at absolute position ctx - Tq + i and may see keys 0..that position:
-    # the whole cached prefix plus the chunk's own tokens up to itself.
-    q_pos = torch.arange(context_len - num_q, context_len, device=q.device)
-    k_pos = torch.arange(context_len, device=q.device)
-    causal = k_pos[None, :] <= q_pos[:, None]       # [Tq, ctx]
+    if mask is None:
+        mask = prefill_mask(q.shape[0], context_len, q.device)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k, v, attn_mask=causal, scale=scale, enable_gqa=True
+        q.transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=True
     )                                               # [Hq, Tq, D]
     return out.transpose(0, 1)
+
+
+def prefill_mask(num_q: int, context_len: int, device) -> torch.Tensor:
+    """[Tq, ctx] bool. Query i sits at absolute position ctx - Tq + i and may see keys
+    0..that position: the whole cached prefix plus the chunk's own tokens up to itself."""
+    q_pos = torch.arange(context_len - num_q, context_len, device=device)
+    k_pos = torch.arange(context_len, device=device)
+    return k_pos[None, :] <= q_pos[:, None]

@@ -71,8 +71,11 @@ def byte_tokenizer():
     return fast
 
 
-def tiny_hf_config(name: str, vocab_size: int = 512):
-    """Configs of the tiny random models (also used by the tests)."""
+def tiny_hf_config(name: str, vocab_size: int = 257):
+    """Configs of the tiny random models (also used by the tests).
+
+    257 tokens: the byte tokenizer's 256 bytes and <|endoftext|>, so every id decodes.
+    """
     from transformers import GPT2Config, LlamaConfig
 
     if name == "tiny-gpt2":
@@ -180,8 +183,9 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu
     if name in TINY_MODELS:
         from transformers import AutoModelForCausalLM
 
-        torch.manual_seed(seed)
-        hf = AutoModelForCausalLM.from_config(tiny_hf_config(name))
+        with torch.random.fork_rng():      # seed the random weights without touching the caller's RNG
+            torch.manual_seed(seed)
+            hf = AutoModelForCausalLM.from_config(tiny_hf_config(name))
         tokenizer, path = byte_tokenizer(), None
     else:
         hf, tokenizer, path = load_hf(name)
