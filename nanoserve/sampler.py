@@ -151,8 +151,9 @@ def apply_min_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tens
 def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Raw logits -> penalised and masked float32 logits [B, V]. Greedy rows take argmax of this."""
     assert logits.dim() == 2 and logits.shape[0] == len(rows), "logits must be [B, V], one row per SamplingRow"
-    logits = logits.to(torch.float32, copy=True)  # a copy: the caller's tensor is never touched
-    return apply_min_tokens(apply_penalties(logits, rows), rows)
+    # No step below writes in place (each returns a new tensor or its input unchanged),
+    # so the caller's logits are never touched and the common case copies nothing.
+    return apply_min_tokens(apply_penalties(logits.float(), rows), rows)
 
 
 def _target_probs(processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -175,21 +176,27 @@ def probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     return _target_probs(process_logits(logits, rows), rows)
 
 
-def _draw(p: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """One token per row from p [B, V]: [B] long. Greedy rows are one-hot, so they draw their argmax."""
-    tokens = torch.empty(len(rows), dtype=torch.long, device=p.device)
-    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-    if greedy:
-        tokens[greedy] = p[greedy].argmax(dim=-1)
+def _choose(processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """One token per row from processed logits [B, V]: [B] long.
+
+    Greedy rows take the argmax directly (no distribution is built for them);
+    the other rows draw from their target distribution.
+    """
+    tokens = processed.argmax(dim=-1)                                   # [B], right for greedy rows
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if not sampled:
+        return tokens
+    sampled_rows = [rows[i] for i in sampled]
+    p = _target_probs(processed[sampled], sampled_rows)                 # [S, V]
     # Unseeded rows share torch's default RNG, so one call serves them all.
-    shared = [i for i, r in enumerate(rows) if not r.params.greedy and r.generator is None]
+    shared = [j for j, r in enumerate(sampled_rows) if r.generator is None]
     if shared:
-        tokens[shared] = torch.multinomial(p[shared], 1).squeeze(1)
+        tokens[[sampled[j] for j in shared]] = torch.multinomial(p[shared], 1).squeeze(1)
     # Seeded rows draw alone from their own generator, on the generator's device.
-    for i, r in enumerate(rows):
-        if not r.params.greedy and r.generator is not None:
-            row = p[i].to(r.generator.device)                           # [V]
-            tokens[i] = torch.multinomial(row, 1, generator=r.generator).item()
+    for j, r in enumerate(sampled_rows):
+        if r.generator is not None:
+            row = p[j].to(r.generator.device)                           # [V]
+            tokens[sampled[j]] = torch.multinomial(row, 1, generator=r.generator).item()
     return tokens
 
 
@@ -202,7 +209,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         if len(rows) == 0:
             return []
-        tokens = _draw(probs(logits, rows), rows)                       # [B]
+        tokens = _choose(process_logits(logits, rows), rows)            # [B]
         # Log-probs are reported under the raw model, before any processing.
         raw_logprobs = logits.float().log_softmax(dim=-1)               # [B, V]
         chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
