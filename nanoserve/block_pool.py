@@ -83,7 +83,9 @@ class FreeBlockQueue:
 
     def __iter__(self):
         node = self.head.next
-        while node is not self.tail:
+        for _ in range(self.size):   # bounded: a corrupted (cyclic) list cannot hang us
+            if node is self.tail:
+                return
             yield node
             node = node.next
 
@@ -121,6 +123,8 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         """Take `n` blocks from the head of the free queue (all or nothing)."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
         if n > len(self.free_queue):
             raise MemoryError(f"asked for {n} blocks, {len(self.free_queue)} free")
         ids = []
@@ -138,11 +142,17 @@ class BlockPool:
 
     def share(self, block_ids: Iterable[int]) -> None:
         """One more holder for each block (a fork or a cache lock)."""
+        block_ids = list(block_ids)
         for block_id in block_ids:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
+            self._check_id(block_id)
+            if self.blocks[block_id].ref_count == 0:
                 raise ValueError(f"cannot share free block {block_id}")
-            block.ref_count += 1
+        for block_id in block_ids:
+            self.blocks[block_id].ref_count += 1
+
+    def _check_id(self, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block id {block_id} is outside the pool [0, {self.num_blocks})")
 
     def free(self, block_ids: Sequence[int]) -> list[int]:
         """Drop one holder from each block, last block first.
@@ -150,11 +160,14 @@ class BlockPool:
         Returns the ids whose ref count reached zero, in the order they were
         appended to the free queue.
         """
+        # Check everything first, so a bad call changes nothing.
+        for block_id, times in Counter(block_ids).items():
+            self._check_id(block_id)
+            if self.blocks[block_id].ref_count < times:
+                raise ValueError(f"double free of block {block_id}")
         released = []
         for block_id in reversed(block_ids):
             block = self.blocks[block_id]
-            if block.ref_count <= 0:
-                raise ValueError(f"double free of block {block_id}")
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue.append(block)
@@ -170,8 +183,16 @@ class BlockPool:
         Each table's length against its token count is the scheduler's check.
         """
         holders = Counter(block_id for table in tables for block_id in table)
+        strays = [b for b in holders if not 0 <= b < self.num_blocks]
+        assert not strays, f"block tables hold ids outside the pool: {strays}"
         free_ids = self.free_queue.ids()
         assert len(free_ids) == len(set(free_ids)) == len(self.free_queue), "free queue has duplicates or a bad size"
+        node = self.free_queue.head   # the backward links must mirror the forward ones
+        for block_id in free_ids + [None]:
+            nxt = node.next
+            assert nxt.prev is node, f"free queue: broken prev link after block {node.block_id}"
+            node = nxt
+        assert node is self.free_queue.tail, "free queue does not end at its tail"
         free_set = set(free_ids)
         for block in self.blocks:
             held = holders.get(block.block_id, 0)
