@@ -26,6 +26,13 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # what happens to a request evicted for memory: recompute its KV later
     attention_backend: str = "auto"     # "torch" (reference) or "auto" (torch until the Triton kernels land)
     seed: int = 0                       # seeds random weights of tiny models and unseeded requests
+    # Speculative decoding (spec_decode.py): off unless a method is named.
+    speculative_method: str | None = None   # None, "ngram" (prompt lookup) or "draft" (a draft model)
+    num_speculative_tokens: int = 4     # k: tokens proposed per step
+    ngram_min: int = 1                  # shortest suffix the n-gram proposer looks up
+    ngram_max: int = 4                  # longest suffix it tries first
+    draft_model: str | None = None      # "draft": a model with the target's vocabulary; None: truncated target
+    draft_num_layers: int = 2           # layers kept when the draft is the truncated target
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -46,6 +53,17 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' (swap arrives with the CPU block pool), got {self.preemption_mode!r}")
         if self.attention_backend not in ("torch", "auto"):
             raise ValueError(f"attention_backend must be 'torch' or 'auto', got {self.attention_backend!r}")
+
+        if self.speculative_method not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative_method must be None, 'ngram' or 'draft', got {self.speculative_method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens (k) must be at least 1, got {self.num_speculative_tokens}")
+        if self.ngram_min < 1:
+            raise ValueError(f"ngram_min must be at least 1, got {self.ngram_min}")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"n-gram bounds need ngram_min <= ngram_max, got {self.ngram_min} > {self.ngram_max}")
+        if self.draft_num_layers < 1:
+            raise ValueError(f"draft_num_layers must be at least 1, got {self.draft_num_layers}")
 
     def resolve(self, model_max_len: int, bytes_per_block: int) -> None:
         """Fill in num_blocks and max_model_len once the model is known."""

@@ -31,8 +31,9 @@ from nanoserve.config import EngineConfig
 from nanoserve.detokenizer import IncrementalDetokenizer
 from nanoserve.models.loader import LoadedModel, load_model
 from nanoserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepResult, StepStats
-from nanoserve.runner import ModelRunner, kv_bytes_per_block
+from nanoserve.runner import ModelRunner, RunInput, kv_bytes_per_block
 from nanoserve.sampler import SampledToken, Sampler, SamplingRow
+from nanoserve.spec_decode import Drafts, build_proposer, sampling_rows, verify
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence, SequenceStatus
@@ -59,6 +60,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.pool, self._emit)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, dtype, torch.device(config.device))
         self.sampler = Sampler()
+        self.proposer = build_proposer(config, self.loaded, dtype)   # None unless speculative decoding is on
         self.vocab_size = model.config.vocab_size
         self.requests: dict[str, Sequence] = {}      # unfinished requests by id
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -131,34 +133,102 @@ class LLMEngine:
         self.step_count += 1
         self.scheduler.step = self.step_count
         self._emit(ev.StepStarted(self.step_count, len(self.scheduler.waiting), len(self.scheduler.running)))
-        plan = self.scheduler.schedule()
+        drafts = self._propose() if self.proposer else Drafts()
+        plan = self.scheduler.schedule(drafts.tokens)
         outputs: dict[str, RequestOutput] = {}
         for seq in plan.failed:
             outputs[seq.request_id] = self._finish(seq, seq.status, delta="")
+        for seq in plan.preempted:
+            if self.proposer:
+                self.proposer.release(seq.request_id)   # its draft KV goes with its target KV
+        num_drafted = num_accepted = 0
         if plan.chunks:
-            batch = self.runner.prepare(plan.chunks)
-            logits = self.runner.run(batch)                      # [S, vocab]
-            rows = [SamplingRow(c.seq.params, c.seq.prompt_token_ids, c.seq.output_token_ids,
-                                c.seq.generator, self.eos_token_id) for c in batch.sampling_chunks]
-            sampled = self.sampler(logits, rows)
-            self.scheduler.update(plan)                          # the KV of every chunk is now written
-            for chunk, token in zip(batch.sampling_chunks, sampled):
-                outputs[chunk.seq.request_id] = self._append_token(chunk.seq, token)
+            inputs = [RunInput(c.token_ids(), c.start, c.seq.block_table,
+                               num_logits=1 + len(c.draft_token_ids) if c.samples else 0) for c in plan.chunks]
+            logits = self.runner.run(self.runner.prepare(inputs))   # [rows, vocab], in chunk order
+            self.scheduler.update(plan)                              # the KV of every real token is written
+            # Split the logits rows: plain chunks sample one token together, drafted ones verify.
+            plain, spec, row = [], [], 0
+            for c, x in zip(plan.chunks, inputs):
+                if x.num_logits:
+                    (spec if c.draft_token_ids else plain).append((c, row))
+                    row += x.num_logits
+            if plain:
+                rows = [SamplingRow(c.seq.params, c.seq.prompt_token_ids, c.seq.output_token_ids,
+                                    c.seq.generator, self.eos_token_id) for c, _ in plain]
+                sampled = self.sampler(logits[[r for _, r in plain]], rows)
+                for (c, _), token in zip(plain, sampled):
+                    outputs[c.seq.request_id] = self._append_tokens(c.seq, [token])
+            for c, r in spec:
+                tokens = self._verify(c, logits[r : r + 1 + len(c.draft_token_ids)], drafts)
+                num_drafted += len(c.draft_token_ids)
+                num_accepted += len(tokens) - 1
+                outputs[c.seq.request_id] = self._append_tokens(c.seq, tokens)
+        if self.proposer:   # drafts that were proposed but not run (no budget) roll back too
+            ran = {c.seq.request_id for c in plan.chunks if c.draft_token_ids}
+            for rid in drafts.tokens.keys() - ran:
+                if rid in self.requests:
+                    self.proposer.accepted(self.requests[rid], self.requests[rid].num_tokens, 0)
         prefill = sum(c.num_tokens for c in plan.chunks if c.is_prefill)
         stats = StepStats(
             step=self.step_count, num_seqs=len(plan.chunks), num_prefill_tokens=prefill,
             num_decode_tokens=plan.num_tokens - prefill, num_preempted=len(plan.preempted),
             num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
             num_free_blocks=self.pool.num_free_blocks, num_blocks=self.pool.num_blocks,
-            duration_s=time.perf_counter() - t0,
+            duration_s=time.perf_counter() - t0, num_drafted=num_drafted, num_accepted=num_accepted,
         )
         self._emit(ev.StepFinished(self.step_count, stats.num_seqs, prefill, stats.num_decode_tokens,
                                    stats.num_free_blocks, stats.duration_s))
         events, self._events = self._events, []
         return StepResult(list(outputs.values()), events, stats)
 
-    def _append_token(self, seq: Sequence, token: SampledToken) -> RequestOutput:
-        """Postprocess one sampled token: text, logprobs, stop conditions."""
+    # -- speculative decoding ---------------------------------------------------------------
+
+    def _propose(self) -> Drafts:
+        """Ask the proposer for drafts for every running request that is decoding."""
+        k, max_len = self.config.num_speculative_tokens, self.config.max_model_len
+        seqs = [s for s in self.scheduler.running if not s.is_prefilling]
+        # Never draft past max_tokens or max_model_len: one step emits up to k + 1 tokens.
+        limits = {s.request_id: max(0, min(k, s.params.max_tokens - s.num_output_tokens - 1,
+                                           max_len - s.num_tokens - 1)) for s in seqs}
+        drafts = self.proposer.propose(seqs, limits)
+        for rid, tokens in drafts.tokens.items():
+            self._emit(ev.DraftProposed(self.step_count, rid, self.proposer.method, tuple(tokens)))
+        return drafts
+
+    def _verify(self, chunk, logits: torch.Tensor, drafts: Drafts) -> list[SampledToken]:
+        """Exact acceptance of a chunk's drafts; roll back the KV of the rejected ones."""
+        seq, draft = chunk.seq, chunk.draft_token_ids
+        n = len(draft)
+        rows = sampling_rows(seq, draft, self.eos_token_id, n + 1)
+        q = drafts.q.get(seq.request_id)
+        tokens, accepted = verify(self.sampler.probs(logits, rows), draft, q[:n] if q is not None else None,
+                                  seq.params.greedy, seq.generator)
+        num_tokens_before = seq.num_tokens
+        seq.num_drafted += n
+        seq.num_accepted += accepted
+        # The last real token and the accepted drafts have valid KV; the rejected positions do not.
+        seq.num_computed_tokens += accepted
+        freed = self.scheduler.trim(seq)
+        self.proposer.accepted(seq, num_tokens_before, accepted)
+        self._emit(ev.DraftVerified(self.step_count, seq.request_id, n, accepted, accepted if accepted < n else -1,
+                                    tokens[-1], accepted == n))
+        self._emit(ev.KVTrimmed(self.step_count, seq.request_id, seq.num_computed_tokens, n - accepted, freed))
+        return self.sampler.report(logits[: len(tokens)], tokens, rows[: len(tokens)])
+
+    def _append_tokens(self, seq: Sequence, tokens: list[SampledToken]) -> RequestOutput:
+        """Postprocess this step's tokens (one, or several with speculation) until one finishes the request."""
+        seq.num_sampling_steps += 1
+        delta = ""
+        for token in tokens:
+            status, text = self._append_token(seq, token)
+            delta += text
+            if status is not None:
+                return self._finish(seq, status, delta)
+        return self._output(seq, delta)
+
+    def _append_token(self, seq: Sequence, token: SampledToken) -> tuple[SequenceStatus | None, str]:
+        """One token: text, logprobs, stop conditions. Returns (finished status or None, new text)."""
         params = seq.params
         seq.output_token_ids.append(token.token_id)
         seq.cumulative_logprob += token.logprob
@@ -179,13 +249,13 @@ class LLMEngine:
             delta += self.detokenizers[seq.request_id].flush()
         self._emit(ev.TokenSampled(self.step_count, seq.request_id, token.token_id, delta, token.logprob))
         seq.output_text += delta
-        if status is not None:
-            return self._finish(seq, status, delta)
-        return self._output(seq, delta)
+        return status, delta
 
     def _finish(self, seq: Sequence, status: SequenceStatus, delta: str) -> RequestOutput:
         """Close a request: free its blocks, forget it, say so."""
         self.detokenizers.pop(seq.request_id)
+        if self.proposer:
+            self.proposer.release(seq.request_id)
         if not seq.is_finished:   # (the scheduler already closed requests it failed)
             self.scheduler.finish(seq, status)
         self.requests.pop(seq.request_id)
@@ -201,7 +271,8 @@ class LLMEngine:
             finish_reason=seq.status.finish_reason, delta=delta, error=seq.error,
         )
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
-                             RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time))
+                             RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time,
+                                            seq.num_sampling_steps, seq.num_drafted, seq.num_accepted))
 
     # -- watching ------------------------------------------------------------------------
 
@@ -247,6 +318,8 @@ class LLMEngine:
     def check_invariants(self) -> None:
         """Raise AssertionError if any bookkeeping invariant is broken."""
         self.scheduler.check_invariants()
+        if hasattr(self.proposer, "check_invariants"):
+            self.proposer.check_invariants()
         live = {s.request_id for s in self.scheduler.running} | {s.request_id for s in self.scheduler.waiting}
         assert live == set(self.requests), f"queues {sorted(live)} != requests {sorted(self.requests)}"
         if not self.requests:

@@ -136,10 +136,42 @@ class StepFinished(Event):
     duration_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class DraftProposed(Event):
+    """Speculative decoding: a proposer guessed these next tokens for a request."""
+
+    request_id: str
+    method: str                       # "ngram" or "draft"
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DraftVerified(Event):
+    """The target checked a request's draft: how many it accepted and what it emitted after them."""
+
+    request_id: str
+    num_drafted: int
+    num_accepted: int
+    first_rejected: int               # index of the first rejected draft token, -1 if all were accepted
+    token_id: int                     # the corrected token (after a rejection) or the bonus token
+    is_bonus: bool                    # True: every draft was accepted and token_id is the extra one
+
+
+@dataclass(frozen=True, slots=True)
+class KVTrimmed(Event):
+    """KV written for rejected draft positions is dropped: the request keeps num_computed_tokens."""
+
+    request_id: str
+    num_computed_tokens: int
+    num_tokens_dropped: int
+    block_ids: tuple[int, ...]        # trailing blocks given back (also in a BlocksFreed event)
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.__name__: cls
     for cls in (
         EngineSynced, StepStarted, RequestAdded, RequestAdmitted, ChunkScheduled, BlocksAllocated,
         BlocksFreed, Preempted, TokenSampled, RequestFinished, RequestAborted, StepFinished,
+        DraftProposed, DraftVerified, KVTrimmed,
     )
 }

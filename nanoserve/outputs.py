@@ -19,6 +19,13 @@ class RequestMetrics:
     arrival_time: float              # time.monotonic() when the request was added
     first_token_time: float | None   # when its first token was sampled
     finish_time: float | None        # when it finished
+    num_sampling_steps: int = 0      # target forwards that gave this request tokens
+    num_drafted: int = 0             # speculative decoding: draft tokens checked ...
+    num_accepted: int = 0            # ... and accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted / self.num_drafted if self.num_drafted else None
 
 
 @dataclass(slots=True)
@@ -67,6 +74,8 @@ class StepStats:
     num_free_blocks: int
     num_blocks: int
     duration_s: float
+    num_drafted: int = 0            # speculative decoding: draft tokens verified this step
+    num_accepted: int = 0           # ... and accepted
 
 
 @dataclass(slots=True)

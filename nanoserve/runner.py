@@ -9,7 +9,13 @@ chunks (decodes) first, and builds what attention needs to find K/V:
     block tables      which physical blocks each sequence reads
 
 `run()` does one forward pass over that row and returns logits only for the
-chunks that reach their sequence's end (a mid-prompt chunk samples nothing).
+rows that need them: the last token of a chunk that reaches its sequence's
+end (a mid-prompt chunk samples nothing), or every draft position when
+speculative decoding verifies k drafted tokens at once.
+
+The runner knows nothing of schedulers or requests: it takes `RunInput`s
+(tokens, start position, block table), so the draft model of speculative
+decoding uses the same class over its own cache.
 
 The cache is one pair of tensors per layer, `[num_blocks, block_size,
 num_kv_heads, head_dim]`, allocated once; blocks are handed out by the
@@ -25,7 +31,16 @@ from torch import nn
 
 from nanoserve.attention import AttentionMetadata, PrefillChunk
 from nanoserve.kernels.reference import decode_mask, prefill_mask
-from nanoserve.scheduler import ScheduledChunk
+
+
+@dataclass(slots=True)
+class RunInput:
+    """One sequence's slice of a forward pass, in terms the runner needs (no scheduler types)."""
+
+    token_ids: list[int]          # the tokens to compute, at positions start, start + 1, ...
+    start: int                    # position of the first one (= tokens already in the cache)
+    block_table: list[int]        # covers at least start + len(token_ids) tokens
+    num_logits: int = 1           # logits wanted for the last num_logits tokens (0: none)
 
 
 @dataclass(slots=True)
@@ -33,8 +48,7 @@ class Batch:
     input_ids: torch.Tensor           # [T] int64
     positions: torch.Tensor           # [T] int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor      # [S] row index of the last token of each sampling chunk
-    sampling_chunks: list[ScheduledChunk]   # the S chunks whose logits come back, in that order
+    logits_indices: torch.Tensor      # [S] rows whose logits come back, in the order of the inputs
 
 
 def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -56,39 +70,39 @@ class ModelRunner:
             for _ in range(model.num_layers)
         ]
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> Batch:
+    def prepare(self, inputs: list[RunInput]) -> Batch:
         bs = self.block_size
-        # Single-token chunks go first so attention can batch them as decodes.
-        ordered = [c for c in chunks if c.num_tokens == 1] + [c for c in chunks if c.num_tokens > 1]
-        num_decodes = sum(1 for c in chunks if c.num_tokens == 1)
+        # Single-token inputs go first so attention can batch them as decodes.
+        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i].token_ids) > 1)
+        num_decodes = sum(1 for x in inputs if len(x.token_ids) == 1)
 
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         prefills: list[PrefillChunk] = []
-        logits_indices: list[int] = []
-        for chunk in ordered:
-            seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
-            table = seq.block_table
-            row = len(input_ids)
-            input_ids += seq.token_ids(start, start + n)
-            pos = range(start, start + n)
+        first_row = [0] * len(inputs)        # where each input starts in the flat row
+        for i in order:
+            x = inputs[i]
+            n, table = len(x.token_ids), x.block_table
+            first_row[i] = len(input_ids)
+            input_ids += x.token_ids
+            pos = range(x.start, x.start + n)
             positions += pos
             slots += [table[p // bs] * bs + p % bs for p in pos]
             if n > 1:
-                context = start + n
+                context = x.start + n
                 table_t = self._tensor(table[: -(-context // bs)])
-                prefills.append(PrefillChunk(row, n, context, table_t, prefill_mask(n, context, self.device)))
-            if chunk.samples:
-                logits_indices.append(row + n - 1)
+                prefills.append(PrefillChunk(first_row[i], n, context, table_t, prefill_mask(n, context, self.device)))
+        # Logits rows in input order: the last num_logits tokens of each input.
+        logits_indices = [first_row[i] + len(x.token_ids) - x.num_logits + j
+                          for i, x in enumerate(inputs) for j in range(x.num_logits)]
 
         # Decode block tables, padded to the longest with block 0 (masked out by seq_lens).
-        decode_chunks = ordered[:num_decodes]
-        seq_lens = [c.start + 1 for c in decode_chunks]
-        width = max((-(-L // bs) for L in seq_lens), default=0)
-        tables = [c.seq.block_table[: -(-L // bs)] for c, L in zip(decode_chunks, seq_lens)]
-        padded = [t + [0] * (width - len(t)) for t in tables]
-
+        decodes = [inputs[i] for i in order[:num_decodes]]
+        seq_lens = [x.start + 1 for x in decodes]
+        num_blocks = [-(-L // bs) for L in seq_lens]                   # ceil(L / bs)
+        width = max(num_blocks, default=0)
+        padded = [x.block_table[:nb] + [0] * (width - nb) for x, nb in zip(decodes, num_blocks)]
         decode_seq_lens = self._tensor(seq_lens)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
@@ -98,17 +112,11 @@ class ModelRunner:
             decode_mask=decode_mask(decode_seq_lens, width * bs),
             prefills=prefills,
         )
-        return Batch(
-            input_ids=self._tensor(input_ids),
-            positions=self._tensor(positions),
-            meta=meta,
-            logits_indices=self._tensor(logits_indices),
-            sampling_chunks=[c for c in ordered if c.samples],
-        )
+        return Batch(self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_indices))
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:
-        """One forward pass; returns float32 logits [S, vocab] for the sampling chunks."""
+        """One forward pass; returns float32 logits [S, vocab] for the requested rows."""
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)   # [T, hidden]
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
 

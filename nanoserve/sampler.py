@@ -176,6 +176,25 @@ def probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     return _target_probs(process_logits(logits, rows), rows)
 
 
+def draw(p: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """One token per row from distributions p [B, V]: [B] long.
+
+    Greedy rows take the argmax (their p is one-hot); the others draw, each
+    seeded row from its own generator.
+    """
+    tokens = p.argmax(dim=-1)                                           # right for greedy rows
+    # Unseeded rows share torch's default RNG, so one call serves them all.
+    shared = [i for i, r in enumerate(rows) if not r.params.greedy and r.generator is None]
+    if shared:
+        tokens[shared] = torch.multinomial(p[shared], 1).squeeze(1)
+    # Seeded rows draw alone from their own generator, on the generator's device.
+    for i, r in enumerate(rows):
+        if not r.params.greedy and r.generator is not None:
+            row = p[i].to(r.generator.device)                           # [V]
+            tokens[i] = torch.multinomial(row, 1, generator=r.generator).item()
+    return tokens
+
+
 def _choose(processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """One token per row from processed logits [B, V]: [B] long.
 
@@ -184,19 +203,9 @@ def _choose(processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tenso
     """
     tokens = processed.argmax(dim=-1)                                   # [B], right for greedy rows
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if not sampled:
-        return tokens
-    sampled_rows = [rows[i] for i in sampled]
-    p = _target_probs(processed[sampled], sampled_rows)                 # [S, V]
-    # Unseeded rows share torch's default RNG, so one call serves them all.
-    shared = [j for j, r in enumerate(sampled_rows) if r.generator is None]
-    if shared:
-        tokens[[sampled[j] for j in shared]] = torch.multinomial(p[shared], 1).squeeze(1)
-    # Seeded rows draw alone from their own generator, on the generator's device.
-    for j, r in enumerate(sampled_rows):
-        if r.generator is not None:
-            row = p[j].to(r.generator.device)                           # [V]
-            tokens[sampled[j]] = torch.multinomial(row, 1, generator=r.generator).item()
+    if sampled:
+        sampled_rows = [rows[i] for i in sampled]
+        tokens[sampled] = draw(_target_probs(processed[sampled], sampled_rows), sampled_rows)
     return tokens
 
 
@@ -210,10 +219,13 @@ class Sampler:
         if len(rows) == 0:
             return []
         tokens = _choose(process_logits(logits, rows), rows)            # [B]
-        # Log-probs are reported under the raw model, before any processing.
+        return self.report(logits, tokens.tolist(), rows)
+
+    def report(self, logits: torch.Tensor, token_ids: list[int], rows: Sequence[SamplingRow]) -> list[SampledToken]:
+        """Wrap chosen tokens with their log-probs under the raw model, before any processing."""
         raw_logprobs = logits.float().log_softmax(dim=-1)               # [B, V]
-        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        token_ids = tokens.tolist()
+        index = torch.tensor(token_ids, device=logits.device).unsqueeze(1)
+        chosen = raw_logprobs.gather(1, index).squeeze(1).tolist()
 
         wanted = [r.params.logprobs for r in rows if r.params.logprobs]
         top_vals, top_ids = [], []

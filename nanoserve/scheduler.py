@@ -38,17 +38,30 @@ from nanoserve.sequence import Sequence, SequenceStatus
 
 @dataclass(slots=True)
 class ScheduledChunk:
-    """Compute KV for tokens [start, start + num_tokens) of `seq` this step."""
+    """Compute KV for tokens [start, start + num_tokens) of `seq` this step.
+
+    With speculative decoding a decode chunk also carries draft tokens: it
+    computes the last real token plus the drafts, num_tokens = 1 + len(drafts).
+    """
 
     seq: Sequence
     start: int
     num_tokens: int
     is_prefill: bool
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_real_tokens(self) -> int:
+        """Tokens of the sequence itself (not drafts) in this chunk."""
+        return self.num_tokens - len(self.draft_token_ids)
 
     @property
     def samples(self) -> bool:
         """Does this chunk reach the sequence's last token, so its logits give the next token?"""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        return self.start + self.num_real_tokens == self.seq.num_tokens
+
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids(self.start, self.start + self.num_real_tokens) + self.draft_token_ids
 
 
 @dataclass(slots=True)
@@ -87,7 +100,9 @@ class Scheduler:
 
     # -- the step ------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
+        """Plan one step. `drafts` (speculative decoding) maps a decoding request to its draft tokens."""
+        drafts = drafts or {}
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()   # request ids already in this step's batch (never preempted)
@@ -100,9 +115,11 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:   # preempted earlier in this loop
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            draft = drafts.get(seq.request_id, [])
+            num_new = min(seq.num_uncomputed_tokens + len(draft), budget)
+            draft = draft[: max(0, num_new - seq.num_uncomputed_tokens)]   # what the budget leaves room for
             if self._reserve(seq, num_new, scheduled, out):
-                self._add_chunk(out, seq, num_new, scheduled)
+                self._add_chunk(out, seq, num_new, scheduled, draft)
                 budget -= num_new
 
         # Pass 3: admit waiting sequences (FCFS) while budget, seats and blocks last.
@@ -152,11 +169,13 @@ class Scheduler:
         if new_ids:
             self.emit(ev.BlocksAllocated(self.step, seq.request_id, tuple(new_ids)))
 
-    def _add_chunk(self, out: SchedulerOutput, seq: Sequence, num_new: int, scheduled: set[str]) -> None:
-        start = seq.num_computed_tokens
-        # A decode computes KV for the token sampled last step; anything else is (re)filling the prompt.
-        is_decode = num_new == 1 and start == seq.num_tokens - 1 and seq.num_output_tokens > 0
-        chunk = ScheduledChunk(seq, start, num_new, is_prefill=not is_decode)
+    def _add_chunk(self, out: SchedulerOutput, seq: Sequence, num_new: int, scheduled: set[str],
+                   draft: list[int] | None = None) -> None:
+        start, draft = seq.num_computed_tokens, draft or []
+        # A decode computes KV for the token sampled last step (plus any drafts after it);
+        # anything else is (re)filling the prompt.
+        is_decode = num_new - len(draft) == 1 and start == seq.num_tokens - 1 and seq.num_output_tokens > 0
+        chunk = ScheduledChunk(seq, start, num_new, is_prefill=not is_decode, draft_token_ids=draft)
         out.chunks.append(chunk)
         scheduled.add(seq.request_id)
         self.emit(ev.ChunkScheduled(self.step, seq.request_id, chunk.start, num_new, chunk.is_prefill))
@@ -187,9 +206,20 @@ class Scheduler:
     # -- after the forward pass ----------------------------------------------------
 
     def update(self, out: SchedulerOutput) -> None:
-        """The forward pass wrote KV for every scheduled chunk."""
+        """The forward pass wrote KV for every scheduled chunk (drafts count once accepted)."""
         for chunk in out.chunks:
-            chunk.seq.num_computed_tokens += chunk.num_tokens
+            chunk.seq.num_computed_tokens += chunk.num_real_tokens
+
+    def trim(self, seq: Sequence) -> tuple[int, ...]:
+        """Free the blocks past the sequence's computed tokens (KV of rejected drafts)."""
+        keep = self.pool.blocks_needed(0, seq.num_computed_tokens)
+        extra = seq.block_table[keep:]
+        if not extra:
+            return ()
+        released = self.pool.free(extra)
+        del seq.block_table[keep:]
+        self.emit(ev.BlocksFreed(self.step, seq.request_id, tuple(extra), tuple(released)))
+        return tuple(extra)
 
     # -- inspection -----------------------------------------------------------------
 

@@ -77,6 +77,9 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None  # per output token, when params.logprobs is set
     error: str | None = None             # why the engine gave up on this request, if it did
+    num_sampling_steps: int = 0          # target forwards that produced tokens for this request
+    num_drafted: int = 0                 # speculative decoding: draft tokens proposed and checked
+    num_accepted: int = 0                # ... and how many of them the target accepted
     first_token_time: float | None = None
     finish_time: float | None = None
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from nanoserve.events import (
     EVENT_TYPES, BlocksAllocated, BlocksFreed, ChunkScheduled, EngineSynced, Event, Preempted,
     RequestAborted, RequestAdded, RequestAdmitted, RequestFinished, StepFinished, StepStarted,
-    TokenSampled,
+    TokenSampled, KVTrimmed,
 )
 
 # -- the bus ------------------------------------------------------------------
@@ -269,6 +269,8 @@ def fold(state: ViewState | None, event: Event) -> ViewState:
         state.running.remove(rid)
         state.waiting.insert(0, rid)  # a preempted request is admitted first again
         req.status, req.num_computed_tokens = "waiting", 0
+    elif isinstance(event, KVTrimmed):
+        req.num_computed_tokens = event.num_computed_tokens   # rejected drafts' KV is gone
     elif isinstance(event, TokenSampled):
         req.num_output_tokens += 1
         req.output_text += event.text

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from nanoserve.events import (
     EVENT_TYPES, BlocksAllocated, BlocksFreed, ChunkScheduled, EngineSynced, Preempted,
     RequestAborted, RequestAdded, RequestAdmitted, RequestFinished, StepFinished, StepStarted,
-    TokenSampled,
+    TokenSampled, DraftProposed, DraftVerified, KVTrimmed,
 )
 from nanoserve.trace import (
     EventBus, JsonlRecorder, RequestView, event_from_dict, event_to_dict, fold, fold_all,
@@ -35,6 +35,9 @@ SAMPLES = [
     RequestFinished(1, "b", "abort", 3, error="out of blocks"),
     RequestAborted(1, "c"),
     StepFinished(1, 2, 3, 1, 6, 0.0125),
+    DraftProposed(2, "r1", "ngram", (5, 6, 7)),
+    DraftVerified(2, "r1", 3, 1, 1, 9, False),
+    KVTrimmed(2, "r1", 12, 2, (4,)),
 ]
 
 

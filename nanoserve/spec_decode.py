@@ -1,0 +1,250 @@
+"""Speculative decoding: cheap guesses, checked exactly by the target model.
+
+Decoding is one forward pass per token, and at small batch sizes a forward
+pass costs about the same for 1 token as for 5: reading the weights dominates.
+So a cheap *proposer* guesses k tokens, and the target model scores all of
+them (plus one more position) in a single forward over the paged KV. The
+rejection rule below keeps the output distribution exactly that of plain
+sampling from the target:
+
+    for i, x in enumerate(draft):                  p, q: target and draft distributions
+        accept x with probability min(1, p_i(x) / q_i(x))
+        on the first rejection: emit a token from normalise(max(0, p_i - q_i)); stop
+    if all k were accepted: emit a bonus token from p_k
+
+p and q are the *full* distributions after identical processing (penalties,
+temperature, top-k, top-p, min-p: `sampler.probs`). For an n-gram draft q is
+one-hot at x, so the residual is p with x removed. Greedy requests accept
+while the draft equals the target's argmax and then emit the argmax.
+(Seed 000's Algorithm 5 writes the residual as max(0, p - q * p(x)/q(x)),
+which is wrong: see `lessons/` for the counterexample.)
+
+Two proposers share one interface, `propose(seqs, limits) -> Drafts`:
+
+* `NgramProposer`       prompt lookup: find the longest suffix of the request's
+                        own tokens (n in [ngram_min, ngram_max]) that occurred
+                        before, and propose the k tokens that followed it
+* `DraftModelProposer`  a small model (another checkpoint with the same
+                        vocabulary, or the target's first few layers) with its
+                        own block pool and paged KV cache, sampling k tokens
+
+The engine schedules drafts, verifies them and rolls back the KV written for
+rejected positions; this module owns proposing and the acceptance rule.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from nanoserve.block_pool import BlockPool
+from nanoserve.runner import ModelRunner, RunInput
+from nanoserve.sampler import SamplingRow, draw, probs
+from nanoserve.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Drafts:
+    """What a proposer guessed: tokens per request, and q (None for one-hot n-gram drafts)."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    q: dict[str, torch.Tensor] = field(default_factory=dict)   # request id -> [len(tokens), V]
+
+
+def sampling_rows(seq: Sequence, draft: list[int], eos: int | None, n: int) -> list[SamplingRow]:
+    """Rows for positions 0..n-1 of a speculative step: position i has seen draft[:i]."""
+    return [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids + draft[:i], seq.generator, eos)
+            for i in range(n)]
+
+
+# -- the acceptance rule ------------------------------------------------------------------
+
+
+def verify(p: torch.Tensor, draft: list[int], q: torch.Tensor | None, greedy: bool,
+           generator: torch.Generator | None) -> tuple[list[int], int]:
+    """Check `draft` against target distributions p [len(draft) + 1, V].
+
+    q is [len(draft), V], or None for a one-hot (n-gram) draft.
+    Returns (tokens to append: the accepted drafts plus one corrected or bonus token, number accepted).
+    """
+    p = p.cpu()
+    q = q.cpu() if q is not None else None
+    for i, x in enumerate(draft):
+        if greedy:
+            if x == int(p[i].argmax()):
+                continue
+            return draft[:i] + [int(p[i].argmax())], i
+        q_x = float(q[i, x]) if q is not None else 1.0
+        u = float(torch.rand((), generator=generator))
+        if u * q_x < float(p[i, x]):          # u < p(x) / q(x): accept with probability min(1, p/q)
+            continue
+        if q is not None:
+            residual = (p[i] - q[i]).clamp_min(0.0)
+        else:                                 # q one-hot at x: max(0, p - q) is p without x
+            residual = p[i].clone()
+            residual[x] = 0.0
+        token = int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+        return draft[:i] + [token], i
+    n = len(draft)
+    bonus = int(p[n].argmax()) if greedy else int(torch.multinomial(p[n], 1, generator=generator))
+    return draft + [bonus], n
+
+
+# -- proposers ------------------------------------------------------------------------------
+
+
+class NgramProposer:
+    """Prompt lookup: reuse what followed an earlier occurrence of the current suffix."""
+
+    method = "ngram"
+
+    def __init__(self, k: int, ngram_min: int, ngram_max: int) -> None:
+        self.k, self.ngram_min, self.ngram_max = k, ngram_min, ngram_max
+
+    def propose(self, seqs: list[Sequence], limits: dict[str, int]) -> Drafts:
+        drafts = Drafts()
+        for seq in seqs:
+            tokens = ngram_lookup(seq.all_token_ids, self.ngram_min, self.ngram_max, limits[seq.request_id])
+            if tokens:
+                drafts.tokens[seq.request_id] = tokens
+        return drafts
+
+    def accepted(self, seq: Sequence, num_tokens_before: int, num_accepted: int) -> None:
+        pass   # no state: every step looks the tokens up afresh
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+def ngram_lookup(tokens: list[int], ngram_min: int, ngram_max: int, k: int) -> list[int]:
+    """Longest suffix of length n in [ngram_min, ngram_max] seen earlier -> the k tokens after it.
+
+    Token ids are spelled as characters so that str.rfind (C speed) does the
+    search; the latest earlier occurrence wins.
+    """
+    if k < 1:
+        return []
+    text = "".join(map(chr, tokens))
+    L = len(tokens)
+    for n in range(min(ngram_max, L - 1), ngram_min - 1, -1):
+        # An occurrence must end before the last token, so at least one token follows it.
+        i = text.rfind(text[L - n :], 0, L - 1)
+        if i >= 0:
+            return tokens[i + n : i + n + k]
+    return []
+
+
+@dataclass(slots=True)
+class _DraftState:
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0   # tokens of the request with KV in the draft cache
+
+
+class DraftModelProposer:
+    """A small model samples k tokens autoregressively over its own paged KV cache."""
+
+    method = "draft"
+
+    def __init__(self, model: nn.Module, k: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device, eos_token_id: int | None) -> None:
+        self.k = k
+        self.eos = eos_token_id
+        self.pool = BlockPool(num_blocks, block_size)
+        self.runner = ModelRunner(model, num_blocks, block_size, dtype, device)
+        self.states: dict[str, _DraftState] = {}
+
+    def propose(self, seqs: list[Sequence], limits: dict[str, int]) -> Drafts:
+        drafts = Drafts()
+        active = []
+        for seq in seqs:
+            k = limits[seq.request_id]
+            if k < 1:
+                continue
+            st = self.states.setdefault(seq.request_id, _DraftState())
+            # Room for the real tokens plus the k - 1 drafts fed back in.
+            try:
+                self.pool.append_slots(st.block_table, seq.num_tokens + k - 1)
+            except MemoryError:           # the draft cache is full: no guess for this one
+                self.release(seq.request_id)
+                continue
+            active.append((seq, k, st))
+            drafts.tokens[seq.request_id] = []
+        q_rows: dict[str, list[torch.Tensor]] = {seq.request_id: [] for seq, _, _ in active}
+        for j in range(max((k for _, k, _ in active), default=0)):
+            step = [(seq, st) for seq, k, st in active if k > j]
+            inputs = []
+            for seq, st in step:
+                draft = drafts.tokens[seq.request_id]
+                # Round 0 catches up on every real token the draft has not seen; later rounds feed the last guess.
+                new = seq.token_ids(st.num_computed, seq.num_tokens) if j == 0 else draft[-1:]
+                inputs.append(RunInput(new, st.num_computed, st.block_table))
+                st.num_computed += len(new)
+            logits = self.runner.run(self.runner.prepare(inputs))                 # [len(step), V]
+            rows = [sampling_rows(seq, drafts.tokens[seq.request_id], self.eos, j + 1)[j] for seq, _ in step]
+            q = probs(logits, rows)                                               # [len(step), V]
+            tokens = draw(q, rows).tolist()
+            for (seq, _), token, q_row in zip(step, tokens, q):
+                drafts.tokens[seq.request_id].append(token)
+                q_rows[seq.request_id].append(q_row)
+        drafts.q = {rid: torch.stack(rows) for rid, rows in q_rows.items() if rows}
+        return drafts
+
+    def accepted(self, seq: Sequence, num_tokens_before: int, num_accepted: int) -> None:
+        """Keep draft KV only for tokens the request really has now; free the rest."""
+        st = self.states.get(seq.request_id)
+        if st is None:
+            return
+        st.num_computed = min(st.num_computed, num_tokens_before + num_accepted)
+        keep = self.pool.blocks_needed(0, st.num_computed)
+        self.pool.free(st.block_table[keep:])
+        del st.block_table[keep:]
+
+    def release(self, request_id: str) -> None:
+        st = self.states.pop(request_id, None)
+        if st is not None and st.block_table:
+            self.pool.free(st.block_table)
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants([st.block_table for st in self.states.values()])
+        for rid, st in self.states.items():
+            assert len(st.block_table) == self.pool.blocks_needed(0, st.num_computed), f"draft {rid}: table size"
+
+
+def truncated_copy(model: nn.Module, num_layers: int) -> nn.Module:
+    """The target's first `num_layers` layers with its final norm and head (weights shared, not copied)."""
+    if not 1 <= num_layers <= model.num_layers:
+        raise ValueError(f"draft_num_layers must be in [1, {model.num_layers}], got {num_layers}")
+    draft = copy.copy(model)                     # a new module object over the same parameters
+    draft._modules = dict(model._modules)
+    if hasattr(model, "blocks"):                 # GPT-2
+        draft.blocks = nn.ModuleList(model.blocks[:num_layers])
+    else:                                        # Llama
+        draft.model = copy.copy(model.model)
+        draft.model._modules = dict(model.model._modules)
+        draft.model.layers = nn.ModuleList(model.model.layers[:num_layers])
+    draft.num_layers = num_layers
+    return draft
+
+
+def build_proposer(config, loaded, dtype: torch.dtype):
+    """The proposer the config asks for (None when speculative decoding is off)."""
+    if config.speculative_method is None:
+        return None
+    k = config.num_speculative_tokens
+    if config.speculative_method == "ngram":
+        return NgramProposer(k, config.ngram_min, config.ngram_max)
+    target = loaded.model
+    if config.draft_model is None:
+        draft = truncated_copy(target, config.draft_num_layers)
+    else:
+        from nanoserve.models.loader import load_model
+
+        draft = load_model(config.draft_model, dtype, config.device, config.seed).model
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"draft model {config.draft_model!r} has a vocabulary of {draft.config.vocab_size} "
+                             f"tokens, the target {target.config.vocab_size}: they must share a tokenizer")
+    return DraftModelProposer(draft, k, config.num_blocks, config.block_size, dtype,
+                              torch.device(config.device), loaded.eos_token_id)
