@@ -134,6 +134,8 @@ class LLMEngine:
         self.scheduler.step = self.step_count
         self._emit(ev.StepStarted(self.step_count, len(self.scheduler.waiting), len(self.scheduler.running)))
         drafts = self._propose() if self.proposer else Drafts()
+        # Token counts when the drafts were made: what a rollback returns the draft cache to.
+        drafted_at = {rid: self.requests[rid].num_tokens for rid in drafts.tokens}
         plan = self.scheduler.schedule(drafts.tokens)
         outputs: dict[str, RequestOutput] = {}
         for seq in plan.failed:
@@ -168,7 +170,7 @@ class LLMEngine:
             ran = {c.seq.request_id for c in plan.chunks if c.draft_token_ids}
             for rid in drafts.tokens.keys() - ran:
                 if rid in self.requests:
-                    self.proposer.accepted(self.requests[rid], self.requests[rid].num_tokens, 0)
+                    self.proposer.accepted(self.requests[rid], drafted_at[rid], 0)
         prefill = sum(c.num_tokens for c in plan.chunks if c.is_prefill)
         stats = StepStats(
             step=self.step_count, num_seqs=len(plan.chunks), num_prefill_tokens=prefill,

@@ -72,6 +72,8 @@ class ModelRunner:
 
     def prepare(self, inputs: list[RunInput]) -> Batch:
         bs = self.block_size
+        if any(not x.token_ids for x in inputs):
+            raise ValueError("every RunInput needs at least one token")
         # Single-token inputs go first so attention can batch them as decodes.
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i].token_ids) > 1)
         num_decodes = sum(1 for x in inputs if len(x.token_ids) == 1)

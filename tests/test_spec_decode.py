@@ -158,3 +158,21 @@ def test_draft_with_other_vocabulary_is_rejected(tiny_llama, tmp_path):
 def test_truncated_draft_too_deep_is_rejected(tiny_llama):
     with pytest.raises(ValueError, match="draft_num_layers"):
         make_engine(tiny_llama, speculative_method="draft", draft_num_layers=5)
+
+
+def test_draft_cut_by_the_token_budget_rolls_back_correctly(tiny_llama):
+    """Regression: a draft the budget cut to nothing must roll the draft cache back to the
+    token count it was proposed at, not the count after this step's token."""
+    engine = make_engine(tiny_llama, block_size=4, num_blocks=64, max_num_batched_tokens=5,
+                         speculative_method="draft", num_speculative_tokens=3, draft_num_layers=1)
+    plain = make_engine(tiny_llama, block_size=4, num_blocks=64, max_num_batched_tokens=5)
+    outs = []
+    for e in (engine, plain):
+        for rid in ("a", "b"):
+            e.add_request(rid, [10, 20, 30, 40, 50], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        done = {}
+        while e.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in e.step().outputs if o.finished})
+            e.check_invariants()
+        outs.append(done)
+    assert outs[0] == outs[1]
