@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=4, help="requests in the batch (cycling over the tasks)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=4, help="tokens proposed per step")
-    ap.add_argument("--draft-layers", type=int, default=8, help="layers of the truncated draft")
+    ap.add_argument("--draft-layers", default="8,20,26", help="layers of the truncated drafts to try (comma separated)")
     args = ap.parse_args()
 
     loaded = load_model(args.model)
@@ -86,21 +86,24 @@ def main() -> None:
           f"k = {args.k}, torch threads {torch.get_num_threads()}")
     base = run(loaded, prompts, args.max_tokens)
     rows = [("no speculation", base)]
-    for name, spec in (
-        ("n-gram lookup", dict(speculative_method="ngram", num_speculative_tokens=args.k, ngram_min=1, ngram_max=4)),
-        (f"truncated draft ({args.draft_layers} layers)",
-         dict(speculative_method="draft", num_speculative_tokens=args.k, draft_num_layers=args.draft_layers)),
-    ):
+    variants = [("n-gram lookup", dict(speculative_method="ngram", num_speculative_tokens=args.k,
+                                       ngram_min=1, ngram_max=4))]
+    for n in (int(x) for x in args.draft_layers.split(",")):
+        variants.append((f"truncated draft ({n} of {loaded.model.num_layers} layers)",
+                         dict(speculative_method="draft", num_speculative_tokens=args.k, draft_num_layers=n)))
+    for name, spec in variants:
         result = run(loaded, prompts, args.max_tokens, **spec)
         assert result["token_ids"] == base["token_ids"], f"{name}: greedy output changed"
         rows.append((name, result))
-    print(f"\n{'':34s} {'time':>8s} {'tok/s':>8s} {'steps':>6s} {'accept':>7s} {'tok/fwd':>8s} {'speedup':>8s}")
+    print(f"\n{'':36s} {'time':>8s} {'tok/s':>8s} {'steps':>6s} {'accept':>7s} {'tok/fwd':>8s} {'speedup':>8s}")
     for name, r in rows:
         rate = f"{r['accepted'] / r['drafted']:.0%}" if r["drafted"] else "-"
-        print(f"{name:34s} {r['secs']:7.2f}s {r['tokens'] / r['secs']:8.1f} {r['steps']:6d} {rate:>7s} "
+        print(f"{name:36s} {r['secs']:7.2f}s {r['tokens'] / r['secs']:8.1f} {r['steps']:6d} {rate:>7s} "
               f"{r['per_forward']:8.2f} {base['secs'] / r['secs']:7.2f}x")
     print("\naccept = accepted / drafted tokens; tok/fwd = tokens per target forward per request; "
-          "outputs identical in all three runs")
+          "outputs identical in every run")
+    for i in range(min(2, len(prompts))):
+        print(f"\noutput {i}: {loaded.tokenizer.decode(base['token_ids'][i])[:300]!r}" if loaded.tokenizer else "")
 
 
 if __name__ == "__main__":
