@@ -40,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: fill 256 MB)")
     gen.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step (default: %(default)s)")
     gen.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    gen.add_argument("--speculative", choices=["ngram", "draft"], default=None,
+                     help="speculative decoding: n-gram prompt lookup, or a draft model (default: off)")
+    gen.add_argument("--num-speculative-tokens", "-k", type=int, default=4,
+                     help="tokens drafted per step with --speculative (default: %(default)s)")
+    gen.add_argument("--draft-model", default=None,
+                     help="draft model for --speculative draft (default: the target's first --draft-layers layers)")
+    gen.add_argument("--draft-layers", type=int, default=2, help="layers of the truncated draft (default: %(default)s)")
     gen.add_argument("--stats", action="store_true", help="print steps, tokens and throughput at the end")
     return parser
 
@@ -50,7 +57,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from nanoserve import EngineConfig, LLMEngine, SamplingParams
 
     config = EngineConfig(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks,
-                          max_num_batched_tokens=args.max_batched_tokens, device=args.device)
+                          max_num_batched_tokens=args.max_batched_tokens, device=args.device,
+                          speculative_method=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                          draft_model=args.draft_model, draft_num_layers=args.draft_layers)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop)
     engine = LLMEngine(config)
@@ -84,6 +93,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - t0
         print(f"nanoserve: {steps} steps, {generated} tokens in {elapsed:.2f} s "
               f"({generated / elapsed:.1f} tok/s)", file=sys.stderr)
+        spec = engine.spec_stats()
+        if spec["num_drafted"]:
+            print(f"nanoserve: speculative decoding accepted {spec['num_accepted']}/{spec['num_drafted']} drafted "
+                  f"tokens ({spec['acceptance_rate']:.0%}), {spec['tokens_per_forward']:.2f} tokens per forward",
+                  file=sys.stderr)
     return 0
 
 

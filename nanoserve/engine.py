@@ -67,6 +67,8 @@ class LLMEngine:
         self.step_count = 0
         self._events: list[ev.Event] = []            # events since the last step() returned
         self._rng = torch.Generator().manual_seed(config.seed)   # seeds the RNG of unseeded requests
+        # Speculative decoding totals over the engine's life: drafted, accepted, tokens, sampling forwards.
+        self._spec_totals = {"drafted": 0, "accepted": 0, "tokens": 0, "forwards": 0}
 
     # -- requests ---------------------------------------------------------------------
 
@@ -166,6 +168,8 @@ class LLMEngine:
                 num_drafted += len(c.draft_token_ids)
                 num_accepted += len(tokens) - 1
                 outputs[c.seq.request_id] = self._append_tokens(c.seq, tokens)
+            self._spec_totals["drafted"] += num_drafted
+            self._spec_totals["accepted"] += num_accepted
         if self.proposer:   # drafts that were proposed but not run (no budget) roll back too
             ran = {c.seq.request_id for c in plan.chunks if c.draft_token_ids}
             for rid in drafts.tokens.keys() - ran:
@@ -185,6 +189,15 @@ class LLMEngine:
         return StepResult(list(outputs.values()), events, stats)
 
     # -- speculative decoding ---------------------------------------------------------------
+
+    def spec_stats(self) -> dict:
+        """Speculative decoding over the engine's life: acceptance rate and tokens per target forward."""
+        t = self._spec_totals
+        return {
+            "num_drafted": t["drafted"], "num_accepted": t["accepted"],
+            "acceptance_rate": t["accepted"] / t["drafted"] if t["drafted"] else None,
+            "tokens_per_forward": t["tokens"] / t["forwards"] if t["forwards"] else None,
+        }
 
     def _propose(self) -> Drafts:
         """Ask the proposer for drafts for every running request that is decoding."""
@@ -221,8 +234,10 @@ class LLMEngine:
     def _append_tokens(self, seq: Sequence, tokens: list[SampledToken]) -> RequestOutput:
         """Postprocess this step's tokens (one, or several with speculation) until one finishes the request."""
         seq.num_sampling_steps += 1
+        self._spec_totals["forwards"] += 1
         delta = ""
         for token in tokens:
+            self._spec_totals["tokens"] += 1
             status, text = self._append_token(seq, token)
             delta += text
             if status is not None:

@@ -53,6 +53,12 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
 
+    @property
+    def tokens_per_forward(self) -> float | None:
+        """Tokens generated per target forward that sampled for this request (> 1 with speculation)."""
+        steps = self.metrics.num_sampling_steps
+        return len(self.outputs[0].token_ids) / steps if steps else None
+
     def __rich__(self):
         from nanoserve.viz.repl import render_request_output
         return render_request_output(self)

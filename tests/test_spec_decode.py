@@ -176,3 +176,24 @@ def test_draft_cut_by_the_token_budget_rolls_back_correctly(tiny_llama):
             e.check_invariants()
         outs.append(done)
     assert outs[0] == outs[1]
+
+
+def test_spec_stats_overall_and_per_request(tiny_llama):
+    engine = make_engine(tiny_llama, num_blocks=128, **SPEC["ngram-k4"])
+    for i, p in enumerate(repetitive_prompts(257)[8:12]):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    outs = {}
+    drafted = accepted = 0
+    while engine.has_unfinished_requests():
+        result = engine.step()
+        drafted += result.stats.num_drafted
+        accepted += result.stats.num_accepted
+        outs.update({o.request_id: o for o in result.outputs if o.finished})
+    stats = engine.spec_stats()
+    assert stats["num_drafted"] == drafted == sum(o.metrics.num_drafted for o in outs.values())
+    assert stats["num_accepted"] == accepted == sum(o.metrics.num_accepted for o in outs.values())
+    steps = sum(o.metrics.num_sampling_steps for o in outs.values())
+    assert stats["tokens_per_forward"] == pytest.approx(40 / steps)
+    assert stats["tokens_per_forward"] > 1
+    for o in outs.values():
+        assert o.tokens_per_forward == pytest.approx(10 / o.metrics.num_sampling_steps)

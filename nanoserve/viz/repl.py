@@ -85,6 +85,8 @@ def render_step_result(result):
     )
     if st.num_preempted:
         head.append(f"  preempted {st.num_preempted}", style="bold red")
+    if st.num_drafted:
+        head.append(f"  drafts {st.num_accepted}/{st.num_drafted} accepted", style="bold yellow")
     lines = [head]
     for out in result.outputs:
         c = out.outputs[0]
