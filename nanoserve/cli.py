@@ -2,6 +2,9 @@
 
     nanoserve generate --model smollm2 --chat "What is a KV cache?"
     nanoserve generate --model tiny-llama --max-tokens 20 "Hello" "Bonjour"
+    nanoserve record --scenario memory-pressure -o pressure.jsonl
+    nanoserve export --trace pressure.jsonl --step 12 --what tables --format svg
+    nanoserve tui --replay pressure.jsonl        (or: nanoserve tui --model smollm2)
 
 One prompt streams its text as it is generated; several prompts run as one
 continuous batch and print each completion as it finishes. Bad input (an
@@ -14,6 +17,7 @@ import argparse
 import sys
 
 from nanoserve.models.loader import ACCEPTED
+from nanoserve.scenarios import SCENARIOS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +52,66 @@ def build_parser() -> argparse.ArgumentParser:
                      help="draft model for --speculative draft (default: the target's first --draft-layers layers)")
     gen.add_argument("--draft-layers", type=int, default=2, help="layers of the truncated draft (default: %(default)s)")
     gen.add_argument("--stats", action="store_true", help="print steps, tokens and throughput at the end")
+
+    rec = sub.add_parser(
+        "record", help="run a scenario on a model and record its events to a JSONL trace",
+        description="Run a scenario (a small workload that makes one mechanism happen) and write every "
+                    "event to a JSONL trace that `nanoserve tui --replay` and `nanoserve export` read.",
+    )
+    rec.add_argument("--scenario", "-s", required=True, help=f"one of: {', '.join(SCENARIOS)}")
+    rec.add_argument("--output", "-o", required=True, help="trace file to write (.jsonl)")
+    rec.add_argument("--model", "-m", default="tiny-llama", help="model to run (default: %(default)s)")
+
+    exp = sub.add_parser(
+        "export", help="draw the block tables, the pool or the radix tree at one step of a trace",
+        description="Render the engine's state at step N of a recorded trace with Graphviz. Without the "
+                    "`dot` program the DOT source is written instead.",
+    )
+    exp.add_argument("--trace", "-t", required=True, help="a trace written by `nanoserve record`")
+    exp.add_argument("--step", "-n", type=int, default=None, help="state after this step (default: the last)")
+    exp.add_argument("--what", "-w", choices=["tables", "pool", "radix"], default="tables",
+                     help="what to draw (default: %(default)s)")
+    exp.add_argument("--format", "-f", choices=["svg", "png", "dot"], default="svg", help="(default: %(default)s)")
+    exp.add_argument("--output", "-o", default=None, help="file to write (default: <trace>-<what>-<step>.<format>)")
+
+    tui = sub.add_parser(
+        "tui", help="watch a live engine (or replay a trace) in the terminal",
+        description="A terminal UI over a live engine running in a worker thread, or over a recorded trace "
+                    "(no model needed). Press ? inside for the keys.",
+    )
+    src = tui.add_mutually_exclusive_group()
+    src.add_argument("--model", "-m", default=None, help="run this model live (default: tiny-llama)")
+    src.add_argument("--replay", "-r", default=None, metavar="TRACE", help="replay a recorded trace")
+    tui.add_argument("--scenario", "-s", default=None, help=f"start a live run with a scenario: {', '.join(SCENARIOS)}")
     return parser
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    from nanoserve.scenarios import get_scenario, record
+
+    get_scenario(args.scenario)                       # a bad name fails before the model loads
+    steps = record(args.scenario, args.output, args.model)
+    print(f"nanoserve: recorded {steps} steps of {args.scenario!r} to {args.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from nanoserve.viz.graphviz import export_trace
+
+    path = export_trace(args.trace, args.step, args.what, args.format, args.output)
+    print(f"nanoserve: wrote {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_tui(args: argparse.Namespace) -> int:
+    try:
+        from nanoserve_tui.app import run_app
+    except ImportError as exc:
+        raise ValueError(f"the TUI needs textual: pip install -e '.[tui]' ({exc})") from exc
+    if args.scenario is not None:
+        from nanoserve.scenarios import get_scenario
+        get_scenario(args.scenario)
+    return run_app(model=args.model, replay=args.replay, scenario=args.scenario)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -107,9 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    commands = {"generate": cmd_generate, "record": cmd_record, "export": cmd_export, "tui": cmd_tui}
     try:
-        return cmd_generate(args)
-    except ValueError as exc:   # bad input: one clear line, no traceback wall
+        return commands[args.command](args)
+    except (ValueError, FileNotFoundError) as exc:   # bad input: one clear line, no traceback wall
         print(f"nanoserve: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

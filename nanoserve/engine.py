@@ -7,10 +7,12 @@
 
 One `step()` is:
 
+    drafts  = proposer.propose(...)     (speculative decoding only) guesses for decoding requests
     plan    = scheduler.schedule()      who runs, how many tokens each, which blocks
     batch   = runner.prepare(plan)      flat token row + slot mapping + block tables
     logits  = runner.run(batch)         one forward; attention reads K/V through block tables
     tokens  = sampler(logits, rows)     one token for every sequence whose chunk reached its end
+              or verify(drafts)         (speculative) accepted drafts + one, rejected KV trimmed
     postprocess                         append tokens, detokenize, check stops, free finished
 
 The engine owns request bookkeeping, stop conditions and events; it delegates
@@ -145,32 +147,8 @@ class LLMEngine:
         for seq in plan.preempted:
             if self.proposer:
                 self.proposer.release(seq.request_id)   # its draft KV goes with its target KV
-        num_drafted = num_accepted = 0
-        if plan.chunks:
-            inputs = [RunInput(c.token_ids(), c.start, c.seq.block_table,
-                               num_logits=1 + len(c.draft_token_ids) if c.samples else 0) for c in plan.chunks]
-            logits = self.runner.run(self.runner.prepare(inputs))   # [rows, vocab], in chunk order
-            self.scheduler.update(plan)                              # the KV of every real token is written
-            # Split the logits rows: plain chunks sample one token together, drafted ones verify.
-            plain, spec, row = [], [], 0
-            for c, x in zip(plan.chunks, inputs):
-                if x.num_logits:
-                    (spec if c.draft_token_ids else plain).append((c, row))
-                    row += x.num_logits
-            if plain:
-                rows = [SamplingRow(c.seq.params, c.seq.prompt_token_ids, c.seq.output_token_ids,
-                                    c.seq.generator, self.eos_token_id) for c, _ in plain]
-                sampled = self.sampler(logits[[r for _, r in plain]], rows)
-                for (c, _), token in zip(plain, sampled):
-                    outputs[c.seq.request_id] = self._append_tokens(c.seq, [token])
-            for c, r in spec:
-                tokens = self._verify(c, logits[r : r + 1 + len(c.draft_token_ids)], drafts)
-                num_drafted += len(c.draft_token_ids)
-                num_accepted += len(tokens) - 1
-                outputs[c.seq.request_id] = self._append_tokens(c.seq, tokens)
-            self._spec_totals["drafted"] += num_drafted
-            self._spec_totals["accepted"] += num_accepted
-        if self.proposer:   # drafts that were proposed but not run (no budget) roll back too
+        num_drafted, num_accepted = self._forward(plan, drafts, outputs) if plan.chunks else (0, 0)
+        if self.proposer:   # drafts that were proposed but not run (no budget left) roll back too
             ran = {c.seq.request_id for c in plan.chunks if c.draft_token_ids}
             for rid in drafts.tokens.keys() - ran:
                 if rid in self.requests:
@@ -187,6 +165,34 @@ class LLMEngine:
                                    stats.num_free_blocks, stats.duration_s))
         events, self._events = self._events, []
         return StepResult(list(outputs.values()), events, stats)
+
+    def _forward(self, plan, drafts: Drafts, outputs: dict[str, RequestOutput]) -> tuple[int, int]:
+        """Run the model on the plan, choose tokens, postprocess. Returns (drafted, accepted)."""
+        inputs = [RunInput(c.token_ids(), c.start, c.seq.block_table,
+                           num_logits=1 + len(c.draft_token_ids) if c.samples else 0) for c in plan.chunks]
+        logits = self.runner.run(self.runner.prepare(inputs))   # [rows, vocab], in chunk order
+        self.scheduler.update(plan)                              # the KV of every real token is written
+        # Split the logits rows: plain chunks sample one token together, drafted ones verify.
+        plain, spec, row = [], [], 0
+        for c, x in zip(plan.chunks, inputs):
+            if x.num_logits:
+                (spec if c.draft_token_ids else plain).append((c, row))
+                row += x.num_logits
+        if plain:
+            rows = [SamplingRow(c.seq.params, c.seq.prompt_token_ids, c.seq.output_token_ids,
+                                c.seq.generator, self.eos_token_id) for c, _ in plain]
+            sampled = self.sampler(logits[[r for _, r in plain]], rows)
+            for (c, _), token in zip(plain, sampled):
+                outputs[c.seq.request_id] = self._append_tokens(c.seq, [token])
+        drafted = accepted = 0
+        for c, r in spec:
+            tokens = self._verify(c, logits[r : r + 1 + len(c.draft_token_ids)], drafts)
+            drafted += len(c.draft_token_ids)
+            accepted += len(tokens) - 1
+            outputs[c.seq.request_id] = self._append_tokens(c.seq, tokens)
+        self._spec_totals["drafted"] += drafted
+        self._spec_totals["accepted"] += accepted
+        return drafted, accepted
 
     # -- speculative decoding ---------------------------------------------------------------
 

@@ -1,0 +1,125 @@
+"""Scenarios: small, repeatable workloads that make one mechanism happen on screen.
+
+A scenario is an engine config plus a list of requests, each arriving at a
+given step, so continuous batching has something to do. `ScenarioRunner`
+feeds the arrivals and steps the engine; `record()` writes the events of a
+whole run to a JSONL trace that the TUI, the Graphviz exporter and the
+lessons replay without a model.
+
+    nanoserve record --scenario memory-pressure -o pressure.jsonl
+
+They default to `tiny-llama` (instant, offline): a scenario is about the
+engine's decisions, not the text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine import LLMEngine
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.trace import JsonlRecorder
+
+
+@dataclass(slots=True)
+class Arrival:
+    step: int                  # added just before this step runs (0: before the first)
+    request_id: str
+    prompt: str | list[int]
+    params: dict = field(default_factory=dict)   # SamplingParams fields
+
+
+@dataclass(slots=True)
+class Scenario:
+    name: str
+    description: str           # one line: what to watch for
+    config: dict               # EngineConfig fields (model excluded)
+    arrivals: list[Arrival]
+
+
+SYSTEM = "You are a helpful assistant. Answer briefly and politely. "
+TEXT = "The quick brown fox jumps over the lazy dog. "
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
+    Scenario(
+        "continuous-batching",
+        "Requests arrive while others decode; finished ones leave and free their seats at once.",
+        dict(block_size=4, num_blocks=64, max_num_batched_tokens=32, max_num_seqs=4),
+        [Arrival(0, "r1", "Hello there!", dict(max_tokens=12)),
+         Arrival(0, "r2", "Paged attention", dict(max_tokens=6)),
+         Arrival(2, "r3", "Continuous batching", dict(max_tokens=10)),
+         Arrival(4, "r4", "Blocks and tables", dict(max_tokens=8)),
+         Arrival(5, "r5", "One more request", dict(max_tokens=8)),
+         Arrival(7, "r6", "Late arrival", dict(max_tokens=6))],
+    ),
+    Scenario(
+        "memory-pressure",
+        "A pool too small for everyone: the newest running request is preempted and recomputed later.",
+        dict(block_size=4, num_blocks=20, max_num_batched_tokens=32, max_num_seqs=6),
+        [Arrival(0, f"r{i}", TEXT[: 10 + 4 * i], dict(max_tokens=16)) for i in range(5)],
+    ),
+    Scenario(
+        "long-prompt",
+        "Chunked prefill: a long prompt is computed over several steps while short requests keep decoding.",
+        dict(block_size=8, num_blocks=64, max_num_batched_tokens=24, max_num_seqs=4),
+        [Arrival(0, "short1", "Hi!", dict(max_tokens=16)),
+         Arrival(0, "short2", "Hey", dict(max_tokens=16)),
+         Arrival(1, "long", TEXT * 3, dict(max_tokens=6))],
+    ),
+    Scenario(
+        "shared-system-prompt",
+        "Many requests share one system prompt (the workload a prefix cache exists for).",
+        dict(block_size=8, num_blocks=96, max_num_batched_tokens=64, max_num_seqs=4),
+        [Arrival(i, f"q{i}", SYSTEM + q, dict(max_tokens=8))
+         for i, q in enumerate(["What is 2+2?", "Name a colour.", "Say hello.", "Count to 3.", "Pick a fruit."])],
+    ),
+    Scenario(
+        "speculative-decoding",
+        "N-gram drafts on repetitive text: several tokens accepted per step, rejected drafts' KV trimmed.",
+        dict(block_size=4, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=4,
+             speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3),
+        [Arrival(0, "repeat", list(range(40, 52)) * 3, dict(max_tokens=24, temperature=0)),
+         Arrival(0, "other", [7, 8, 9, 7, 8, 9, 7], dict(max_tokens=16, temperature=0))],
+    ),
+]}
+
+
+def get_scenario(name: str) -> Scenario:
+    if name not in SCENARIOS:
+        raise ValueError(f"unknown scenario {name!r}; choose one of: {', '.join(SCENARIOS)}")
+    return SCENARIOS[name]
+
+
+class ScenarioRunner:
+    """Steps an engine through a scenario: adds each request at its step, then steps."""
+
+    def __init__(self, scenario: Scenario, model: str = "tiny-llama", loaded=None) -> None:
+        self.scenario = scenario
+        self.engine = LLMEngine(EngineConfig(model=model, **scenario.config), loaded=loaded)
+        self.pending = sorted(scenario.arrivals, key=lambda a: a.step)
+
+    @property
+    def done(self) -> bool:
+        return not self.pending and not self.engine.has_unfinished_requests()
+
+    def step(self):
+        """Add the requests due now, then run one engine step; returns the StepResult."""
+        while self.pending and self.pending[0].step <= self.engine.step_count:
+            a = self.pending.pop(0)
+            params = {"ignore_eos": True, **a.params}   # random weights may emit EOS at once
+            self.engine.add_request(a.request_id, a.prompt, SamplingParams(**params))
+        return self.engine.step()
+
+
+def record(name: str, path: str | Path, model: str = "tiny-llama", max_steps: int = 1000) -> int:
+    """Run scenario `name` to the end, writing every event to `path`; returns the number of steps."""
+    runner = ScenarioRunner(get_scenario(name), model)
+    with JsonlRecorder(path) as recorder:
+        runner.engine.subscribe(recorder)
+        steps = 0
+        while not runner.done and steps < max_steps:
+            runner.step()
+            steps += 1
+    return steps
