@@ -203,6 +203,18 @@ class BlockPool:
         used = sum(1 for b in self.blocks if b.ref_count > 0)
         assert used + len(free_set) == self.num_blocks, "free + used != num_blocks"
 
+    def __rich__(self):
+        from nanoserve.viz.repl import render_block_pool
+        return render_block_pool(self)
+
+    def __repr__(self) -> str:
+        from nanoserve.viz.repl import to_text
+        return to_text(self)
+
+    def _repr_html_(self) -> str:
+        from nanoserve.viz.repl import to_html
+        return to_html(self)
+
     def snapshot(self) -> dict:
         """Plain-data view: ref counts per block and the free queue in LRU order."""
         return {

@@ -97,3 +97,7 @@ class StepResult:
     def __repr__(self) -> str:
         from nanoserve.viz.repl import to_text
         return to_text(self)
+
+    def _repr_html_(self) -> str:
+        from nanoserve.viz.repl import to_html
+        return to_html(self)

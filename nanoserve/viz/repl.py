@@ -50,6 +50,25 @@ def render_pool(ref_counts: list[int], owners: dict[int, int], max_cells: int = 
     return text
 
 
+def render_block_pool(pool):
+    """`engine.pool` in a REPL: one cell per block and the free queue head first."""
+    snap = pool.snapshot()
+    head = Text.assemble((f"BlockPool", "bold"), f"  {pool.num_used_blocks}/{pool.num_blocks} used, "
+                         f"block_size {pool.block_size}")
+    free = snap["free_queue"]
+    queue = Text("free queue (next allocated first): ", style="dim")
+    queue.append(" ".join(map(str, free[:48])) + (" …" if len(free) > 48 else ""))
+    return Panel(Group(head, render_pool(snap["ref_counts"], {}), queue), title="BlockPool",
+                 title_align="left", border_style="blue")
+
+
+def to_html(obj) -> str:
+    """Render anything with __rich__ to HTML with inline styles (Jupyter's _repr_html_)."""
+    console = Console(record=True, width=110, file=io.StringIO())
+    console.print(obj.__rich__())
+    return console.export_html(inline_styles=True, code_format="<pre style=\"font-family:monospace\">{code}</pre>")
+
+
 def render_engine(engine):
     s = engine.snapshot()
     pool = s["pool"]
