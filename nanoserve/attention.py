@@ -8,8 +8,9 @@ The runner flattens a mixed batch into one row of tokens, decodes first:
 and describes it with `AttentionMetadata`. A layer computes q, k, v for all
 those tokens, then `paged_attention` writes k, v into the cache at
 `slot_mapping` and computes attention for each part, reading K/V back only
-through block tables. Which kernels do the work is the backend's business
-(`kernels/reference.py` on CPU).
+through block tables. Which kernels do the work is the backend's business:
+`kernels/reference.py` (torch, any device) or `kernels/triton_*.py` (Triton:
+on a GPU, or on CPU under the Triton interpreter for tests and lessons).
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor         # [num_decodes] int64, new token included
     decode_mask: torch.Tensor             # [num_decodes, 1, 1, nb * bs] bool: which gathered slots are real
     prefills: list[PrefillChunk] = field(default_factory=list)
+    backend: str = "torch"                # "torch" (kernels/reference.py) or "triton" (kernels/triton_*.py)
+    # The prefill chunks again as tensors, for the Triton kernel that runs them all in one launch.
+    prefill_block_tables: torch.Tensor | None = None   # [C, nb] padded
+    prefill_query_start: torch.Tensor | None = None    # [C]
+    prefill_query_len: torch.Tensor | None = None      # [C]
+    prefill_context_len: torch.Tensor | None = None    # [C]
 
 
 def paged_attention(
@@ -51,6 +58,8 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:          # [T, Hq, D]
+    if meta.backend == "triton":
+        return _triton_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
     # 1. Write this step's K/V first, so every query below can see its own token.
     reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
@@ -66,4 +75,21 @@ def paged_attention(
         out[s:e] = reference.prefill_attention(
             q[s:e], k_cache, v_cache, chunk.block_table, chunk.context_len, scale, chunk.mask
         )
+    return out
+
+
+def _triton_paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The same three parts with the Triton kernels: store, batched decode, all prefill chunks in one launch."""
+    from nanoserve.kernels import triton_cache, triton_decode, triton_prefill
+
+    triton_cache.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = triton_decode.decode_attention(
+            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+    if meta.prefills:
+        triton_prefill.prefill_attention(
+            q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start, meta.prefill_query_len,
+            meta.prefill_context_len, scale, max_query_len=max(c.num_query for c in meta.prefills), out=out)
     return out

@@ -24,7 +24,7 @@ class EngineConfig:
     max_model_len: int | None = None    # prompt + output limit; None: the model's, capped by the pool and budget
     enable_chunked_prefill: bool = True  # let a long prompt spread over several steps
     preemption_mode: str = "recompute"  # what happens to a request evicted for memory: recompute its KV later
-    attention_backend: str = "auto"     # "torch" (reference) or "auto" (torch until the Triton kernels land)
+    attention_backend: str = "auto"     # "torch", "triton" (interpreted on CPU: slow) or "auto" (triton on CUDA)
     seed: int = 0                       # seeds random weights of tiny models and unseeded requests
     # Speculative decoding (spec_decode.py): off unless a method is named.
     speculative_method: str | None = None   # None, "ngram" (prompt lookup) or "draft" (a draft model)
@@ -51,8 +51,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.preemption_mode != "recompute":
             raise ValueError(f"preemption_mode must be 'recompute' (swap arrives with the CPU block pool), got {self.preemption_mode!r}")
-        if self.attention_backend not in ("torch", "auto"):
-            raise ValueError(f"attention_backend must be 'torch' or 'auto', got {self.attention_backend!r}")
+        if self.attention_backend not in ("torch", "triton", "auto"):
+            raise ValueError(f"attention_backend must be 'torch', 'triton' or 'auto', got {self.attention_backend!r}")
 
         if self.speculative_method not in (None, "ngram", "draft"):
             raise ValueError(f"speculative_method must be None, 'ngram' or 'draft', got {self.speculative_method!r}")
@@ -64,6 +64,16 @@ class EngineConfig:
             raise ValueError(f"n-gram bounds need ngram_min <= ngram_max, got {self.ngram_min} > {self.ngram_max}")
         if self.draft_num_layers < 1:
             raise ValueError(f"draft_num_layers must be at least 1, got {self.draft_num_layers}")
+
+    def resolved_backend(self) -> str:
+        """The attention backend this config runs: "auto" is Triton on CUDA (when installed), else torch."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        if self.device.startswith("cuda"):
+            import importlib.util
+            if importlib.util.find_spec("triton") is not None:
+                return "triton"
+        return "torch"
 
     def resolve(self, model_max_len: int, bytes_per_block: int) -> None:
         """Fill in num_blocks and max_model_len once the model is known."""

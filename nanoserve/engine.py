@@ -44,6 +44,27 @@ from nanoserve.trace import EventBus
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def prepare_backend(config: EngineConfig) -> str:
+    """Pick the attention backend; Triton on a CPU runs under its interpreter (set before import)."""
+    backend = config.resolved_backend()
+    if backend == "triton":
+        import importlib.util
+        import os
+
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("attention_backend='triton' needs triton: pip install triton")
+        if not config.device.startswith("cuda"):
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+            import triton.language as tl
+
+            # The interpreter must be on before triton is first imported (transformers imports it),
+            # or triton's own helpers stay compiled-only.
+            if type(tl.zeros).__name__ != "InterpretedFunction":
+                raise ValueError("attention_backend='triton' on CPU runs under the Triton interpreter: "
+                                 "start Python with TRITON_INTERPRET=1 in the environment")
+    return backend
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None, **kwargs) -> None:
         """Build an engine from a config (or its fields as keyword arguments).
@@ -60,7 +81,9 @@ class LLMEngine:
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.bus = EventBus()
         self.scheduler = Scheduler(config, self.pool, self._emit)
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size, dtype, torch.device(config.device))
+        self.backend = prepare_backend(config)
+        self.runner = ModelRunner(model, config.num_blocks, config.block_size, dtype, torch.device(config.device),
+                                  self.backend)
         self.sampler = Sampler()
         self.proposer = build_proposer(config, self.loaded, dtype)   # None unless speculative decoding is on
         self.vocab_size = model.config.vocab_size

@@ -59,10 +59,11 @@ def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) ->
 
 class ModelRunner:
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, backend: str = "torch") -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.backend = backend          # attention kernels: "torch" or "triton"
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
         # One (k_cache, v_cache) pair per layer.
         self.kv_caches = [
@@ -113,7 +114,15 @@ class ModelRunner:
             decode_seq_lens=decode_seq_lens,
             decode_mask=decode_mask(decode_seq_lens, width * bs),
             prefills=prefills,
+            backend=self.backend,
         )
+        if self.backend == "triton" and prefills:
+            width = max(len(c.block_table) for c in prefills)
+            meta.prefill_block_tables = torch.stack(
+                [torch.nn.functional.pad(c.block_table, (0, width - len(c.block_table))) for c in prefills])
+            meta.prefill_query_start = self._tensor([c.query_start for c in prefills])
+            meta.prefill_query_len = self._tensor([c.num_query for c in prefills])
+            meta.prefill_context_len = self._tensor([c.context_len for c in prefills])
         return Batch(self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_indices))
 
     @torch.inference_mode()

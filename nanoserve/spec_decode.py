@@ -149,11 +149,11 @@ class DraftModelProposer:
     method = "draft"
 
     def __init__(self, model: nn.Module, k: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, eos_token_id: int | None) -> None:
+                 dtype: torch.dtype, device: torch.device, eos_token_id: int | None, backend: str = "torch") -> None:
         self.k = k
         self.eos = eos_token_id
         self.pool = BlockPool(num_blocks, block_size)
-        self.runner = ModelRunner(model, num_blocks, block_size, dtype, device)
+        self.runner = ModelRunner(model, num_blocks, block_size, dtype, device, backend)
         self.states: dict[str, _DraftState] = {}
 
     def propose(self, seqs: list[Sequence], limits: dict[str, int]) -> Drafts:
@@ -247,4 +247,4 @@ def build_proposer(config, loaded, dtype: torch.dtype):
             raise ValueError(f"draft model {config.draft_model!r} has a vocabulary of {draft.config.vocab_size} "
                              f"tokens, the target {target.config.vocab_size}: they must share a tokenizer")
     return DraftModelProposer(draft, k, config.num_blocks, config.block_size, dtype,
-                              torch.device(config.device), loaded.eos_token_id)
+                              torch.device(config.device), loaded.eos_token_id, config.resolved_backend())

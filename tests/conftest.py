@@ -4,10 +4,16 @@ while checking invariants after every step."""
 
 from __future__ import annotations
 
-import importlib.util
+import os
 
-import pytest
-import torch
+# The Triton kernels run on CPU under the interpreter, which must be switched on
+# before triton is first imported (importing nanoserve imports it via transformers).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib.util  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from nanoserve import EngineConfig, LLMEngine
 from nanoserve.models.loader import byte_tokenizer, load_model, tiny_hf_config

@@ -1,0 +1,193 @@
+"""Triton paged decode attention: one new query token per sequence, K/V read through block tables.
+
+What one program computes (grid = sequences x KV heads x splits):
+
+    b, kv_head, split = program ids
+    q      = the GROUP query heads that share kv_head          [GROUP, D]
+    tokens = this split's slice of positions [start, end) of sequence b
+    m, l, acc = -inf, 0, 0                                      running max, sum, output
+    for each tile of BLOCK_N positions n in tokens:
+        block = block_table[b, n // BLOCK_SIZE]                 the block table turns a position
+        slot  = block * BLOCK_SIZE + n % BLOCK_SIZE             into an address in the paged cache
+        s = q @ K[slot].T * scale                               [GROUP, BLOCK_N]
+        online softmax: m' = max(m, rowmax s); p = exp(s - m')
+        l = l * exp(m - m') + rowsum p;  acc = acc * exp(m - m') + p @ V[slot]
+    partial_out[b, heads, split] = acc / l;  lse[b, heads, split] = m + log l
+
+Grouped-query attention: the GROUP query heads of one KV head are computed
+together, so each K/V tile is read once for all of them.
+
+Split-K (flash decoding): with one program per (sequence, head), a batch of
+a few long sequences keeps only a few GPU cores busy while each walks a long
+loop. Cutting the positions into NUM_SPLITS slices gives NUM_SPLITS times
+more programs; `_combine_splits_kernel` then merges the partial results with
+their log-sum-exps:  out = sum_s exp(lse_s - max lse) * out_s / sum_s exp(lse_s - max lse).
+
+`decode_attention` below checks its arguments, allocates and launches; it
+matches `reference.decode_attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.kernels.checks import check_paged_args
+
+
+@triton.jit
+def _paged_decode_kernel(
+    # tensors
+    q_ptr,              # [B, Hq, D]
+    k_cache_ptr,        # [N, BLOCK_SIZE, Hkv, D]
+    v_cache_ptr,        # [N, BLOCK_SIZE, Hkv, D]
+    block_tables_ptr,   # [B, max_blocks] int
+    seq_lens_ptr,       # [B] int: tokens in each sequence, the new one included
+    part_out_ptr,       # [B, Hq, NUM_SPLITS, D] float32: each split's normalised output
+    lse_ptr,            # [B, Hq, NUM_SPLITS] float32: each split's log-sum-exp
+    # strides (elements)
+    stride_qb, stride_qh,
+    stride_kn, stride_kt, stride_kh,
+    stride_vn, stride_vt, stride_vh,
+    stride_btb,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    # scalars
+    scale,
+    tokens_per_split,   # positions handled by one split (a multiple of BLOCK_N)
+    # compile-time sizes
+    GROUP: tl.constexpr,        # query heads per KV head
+    GROUP_PAD: tl.constexpr,    # GROUP rounded up to a power of two >= 16 (tl.dot needs 16)
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # power of two >= HEAD_DIM
+    BLOCK_SIZE: tl.constexpr,   # tokens per KV block (the page size)
+    BLOCK_N: tl.constexpr,      # positions per tile
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = split * tokens_per_split
+    end = tl.minimum(seq_len, start + tokens_per_split)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask_g = offs_g < GROUP          # padding rows of the group: not real heads
+    mask_d = offs_d < HEAD_DIM       # padding columns when head_dim is not a power of two
+    heads = kv_head * GROUP + offs_g
+
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0)            # [GROUP_PAD, D]
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
+
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end        # the last tile may run past this split's (or the sequence's) end
+        # Block table lookup: position -> physical block -> slot in the cache.
+        block = tl.load(block_tables_ptr + b * stride_btb + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
+        offset = offs_n % BLOCK_SIZE
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_cache_ptr + block[:, None] * stride_kn + offset[:, None] * stride_kt
+                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)   # [BLOCK_N, D]
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vn + offset[:, None] * stride_vt
+                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale                     # [GROUP_PAD, BLOCK_N]
+        s = tl.where(mask_n[None, :], s, float("-inf"))                        # positions past the end
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)                                            # rescales the old sums
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+
+    # A split past the sequence's end ran no tile: l = 0, lse = -inf, so it weighs nothing.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
+    tl.store(part_out_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
+             out, mask=mask_g[:, None] & mask_d[None, :])
+    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=mask_g)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_out_ptr,       # [B, Hq, NUM_SPLITS, D] float32
+    lse_ptr,            # [B, Hq, NUM_SPLITS] float32
+    out_ptr,            # [B, Hq, D]
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    stride_ob, stride_oh,
+    num_splits,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask_s = offs_s < num_splits
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
+    weight = tl.exp(lse - tl.max(lse, axis=0))        # empty splits (lse = -inf) get weight 0
+    weight = weight / tl.sum(weight, axis=0)
+    parts = tl.load(part_out_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+                    mask=mask_s[:, None] & mask_d[None, :], other=0.0)             # [SPLITS_PAD, D]
+    out = tl.sum(parts * weight[:, None], axis=0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+def decode_attention(
+    q: torch.Tensor,             # [B, Hq, D]
+    k_cache: torch.Tensor,       # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, nb] int
+    seq_lens: torch.Tensor,      # [B] int
+    scale: float,
+    mask: torch.Tensor | None = None,   # unused: the kernel masks by seq_lens itself (same signature as reference)
+    num_splits: int | None = None,      # None: choose from the longest sequence
+    block_n: int = 32,
+) -> torch.Tensor:
+    """Paged decode attention with Triton; same contract as `reference.decode_attention`."""
+    B, Hq, D = q.shape
+    check_paged_args(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
+    if seq_lens.shape != (B,) or block_tables.shape[0] != B:
+        raise ValueError(f"seq_lens {tuple(seq_lens.shape)} and block_tables {tuple(block_tables.shape)} "
+                         f"must have one row per query ({B})")
+    Hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    max_len = block_tables.shape[1] * bs
+    if num_splits is None:   # about 256 positions per split, at most 16 splits
+        num_splits = max(1, min(16, triton.cdiv(max_len, 256)))
+    tokens_per_split = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
+    part = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
+    q = q.contiguous()
+    group = Hq // Hkv
+    d_pad = triton.next_power_of_2(D)
+    _paged_decode_kernel[(B, Hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part, lse,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        part.stride(0), part.stride(1), part.stride(2),
+        lse.stride(0), lse.stride(1),
+        scale, tokens_per_split,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=bs, BLOCK_N=block_n,
+    )
+    out = torch.empty_like(q)
+    if num_splits == 1:          # one split: its output is already normalised
+        return out.copy_(part[:, :, 0])
+    _combine_splits_kernel[(B, Hq)](
+        part, lse, out,
+        part.stride(0), part.stride(1), part.stride(2),
+        lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=D, HEAD_DIM_PAD=d_pad,
+    )
+    return out

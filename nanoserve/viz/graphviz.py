@@ -1,0 +1,274 @@
+"""Graphviz pictures of the KV cache: block tables, the block pool, (later) the radix tree.
+
+This module owns turning a `ViewState` (what `trace.fold` rebuilds from
+events) into DOT source, and rendering that source to SVG/PNG with the `dot`
+program. It never looks at engine internals: a recorded trace is enough.
+
+    nanoserve export --trace pressure.jsonl --step 13 --what tables --format svg
+
+* `tables_dot(state)`: each live request's block table, logical block i ->
+  the physical block it maps to, one colour per request.
+* `pool_dot(state)`: every physical block as a grid cell coloured by who holds
+  it, blocks touched this step outlined, and the free queue from head to tail.
+* `state_at(trace, step)`, `export_trace(...)`: the CLI's `export` command.
+* `state_of(engine)`, `engine_svg(...)`: the same pictures of a live engine,
+  for the REPL and Jupyter (`_repr_svg_`).
+
+Without `dot` on the PATH we still write the DOT source and say how to get
+Graphviz. The `NANOSERVE_DOT` environment variable names another `dot`
+program (tests point it at a missing one to exercise that fallback).
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from graphviz import Digraph
+
+from nanoserve.events import EngineSynced, StepFinished, StepStarted
+from nanoserve.trace import ViewState, fold, read_trace
+
+# (light fill, dark line) per request, in arrival order. No gold or red here:
+# gold marks shared blocks and red marks blocks touched this step.
+PALETTE = [("#c6dbef", "#2171b5"), ("#c7e9c0", "#238b45"), ("#dadaeb", "#6a51a3"),
+           ("#c7eae5", "#01665e"), ("#fcc5e0", "#ae017e"), ("#e6d5c3", "#8c510a"),
+           ("#d9d9d9", "#525252"), ("#c2e1ff", "#08306b")]
+SHARED_FILL, SHARED_LINE = "#ffd92f", "#b8860b"
+FREE_FILL, TOUCHED_LINE = "#ffffff", "#d62728"
+MAX_POOL_CELLS = 512     # a real pool has thousands of blocks; draw the first ones
+MAX_QUEUE_IDS = 40       # free-queue ids shown before "…"
+FONT = "Helvetica"
+
+
+def _colours(state: ViewState) -> dict[str, tuple[str, str]]:
+    """Request id -> (fill, line). Arrival order, so colours stay put from step to step."""
+    return {rid: PALETTE[i % len(PALETTE)] for i, rid in enumerate(state.requests)}
+
+
+def _live(state: ViewState) -> list[str]:
+    """Requests a picture shows: running first, then waiting (in queue order)."""
+    return state.running + state.waiting
+
+
+def _graph(name: str, title: str, rankdir: str) -> Digraph:
+    g = Digraph(name)
+    g.attr(rankdir=rankdir, label=title, labelloc="t", fontname=FONT, fontsize="16", nodesep="0.3")
+    g.attr("node", shape="plaintext", fontname=FONT, fontsize="11")
+    g.attr("edge", arrowsize="0.6", penwidth="1.4")
+    return g
+
+
+def _title(state: ViewState, what: str) -> str:
+    return (f"step {state.step} · {what} · {state.num_blocks} blocks of {state.block_size} tokens · "
+            f"{len(state.running)} running, {len(state.waiting)} waiting, {len(state.free_queue)} free")
+
+
+# -- block tables ---------------------------------------------------------------
+def tables_dot(state: ViewState) -> str:
+    """Each live request's block table with arrows to the physical blocks it maps to."""
+    g = _graph("tables", _title(state, "block tables"), rankdir="LR")
+    colours, owners = _colours(state), state.block_owners()
+    with_blocks = [rid for rid in _live(state) if state.requests[rid].block_table]
+    node = {rid: f"req{i}" for i, rid in enumerate(state.requests)}  # ids may hold ':' or spaces
+    for rid in with_blocks:
+        req, (fill, line) = state.requests[rid], colours[rid]
+        rows = [f'<TR><TD BGCOLOR="{line}"><FONT COLOR="white"><B>{html.escape(rid)}</B></FONT></TD>'
+                f'<TD BGCOLOR="{line}"><FONT COLOR="white">{req.status}</FONT></TD></TR>',
+                f'<TR><TD COLSPAN="2">{req.num_computed_tokens} tokens in KV</TD></TR>']
+        for i in range(len(req.block_table)):
+            # block i holds tokens [i*bs, (i+1)*bs); only the last one may be partly filled
+            held = min(max(req.num_computed_tokens - i * state.block_size, 0), state.block_size)
+            rows.append(f'<TR><TD BGCOLOR="{fill}">logical {i}</TD>'
+                        f'<TD PORT="b{i}" BGCOLOR="{fill}">{held}/{state.block_size}</TD></TR>')
+        g.node(node[rid], _html_table(rows))
+        for i, block_id in enumerate(req.block_table):
+            g.edge(f"{node[rid]}:b{i}:e", f"physical:p{block_id}:w", color=line)
+    # waiting requests without blocks (new, or preempted) share one small box
+    no_blocks = [rid for rid in _live(state) if rid not in with_blocks]
+    if no_blocks:
+        names = "".join(f'<TD BGCOLOR="{colours[rid][0]}">{html.escape(rid)}</TD>' for rid in no_blocks)
+        g.node("no_blocks", _html_table([f'<TR><TD BORDER="0"><I>waiting, no blocks:</I></TD>{names}</TR>'],
+                                        spacing=2))
+    # keep the requests top to bottom in queue order (running first)
+    column = [node[rid] for rid in with_blocks] + (["no_blocks"] if no_blocks else [])
+    with g.subgraph() as same:
+        same.attr(rank="same")
+        for a, b in zip(column, column[1:]):
+            same.edge(a, b, style="invis")
+
+    # one column of the physical blocks in use, by id, with their reference counts
+    rows = ['<TR><TD COLSPAN="2"><B>physical blocks</B></TD></TR>']
+    for block_id, ref in enumerate(state.ref_counts):
+        if ref == 0 and block_id not in owners:
+            continue
+        shared = ref > 1
+        fill = SHARED_FILL if shared else colours.get(owners.get(block_id, [""])[0], (FREE_FILL, ""))[0]
+        note = f"<B>ref {ref} · shared</B>" if shared else f"ref {ref}"
+        rows.append(f'<TR><TD PORT="p{block_id}" BGCOLOR="{fill}"><B>#{block_id}</B></TD>'
+                    f'<TD BGCOLOR="{fill}">{note}</TD></TR>')
+    if len(rows) == 1:
+        rows.append('<TR><TD COLSPAN="2"><I>none in use</I></TD></TR>')
+    g.node("physical", _html_table(rows))
+    return g.source
+
+
+def _html_table(rows: list[str], spacing: int = 0) -> str:
+    return (f'<<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="{spacing}" CELLPADDING="4">'
+            + "".join(rows) + "</TABLE>>")
+
+
+# -- the pool -------------------------------------------------------------------
+def pool_dot(state: ViewState, columns: int | None = None) -> str:
+    """The pool as a grid of blocks by state, this step's blocks outlined, then the free queue."""
+    g = _graph("pool", _title(state, "block pool"), rankdir="TB")
+    g.attr(ranksep="0.25")
+    colours, owners = _colours(state), state.block_owners()
+    columns = columns or (10 if state.num_blocks <= 100 else 16)
+    shown = min(state.num_blocks, MAX_POOL_CELLS)
+    cells = []
+    for block_id in range(shown):
+        ref, holders = state.ref_counts[block_id], owners.get(block_id, [])
+        if ref == 0:
+            fill, who = FREE_FILL, '<FONT COLOR="#969696">free</FONT>'
+        elif ref > 1:
+            fill, who = SHARED_FILL, f"<B>shared ×{ref}</B>"
+        else:  # one holder; not a request when a cache lock holds it
+            fill = colours[holders[0]][0] if holders else "#eeeeee"
+            who = html.escape(holders[0]) if holders else "cache"
+        outline = (f' BORDER="3" COLOR="{TOUCHED_LINE}"' if block_id in state.touched_blocks
+                   else ' COLOR="#737373"')
+        cells.append(f'<TD WIDTH="52" HEIGHT="40" BGCOLOR="{fill}"{outline}><B>#{block_id}</B><BR/>{who}</TD>')
+    rows = ["<TR>" + "".join(cells[i:i + columns]) + "</TR>" for i in range(0, len(cells), columns)]
+    if shown < state.num_blocks:
+        rows.append(f'<TR><TD COLSPAN="{columns}" BORDER="0">… and {state.num_blocks - shown} more blocks</TD></TR>')
+    g.node("grid", _html_table(rows, spacing=3))
+
+    # legend: one swatch per live request, then the special states
+    swatches = [(colours[rid][0], html.escape(rid), "") for rid in _live(state)]
+    swatches += [(SHARED_FILL, "shared", ""), (FREE_FILL, "free", ""),
+                 (FREE_FILL, "touched this step", f' BORDER="3" COLOR="{TOUCHED_LINE}"')]
+    legend = "".join(f'<TD BGCOLOR="{fill}"{extra}>{text}</TD>' for fill, text, extra in swatches)
+    g.node("legend", _html_table([f'<TR><TD BORDER="0"><B>legend</B></TD>{legend}</TR>'], spacing=4))
+
+    # the free queue: allocation takes from the head, freed blocks join the tail
+    queue = state.free_queue[:MAX_QUEUE_IDS]
+    ids = "".join(f'<TD BORDER="0">→</TD><TD BGCOLOR="{FREE_FILL}">{b}</TD>' for b in queue)
+    hidden = len(state.free_queue) - len(queue)
+    more = f'<TD BORDER="0">→ … {hidden} more</TD>' if hidden else ""
+    empty = "" if queue else '<TD BORDER="0"><I>(empty)</I></TD>'
+    g.node("free_queue", _html_table([f'<TR><TD BORDER="0"><B>free queue: head</B></TD>{ids}{more}{empty}'
+                                      f'<TD BORDER="0">→ <B>tail</B></TD></TR>'], spacing=2))
+    g.edge("legend", "grid", style="invis")
+    g.edge("grid", "free_queue", style="invis")
+    return g.source
+
+
+def radix_dot(state: ViewState) -> str:
+    """The radix prefix tree. Prefix caching is not in the engine yet, so there is none to draw."""
+    raise ValueError("this trace has no radix tree: prefix caching is not part of this engine yet")
+
+
+BUILDERS = {"tables": tables_dot, "pool": pool_dot, "radix": radix_dot}
+FORMATS = ("svg", "png", "dot")
+
+
+# -- traces -> state, DOT -> files -------------------------------------------------
+def state_at(trace_path: str | Path, step: int | None = None) -> ViewState:
+    """The view state after step `step` of a trace (None: the end; 0: before the first step)."""
+    path = Path(trace_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"trace not found: {path} (write one with "
+                                f"`nanoserve record --scenario memory-pressure -o {path.name}`)")
+    events = read_trace(path)                      # ValueError on a corrupt line
+    last = max((e.step for e in events if isinstance(e, StepFinished)), default=0)
+    if step is not None and not 0 <= step <= last:
+        raise ValueError(f"step {step} is not in {path}: its steps run from 0 to {last}")
+    state = None
+    for event in events:
+        if step == 0 and isinstance(event, StepStarted):
+            break                                  # step 0: the state before anything ran
+        state = fold(state, event)
+        if step is not None and isinstance(event, StepFinished) and event.step == step:
+            break
+    if state is None:
+        raise ValueError(f"{path} has no events; a trace starts with EngineSynced")
+    return state
+
+
+def dot_program() -> str | None:
+    """Path of the `dot` program ($NANOSERVE_DOT or `dot` on the PATH), None when missing."""
+    return shutil.which(os.environ.get("NANOSERVE_DOT", "dot"))
+
+
+def render(source: str, fmt: str) -> bytes:
+    """Run `dot -T<fmt>` on DOT source; RuntimeError with dot's message if it fails."""
+    dot = dot_program()
+    if dot is None:
+        raise RuntimeError("the Graphviz `dot` program is not installed")
+    done = subprocess.run([dot, f"-T{fmt}"], input=source.encode(), capture_output=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"dot failed: {done.stderr.decode(errors='replace').strip()}")
+    return done.stdout
+
+
+def export_trace(trace: str | Path, step: int | None = None, what: str = "tables", fmt: str = "svg",
+                 output: str | Path | None = None) -> Path:
+    """Draw `what` at `step` of `trace` into `output` (default: next to the trace); returns the path written."""
+    if what not in BUILDERS:
+        raise ValueError(f"unknown picture {what!r}; choose one of: {', '.join(BUILDERS)}")
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+    trace = Path(trace)
+    source = BUILDERS[what](state_at(trace, step))
+    if output is None:
+        output = trace.with_name(f"{trace.stem}-{what}-{'end' if step is None else step}.{fmt}")
+    output = Path(output)
+    if fmt != "dot" and dot_program() is None:
+        output = output.with_suffix(".dot")
+        print(f"nanoserve: Graphviz `dot` not found, so wrote the DOT source to {output} instead of {fmt}. "
+              f"Install Graphviz (`apt-get install graphviz` or `brew install graphviz`), or render it "
+              f"online by pasting the file into a Graphviz viewer.", file=sys.stderr)
+        fmt = "dot"
+    output.write_bytes(source.encode() if fmt == "dot" else render(source, fmt))
+    return output
+
+
+# -- live engines (REPL, Jupyter) -------------------------------------------------
+def state_of(engine) -> ViewState:
+    """A live engine's current view state: subscribing sends an EngineSynced at once."""
+    synced: list = []
+    unsubscribe = engine.subscribe(synced.append)
+    unsubscribe()
+    return fold(None, synced[0])
+
+
+def state_from_snapshot(snapshot: dict) -> ViewState:
+    """A ViewState from `engine.snapshot()`'s plain data."""
+    pool = snapshot["pool"]
+    requests = tuple((r["request_id"], r["status"], r["prompt"], r["num_prompt_tokens"], r["output_text"],
+                      r["num_output_tokens"], r["num_computed_tokens"], tuple(r["block_table"]))
+                     for r in snapshot["requests"])
+    state = fold(None, EngineSynced(snapshot["step"], snapshot["model"], pool["num_blocks"], pool["block_size"],
+                                    tuple(pool["ref_counts"]), tuple(pool["free_queue"]), requests))
+    state.waiting, state.running = list(snapshot["waiting"]), list(snapshot["running"])  # queue order
+    for r in snapshot["requests"]:
+        state.requests[r["request_id"]].max_tokens = r.get("max_tokens", 0)
+    return state
+
+
+def engine_svg(source, what: str = "tables") -> str | None:
+    """SVG text of a ViewState, an engine snapshot dict or a live engine; None without `dot`."""
+    if isinstance(source, dict):
+        state = state_from_snapshot(source)
+    elif isinstance(source, ViewState):
+        state = source
+    else:
+        state = state_of(source)
+    if dot_program() is None:
+        return None
+    return render(BUILDERS[what](state), "svg").decode()
