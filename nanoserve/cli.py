@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"generate": cmd_generate, "record": cmd_record, "export": cmd_export, "tui": cmd_tui}
     try:
         return commands[args.command](args)
-    except (ValueError, FileNotFoundError) as exc:   # bad input: one clear line, no traceback wall
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:   # bad input: one clear line, no traceback wall
         print(f"nanoserve: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -378,3 +378,15 @@ class LLMEngine:
     def __repr__(self) -> str:
         from nanoserve.viz.repl import to_text
         return to_text(self)
+
+    def _repr_html_(self) -> str:
+        """Jupyter: the rich panel, and the block tables drawn by Graphviz when `dot` is installed."""
+        from nanoserve.viz.graphviz import engine_svg
+        from nanoserve.viz.repl import to_html
+
+        svg = engine_svg(self)
+        return to_html(self) + (svg or "")
+
+    def _repr_svg_(self) -> str | None:
+        from nanoserve.viz.graphviz import engine_svg
+        return engine_svg(self)

@@ -253,3 +253,16 @@ def test_repl_rendering(engine):
     assert "LLMEngine" in text and "waiting" in text
     result = engine.step()
     assert "step 1" in repr(result)
+
+
+def test_jupyter_reprs(engine):
+    import shutil
+
+    engine.add_request("a", "hello", greedy(3))
+    engine.step()
+    assert "StepResult" in engine.step()._repr_html_()
+    assert "BlockPool" in engine.pool._repr_html_()
+    html = engine._repr_html_()
+    assert "LLMEngine" in html
+    if shutil.which("dot"):
+        assert "<svg" in html and "<svg" in engine._repr_svg_()

@@ -1,1 +1,5 @@
-"""Views of the engine for people: rich renderings for the REPL (repl.py)."""
+"""Views of the engine for people.
+
+repl.py      rich panels for the REPL (`print(engine)`, a StepResult, `engine.pool`) and HTML for Jupyter
+graphviz.py  DOT pictures of block tables and the pool, from a trace or a live engine (`nanoserve export`)
+"""
