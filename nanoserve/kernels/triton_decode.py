@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.checks import check_paged_args
+from nanoserve.kernels.triton_common import load_kv_tile, online_softmax_step
 
 
 @triton.jit
@@ -86,23 +87,12 @@ def _paged_decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end        # the last tile may run past this split's (or the sequence's) end
-        # Block table lookup: position -> physical block -> slot in the cache.
-        block = tl.load(block_tables_ptr + b * stride_btb + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
-        offset = offs_n % BLOCK_SIZE
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kn + offset[:, None] * stride_kt
-                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)   # [BLOCK_N, D]
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vn + offset[:, None] * stride_vt
-                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + b * stride_btb, offs_n, mask_n,
+                            kv_head, offs_d, mask_d, stride_kn, stride_kt, stride_kh,
+                            stride_vn, stride_vt, stride_vh, BLOCK_SIZE)                 # [BLOCK_N, D] each
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale                     # [GROUP_PAD, BLOCK_N]
         s = tl.where(mask_n[None, :], s, float("-inf"))                        # positions past the end
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)                                            # rescales the old sums
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v)
 
     # A split past the sequence's end ran no tile: l = 0, lse = -inf, so it weighs nothing.
     l_safe = tl.where(l_i > 0, l_i, 1.0)

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.checks import check_int_vector, check_paged_args
+from nanoserve.kernels.triton_common import load_kv_tile, online_softmax_step
 
 
 @triton.jit
@@ -79,27 +80,14 @@ def _paged_prefill_kernel(
     for n0 in range(0, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < ctx        # the last tile may run past the context
-        block = tl.load(block_tables_ptr + c * stride_btc + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
-        offset = offs_n % BLOCK_SIZE
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kn + offset[:, None] * stride_kt
-                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)   # [BLOCK_N, D]
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vn + offset[:, None] * stride_vt
-                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + c * stride_btc, offs_n, mask_n,
+                            kv_head, offs_d, mask_d, stride_kn, stride_kt, stride_kh,
+                            stride_vn, stride_vt, stride_vh, BLOCK_SIZE)                 # [BLOCK_N, D] each
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale                   # [BLOCK_M, BLOCK_N]
         # Causal: key position n is visible to a query at q_pos when n <= q_pos.
         visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Every real row sees position 0 in the first tile, so m_new is finite from then on;
-        # padding rows may stay -inf: keep them at 0 instead of NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
