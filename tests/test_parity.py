@@ -88,3 +88,24 @@ def test_greedy_matches_hf(kind, name, expected, tiny_llama, tiny_gpt2):
     assert got == expected(kind)
     if must_preempt:
         assert preempted > 0, "the pool was meant to be small enough to force preemption"
+
+
+def test_llama3_style_rope_scaling_and_tied_embeddings(tmp_path):
+    """A Llama-3-style config: llama3 RoPE scaling, large theta, tied embeddings, GQA 4:1."""
+    from transformers import LlamaConfig
+
+    from nanoserve.models.loader import load_model
+
+    config = LlamaConfig(
+        vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    )
+    torch.manual_seed(7)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    prompt_list = prompts(257)[8:]          # the longer prompts: positions past the original 32
+    want = hf_greedy(str(tmp_path), prompt_list, MAX_TOKENS)
+    got, _ = engine_greedy(load_model(str(tmp_path)), prompt_list, MAX_TOKENS, block_size=8, num_blocks=256,
+                           max_num_batched_tokens=32)
+    assert got == want
