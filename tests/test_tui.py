@@ -1,0 +1,428 @@
+"""The Textual TUI: every control in both modes (Pilot), screenshots (snapshots),
+replay == live, and bad input.
+
+Replay tests use a committed trace (tests/data/tui-memory-pressure.jsonl,
+recorded with `nanoserve record --scenario memory-pressure`), so they need
+no model. Live tests run tiny-llama (random weights, seeded) on the app's
+worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("textual")
+
+from nanoserve.events import EngineSynced, StepFinished, StepStarted
+from nanoserve.scenarios import SCENARIOS
+from nanoserve.trace import fold_all, read_trace
+from nanoserve_tui.app import NanoserveApp, run_app
+from nanoserve_tui.screens import AddRequestScreen, HelpScreen, ScenarioPicker
+from nanoserve_tui.source import LiveSource, ReplaySource, split_steps
+from nanoserve_tui.widgets.event_log import EventLog
+from nanoserve_tui.widgets.free_queue import FreeQueue
+from nanoserve_tui.widgets.pool import PoolGrid, describe_block, grid_layout
+from nanoserve_tui.widgets.requests import RequestList
+from nanoserve_tui.widgets.tables import BlockTables
+
+TRACE = Path(__file__).parent / "data" / "tui-memory-pressure.jsonl"
+PREEMPT_STEP = 13    # in that trace, r2 is preempted at step 13 (r3 was at step 5)
+WIDE, NARROW = (160, 50), (100, 30)
+
+
+def run_async(test):
+    """Run an async test with asyncio (no pytest async plugin needed); fixtures still work."""
+    @functools.wraps(test)
+    def wrapper(*args, **kwargs):
+        asyncio.run(test(*args, **kwargs))
+    return wrapper
+
+
+def replay_app() -> NanoserveApp:
+    return NanoserveApp(ReplaySource.from_path(TRACE))
+
+
+async def wait_for(pilot, condition, timeout: float = 30.0) -> None:
+    """Let the app run until `condition()` holds (live steps happen on a worker thread)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for the app")
+        await pilot.pause(0.02)
+
+
+def step_of(app: NanoserveApp) -> int:
+    return app.frame.state.step
+
+
+def notices(app: NanoserveApp) -> str:
+    return "\n".join(str(n.message) for n in app._notifications)
+
+
+def panels(app: NanoserveApp) -> dict[str, str]:
+    """What the data panels show, as plain text."""
+    return {
+        "pool": app.query_one(PoolGrid).text,
+        "block": str(app.query_one("#block-info").render()),
+        "tables": app.query_one(BlockTables).text,
+        "free": app.query_one(FreeQueue).text,
+        "requests": app.query_one(RequestList).text,
+        "events": app.query_one(EventLog).text,
+        "metrics": " | ".join(str(app.query_one(f"#{k}-label").render()) for k in ("tokens", "kv", "accept")),
+    }
+
+
+# -- sources without an app -----------------------------------------------------------
+
+
+def test_split_steps_and_replay_frames_match_fold():
+    events = read_trace(TRACE)
+    groups = split_steps(events)
+    assert isinstance(groups[0][0], EngineSynced)
+    assert all(isinstance(g[0], StepStarted) or g is groups[0] for g in groups)
+    assert all(isinstance(g[-1], StepFinished) for g in groups[1:])
+    source = ReplaySource(events)
+    last = source.frame(source.last)
+    assert last.at_end and last.state == fold_all(events)
+    assert source.frame(3).state.step == 3 and not source.frame(3).at_end
+
+
+def test_grid_layout_gets_more_detailed_with_room():
+    assert grid_layout(20, 4, 76, 40).lines == 3          # id / owner / fill
+    assert grid_layout(20, 4, 46, 9).lines == 2
+    assert grid_layout(96, 8, 46, 8).lines == 1
+    assert grid_layout(4096, 16, 76, 20).lines == 0       # one character per block
+
+
+def test_describe_block_lists_owner_and_token_positions():
+    state = ReplaySource(read_trace(TRACE)).frame(PREEMPT_STEP).state
+    text = describe_block(state, state.requests["r1"].block_table[-1]).plain
+    assert "ref count 1" in text and "r1" in text and "tokens 24-25 (2/4)" in text
+    free = state.free_queue[0]
+    assert "free · position 0" in describe_block(state, free).plain
+
+
+# -- replay controls --------------------------------------------------------------------
+
+
+@run_async
+async def test_replay_step_forward_and_back():
+    app = replay_app()
+    async with app.run_test(size=WIDE) as pilot:
+        await pilot.pause()
+        assert step_of(app) == 0 and app.source.mode == "replay"
+        await pilot.press("space")
+        await pilot.press("n")
+        assert step_of(app) == 2
+        await pilot.press("b")
+        assert step_of(app) == 1
+        await pilot.press("left")
+        assert step_of(app) == 0
+        await pilot.press("b")
+        assert "already at the start" in notices(app)
+
+
+@run_async
+async def test_replay_end_of_trace_notice():
+    app = replay_app()
+    async with app.run_test(size=WIDE) as pilot:
+        app.source.goto(app.source.last)
+        await pilot.pause()
+        assert app.frame.at_end
+        await pilot.press("n")
+        assert "end of the trace" in notices(app)
+
+
+@run_async
+async def test_replay_run_pause_and_speed():
+    app = replay_app()
+    async with app.run_test(size=WIDE) as pilot:
+        await pilot.pause()
+        await pilot.press("plus", "plus", "plus")          # 2 -> 4 -> 8 -> 16 steps/s
+        assert app.speed == 5
+        await pilot.press("plus")                          # already the fastest
+        assert app.speed == 5
+        await pilot.press("r")
+        assert app.playing
+        await wait_for(pilot, lambda: step_of(app) >= 3, timeout=10)
+        await pilot.press("r")
+        assert not app.playing
+        stopped = step_of(app)
+        await pilot.pause(0.3)
+        assert step_of(app) == stopped
+        await pilot.press("minus", "minus")
+        assert app.speed == 3
+        assert "paused" in str(app.query_one("#status").render()) and "4 steps/s" in str(app.query_one("#status").render())
+
+
+@run_async
+async def test_replay_runs_to_the_end_and_pauses():
+    app = replay_app()
+    async with app.run_test(size=WIDE) as pilot:
+        app.source.goto(app.source.last - 2)
+        app.speed = 5
+        await pilot.press("r")
+        await wait_for(pilot, lambda: not app.playing, timeout=10)
+        assert app.frame.at_end
+
+
+@run_async
+async def test_replay_live_only_controls_notify():
+    app = replay_app()
+    async with app.run_test(size=WIDE) as pilot:
+        await pilot.pause()
+        await pilot.press("a")
+        assert not isinstance(app.screen, AddRequestScreen)
+        await pilot.press("x")
+        text = notices(app)
+        assert "adding a request needs a live engine" in text
+        assert "abort needs a live engine" in text
+
+
+@run_async
+async def test_fork_needs_a_selection_then_notifies():
+    app = replay_app()
+    async with app.run_test(size=WIDE) as pilot:
+        app.source.goto(5)
+        await pilot.pause()
+        await pilot.press("f")
+        assert "select a request first" in notices(app)
+        await pilot.click("#requests", offset=(4, 2))      # inside the border: line 1, the first request
+        assert app.query_one(RequestList).selected == "r0"
+        await pilot.press("down")                          # the list has focus now: next request
+        assert app.query_one(RequestList).selected == "r1"
+        await pilot.press("f")
+        assert "fork arrives with copy-on-write (not in this engine yet)" in notices(app)
+
+
+@run_async
+async def test_block_selection_by_click_and_keys():
+    app = replay_app()
+    async with app.run_test(size=WIDE) as pilot:
+        app.source.goto(5)
+        await pilot.pause()
+        grid = app.query_one(PoolGrid)
+        cell = grid.layout_.cell
+        await pilot.click("#pool-grid", offset=(cell + 2, 0))   # the second cell: block 1
+        assert grid.selected == 1
+        info = str(app.query_one("#block-info").render())
+        assert "block 1" in info and "r0" in info and "tokens 4-7 (4/4)" in info
+        await pilot.press("right")                               # the grid has focus after the click
+        assert grid.selected == 2
+        await pilot.press("down")
+        assert grid.selected == 2 + grid.layout_.cols
+        app.source.goto(6)                                       # the selection survives a step
+        await pilot.pause()
+        assert f"block {grid.selected}" in str(app.query_one("#block-info").render())
+
+
+@run_async
+async def test_help_screen_opens_and_closes():
+    app = replay_app()
+    async with app.run_test(size=WIDE) as pilot:
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+
+
+@run_async
+async def test_presets_picker_lists_scenarios():
+    app = replay_app()
+    async with app.run_test(size=WIDE) as pilot:
+        await pilot.press("p")
+        assert isinstance(app.screen, ScenarioPicker)
+        options = app.screen.query_one("#scenarios")
+        assert [options.get_option_at_index(i).id for i in range(options.option_count)] == list(SCENARIOS)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, ScenarioPicker) and app.source.mode == "replay"
+
+
+# -- live controls ----------------------------------------------------------------------
+
+
+def live_app(scenario: str = "continuous-batching", **kwargs) -> NanoserveApp:
+    return NanoserveApp(LiveSource(scenario=scenario, **kwargs))
+
+
+@run_async
+async def test_live_step_run_pause_and_back_notice():
+    app = live_app()
+    async with app.run_test(size=WIDE) as pilot:
+        await wait_for(pilot, lambda: app.frame is not None)
+        assert step_of(app) == 0 and app.source.mode == "live"
+        await pilot.press("n")
+        await wait_for(pilot, lambda: step_of(app) == 1)
+        assert set(app.frame.state.running) == {"r1", "r2"}
+        await pilot.press("space")
+        await wait_for(pilot, lambda: step_of(app) == 2)
+        await pilot.press("b")
+        assert "a live engine only goes forward" in notices(app)
+        app.speed = 5
+        await pilot.press("r")
+        await wait_for(pilot, lambda: step_of(app) >= 4)
+        await pilot.press("r")
+        await wait_for(pilot, lambda: not app.source._pending_steps)
+        stopped = step_of(app)
+        await pilot.pause(0.4)
+        assert step_of(app) == stopped
+
+
+@run_async
+async def test_live_add_request_dialog():
+    app = live_app()
+    async with app.run_test(size=WIDE) as pilot:
+        await wait_for(pilot, lambda: app.frame is not None)
+        await pilot.press("a")
+        assert isinstance(app.screen, AddRequestScreen)
+        await pilot.click("#prompt")
+        await pilot.press(*"Hi there")
+        app.screen.query_one("#max-tokens").value = "0"
+        await pilot.click("#add")
+        assert isinstance(app.screen, AddRequestScreen)            # rejected: max_tokens < 1
+        assert "at least 1" in str(app.screen.query_one("#error").render())
+        app.screen.query_one("#max-tokens").value = "5"
+        app.screen.query_one("#temperature").value = "0"
+        await pilot.click("#prompt")
+        await pilot.press("enter")
+        assert not isinstance(app.screen, AddRequestScreen)
+        await wait_for(pilot, lambda: "u1" in app.frame.state.requests)
+        req = app.frame.state.requests["u1"]
+        assert (req.prompt, req.max_tokens, req.status) == ("Hi there", 5, "waiting")
+        await pilot.press("a", "escape")                          # cancel adds nothing
+        await pilot.pause()
+        assert list(app.frame.state.requests) == ["u1"]
+
+
+@run_async
+async def test_live_abort_selected_request():
+    app = live_app()
+    async with app.run_test(size=WIDE) as pilot:
+        await wait_for(pilot, lambda: app.frame is not None)
+        await pilot.press("n")
+        await wait_for(pilot, lambda: step_of(app) == 1)
+        app.query_one(RequestList).selected = "r2"
+        await pilot.press("x")
+        await wait_for(pilot, lambda: "r2" in app.frame.state.finished)
+        state = app.frame.state
+        assert state.requests["r2"].status == "finished_aborted" and not state.requests["r2"].block_table
+        assert "RequestAborted" in app.query_one(EventLog).text
+        await pilot.press("x")                                    # already finished
+        assert "r2 has already finished" in notices(app)
+
+
+@run_async
+async def test_live_presets_restart_engine():
+    app = live_app()
+    async with app.run_test(size=WIDE) as pilot:
+        await wait_for(pilot, lambda: app.frame is not None)
+        await pilot.press("n")
+        await wait_for(pilot, lambda: step_of(app) == 1)
+        await pilot.press("p")
+        assert isinstance(app.screen, ScenarioPicker)
+        await pilot.press("down", "enter")                        # the second preset: memory-pressure
+        await wait_for(pilot, lambda: app.frame.state.num_blocks == 20)
+        assert step_of(app) == 0 and app.source.description.startswith("memory-pressure")
+        await pilot.press("n")
+        await wait_for(pilot, lambda: step_of(app) == 1)
+        assert len(app.frame.state.requests) == 5
+
+
+@run_async
+async def test_replay_preset_starts_a_live_run():
+    app = replay_app()
+    async with app.run_test(size=WIDE) as pilot:
+        await pilot.press("p", "enter")                           # the first preset
+        await wait_for(pilot, lambda: app.source.mode == "live" and app.frame.state.model == "tiny-llama"
+                       and app.frame.state.num_blocks == 64)
+
+
+@run_async
+async def test_live_model_that_fails_to_load():
+    app = NanoserveApp(LiveSource(model="/no/such/model"))
+    async with app.run_test(size=WIDE) as pilot:
+        await wait_for(pilot, lambda: app.error is not None)
+        assert "could not load model '/no/such/model'" in app.error
+        assert "press q to quit" in str(app.query_one("#error-message").render())
+        await pilot.press("n")
+        assert "did not load" in notices(app)
+        await pilot.press("q")
+    assert app.return_code == 2
+
+
+# -- replay gives the same screens as the live run --------------------------------------
+
+
+@pytest.mark.parametrize("steps", [9])
+@run_async
+async def test_replay_matches_live_run(tmp_path, steps):
+    recording = tmp_path / "live.jsonl"
+    live = live_app("memory-pressure", record=recording)
+    async with live.run_test(size=WIDE) as pilot:
+        await wait_for(pilot, lambda: live.frame is not None)
+        for n in range(1, steps + 1):
+            await pilot.press("n")
+            await wait_for(pilot, lambda: step_of(live) == n)
+        live.query_one(PoolGrid).selected = 3
+        await pilot.pause()
+        seen_live = panels(live)
+    replay = NanoserveApp(ReplaySource.from_path(recording))
+    async with replay.run_test(size=WIDE) as pilot:
+        replay.source.goto(steps)
+        replay.query_one(PoolGrid).selected = 3
+        await pilot.pause()
+        seen_replay = panels(replay)
+    assert "Preempted" in seen_live["events"] or "preempted" in seen_live["tables"]
+    for name in seen_live:
+        assert seen_replay[name] == seen_live[name], name
+
+
+# -- screenshots ------------------------------------------------------------------------
+
+
+async def _at_preemption(pilot) -> None:
+    pilot.app.source.goto(PREEMPT_STEP)
+    await pilot.pause()
+
+
+def test_snapshot_wide(snap_compare):
+    assert snap_compare(replay_app(), terminal_size=WIDE, run_before=_at_preemption)
+
+
+def test_snapshot_narrow(snap_compare):
+    assert snap_compare(replay_app(), terminal_size=NARROW, run_before=_at_preemption)
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+
+def test_run_app_missing_trace(tmp_path, capsys):
+    assert run_app(replay=str(tmp_path / "nope.jsonl")) == 2
+    err = capsys.readouterr().err
+    assert "trace not found" in err and "nope.jsonl" in err and "Traceback" not in err
+
+
+def test_run_app_corrupt_trace(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    lines = TRACE.read_text().splitlines()
+    bad.write_text("\n".join(lines[:3] + ["{not json"] + lines[3:]))
+    assert run_app(replay=str(bad)) == 2
+    assert f"{bad}:4:" in capsys.readouterr().err
+
+
+def test_run_app_trace_without_engine_synced(tmp_path, capsys):
+    bad = tmp_path / "headless.jsonl"
+    bad.write_text("\n".join(TRACE.read_text().splitlines()[1:]))
+    assert run_app(replay=str(bad)) == 2
+    assert "must start with EngineSynced" in capsys.readouterr().err
+
+
+def test_run_app_unknown_scenario(capsys):
+    assert run_app(scenario="no-such-scenario") == 2
+    err = capsys.readouterr().err
+    assert "unknown scenario 'no-such-scenario'" in err and "memory-pressure" in err

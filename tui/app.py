@@ -1,0 +1,295 @@
+"""The nanoserve TUI app: wires a source of frames to the panels and the keys.
+
+    nanoserve tui --replay pressure.jsonl       a recorded trace, no model needed
+    nanoserve tui --scenario memory-pressure    a live engine on a worker thread
+
+The app owns the controls (step, run/pause, speed, dialogs) and three bits
+of state, as reactives: the current `frame`, whether it is `playing`, and
+the `speed`. Every panel is drawn from the frame alone. Sources (live or
+replay) live in `source.py`, panels in `widgets/`, dialogs in `screens.py`,
+layout in `app.tcss`.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+from textual import on
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.reactive import reactive
+from textual.timer import Timer
+from textual.widgets import Footer, Static
+
+from nanoserve_tui.screens import AddRequestScreen, HelpScreen, ScenarioPicker
+from nanoserve_tui.source import (
+    FrameReady, Frame, LiveSource, ReplaySource, Source, SourceStatus, Unsupported,
+)
+from nanoserve_tui.widgets.event_log import EventLog
+from nanoserve_tui.widgets.free_queue import FreeQueue
+from nanoserve_tui.widgets.metrics import Metrics
+from nanoserve_tui.widgets.pool import PoolPanel
+from nanoserve_tui.widgets.radix import RadixTree
+from nanoserve_tui.widgets.requests import RequestList
+from nanoserve_tui.widgets.status import StatusBar
+from nanoserve_tui.widgets.tables import BlockTables
+
+SPEEDS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)   # steps per second when running
+
+
+class NanoserveApp(App[None]):
+    CSS_PATH = "app.tcss"
+    TITLE = "nanoserve"
+    ENABLE_COMMAND_PALETTE = False
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (130, "-wide")]
+    BINDINGS = [
+        Binding("space", "step", "step"),
+        Binding("n", "step", "step", show=False),
+        Binding("r", "toggle_run", "run/pause"),
+        Binding("plus,equals_sign", "speed(1)", "faster", key_display="+"),
+        Binding("minus", "speed(-1)", "slower", key_display="-"),
+        Binding("b", "back", "back"),
+        Binding("left", "back", "back", show=False),
+        Binding("a", "add", "add"),
+        Binding("x", "abort", "abort"),
+        Binding("f", "fork", "fork"),
+        Binding("p", "presets", "presets"),
+        Binding("question_mark", "help", "help", key_display="?"),
+        Binding("q", "quit", "quit"),
+    ]
+
+    frame: reactive[Frame | None] = reactive(None, always_update=True)
+    playing = reactive(False)
+    speed = reactive(2)            # index into SPEEDS
+
+    def __init__(self, source: Source) -> None:
+        super().__init__()
+        self.source = source
+        self.status = ""           # what the source said last ("loading tiny-llama …")
+        self.error: str | None = None
+        self._added = 0            # ids for requests added from the dialog: u1, u2, ...
+        self._ticker: Timer | None = None   # steps the source while playing
+
+    def compose(self) -> ComposeResult:
+        yield StatusBar(id="status")
+        with Horizontal(id="body"):
+            with Vertical(id="left"):
+                yield PoolPanel(id="pool-panel", classes="panel")
+                yield BlockTables(id="tables-panel", classes="panel")
+                with Horizontal(id="queue-row"):
+                    yield FreeQueue(id="free-panel", classes="panel")
+                    yield RadixTree(id="radix", classes="panel")
+            with Vertical(id="right"):
+                yield RequestList(id="requests", classes="panel")
+                yield EventLog(id="events", classes="panel")
+                yield Metrics(id="metrics", classes="panel")
+        yield Static(id="error-message")
+        yield Footer(compact=True)
+
+    def on_mount(self) -> None:
+        # Every step allocates tens of thousands of short-lived segments, and each full garbage
+        # collection would rescan the ~400k long-lived objects that importing torch and friends
+        # left behind (5x the cost of drawing). Move those out of the collector's sight.
+        gc.freeze()
+        titles = {"pool-panel": "KV block pool", "tables-panel": "block tables (logical→physical)",
+                  "free-panel": "free queue (LRU)", "radix": "radix tree", "requests": "requests",
+                  "events": "events this step", "metrics": "metrics"}
+        for widget_id, title in titles.items():
+            self.query_one(f"#{widget_id}").border_title = title
+        self._restart_ticker()
+        self.query_one(RequestList).focus()
+        self.source.attach(self)
+
+    def on_unmount(self) -> None:
+        self.source.close()
+        gc.unfreeze()
+
+    # -- from the source --------------------------------------------------------------
+
+    @on(FrameReady)
+    def _frame_ready(self, message: FrameReady) -> None:
+        self.frame = message.frame
+
+    @on(SourceStatus)
+    def _source_status(self, message: SourceStatus) -> None:
+        self.status = message.text
+        self.query_one("#body").loading = message.kind == "loading"
+        if message.kind == "ready" and self.source.mode == "live":
+            self.notify(message.text, title="engine ready")
+        if message.kind == "error":
+            self.error = message.text
+            self.playing = False
+            error = self.query_one("#error-message", Static)
+            error.update(f"{message.text}\n\npress q to quit")
+            error.display = True
+            self.query_one("#body").display = False
+        self._update_status()
+
+    def watch_frame(self, frame: Frame | None) -> None:
+        if frame is None:
+            return
+        state = frame.state
+        self.query_one(PoolPanel).state = state
+        self.query_one(BlockTables).state = state
+        self.query_one(FreeQueue).state = state
+        self.query_one(RequestList).state = state
+        self.query_one(EventLog).show_events(frame.events)
+        self.query_one(Metrics).frame = frame
+        if frame.at_end and self.playing and self.source.mode == "replay":
+            self.playing = False
+        self._update_status()
+
+    def watch_playing(self, playing: bool) -> None:
+        if self._ticker is not None:
+            (self._ticker.resume if playing else self._ticker.pause)()
+        self._update_status()
+
+    def watch_speed(self, speed: int) -> None:
+        if self._ticker is not None:
+            self._restart_ticker()
+        self._update_status()
+
+    def _restart_ticker(self) -> None:
+        if self._ticker is not None:
+            self._ticker.stop()
+        self._ticker = self.set_interval(1 / SPEEDS[self.speed], self._tick, pause=not self.playing)
+
+    def _update_status(self) -> None:
+        if not self.is_mounted or not self.query(StatusBar):
+            return                 # reactives' first watch runs before the widgets exist
+        frame = self.frame
+        if frame is not None:
+            last = f"/{frame.last_step}" if frame.last_step is not None else ""
+            position = f"step {frame.state.step}{last}"
+        else:
+            position = self.status
+        self.query_one(StatusBar).show(self.source.mode, self.source.description, position, self.playing,
+                                       SPEEDS[self.speed])
+
+    # -- controls ---------------------------------------------------------------------
+
+    def _tick(self) -> None:
+        try:
+            self.source.step(if_idle=True)
+        except Unsupported as exc:
+            self.playing = False
+            self.notify(str(exc), title="paused")
+
+    def _try(self, command, *args) -> bool:
+        """Run a source command; a control that does not apply becomes a notice."""
+        try:
+            command(*args)
+            return True
+        except Unsupported as exc:
+            self.notify(str(exc), severity="warning")
+            return False
+
+    def action_step(self) -> None:
+        self._try(self.source.step)
+
+    def action_back(self) -> None:
+        self.playing = False
+        self._try(self.source.back)
+
+    def action_toggle_run(self) -> None:
+        if not self.playing and self.frame is not None and self.frame.at_end:
+            if self.source.mode == "replay":
+                self.notify("end of the trace: step back (b) first", severity="warning")
+                return
+        self.playing = not self.playing
+
+    def action_speed(self, delta: int) -> None:
+        self.speed = max(0, min(len(SPEEDS) - 1, self.speed + delta))
+
+    def _selected_request(self) -> str | None:
+        rid = self.query_one(RequestList).selected_request if self.frame is not None else None
+        if rid is None:
+            self.notify("select a request first: click it, or use ↑/↓ in the request list", severity="warning")
+        return rid
+
+    def action_abort(self) -> None:
+        if self.source.mode != "live":
+            self._try(self.source.abort, "")              # says why it does not apply
+            return
+        rid = self._selected_request()
+        if rid is None:
+            return
+        if rid in self.frame.state.finished:
+            self.notify(f"{rid} has already finished", severity="warning")
+            return
+        if self._try(self.source.abort, rid):
+            self.notify(f"aborting {rid}")
+
+    def action_fork(self) -> None:
+        rid = self._selected_request()
+        if rid is not None:
+            self.notify(f"fork {rid}: fork arrives with copy-on-write (not in this engine yet)",
+                        title="fork", severity="information")
+
+    def action_add(self) -> None:
+        if self.source.mode != "live":
+            self._try(self.source.add_request, "", "", {})
+            return
+        self.push_screen(AddRequestScreen(), self._add_request)
+
+    def _add_request(self, request: dict | None) -> None:
+        if request is None:
+            return
+        known = self.frame.state.requests if self.frame else {}
+        self._added += 1
+        while f"u{self._added}" in known:
+            self._added += 1
+        rid = f"u{self._added}"
+        prompt = request.pop("prompt")
+        if self._try(self.source.add_request, rid, prompt, request):
+            self.notify(f"added {rid}")
+
+    def action_presets(self) -> None:
+        note = ("restarts the engine with the scenario you pick" if self.source.mode == "live"
+                else "starts a live run of the scenario you pick (the replay ends)")
+        self.push_screen(ScenarioPicker(note), self._preset_chosen)
+
+    def _preset_chosen(self, name: str | None) -> None:
+        if name is None:
+            return
+        self.playing = False
+        if isinstance(self.source, LiveSource):
+            self.source.restart(name)
+        else:
+            self.source.close()
+            self.source = LiveSource(scenario=name)
+            self.source.attach(self)
+        self.notify(f"scenario {name}")
+        self._update_status()
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def action_quit(self) -> None:
+        self.exit(return_code=2 if self.error else 0)
+
+
+def make_source(model: str | None = None, replay: str | None = None, scenario: str | None = None) -> Source:
+    """The source for the command line's choice; ValueError / OSError on bad input."""
+    if replay is not None:
+        if model is not None or scenario is not None:
+            raise ValueError("--replay plays a recorded trace; it takes no --model or --scenario")
+        return ReplaySource.from_path(replay)
+    return LiveSource(model=model, scenario=scenario)
+
+
+def run_app(model: str | None = None, replay: str | None = None, scenario: str | None = None) -> int:
+    """Run the TUI; returns the exit code (2 on a bad trace, scenario or model)."""
+    try:
+        source = make_source(model, replay, scenario)
+    except (OSError, ValueError) as exc:
+        print(f"nanoserve: error: {exc}", file=sys.stderr)
+        return 2
+    app = NanoserveApp(source)
+    app.run()
+    if app.error:
+        print(f"nanoserve: error: {app.error}", file=sys.stderr)
+        return 2
+    return app.return_code or 0

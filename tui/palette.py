@@ -1,0 +1,41 @@
+"""Colours and small text helpers shared by the panels.
+
+Each request gets one colour, by arrival order, used everywhere it appears
+(pool cells, block tables, queues), so the eye can follow it between panels.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+
+from nanoserve.trace import ViewState
+
+# Background colours for request cells; black text reads well on all of them.
+REQUEST_COLOURS = (
+    "#61afef", "#98c379", "#e5c07b", "#c678dd", "#56b6c2", "#e06c75",
+    "#d19a66", "#7fdbca", "#f78fb3", "#b5bd68", "#82aaff", "#ffcb6b",
+)
+FREE = "#3a3a3a"            # a free block (ref count 0)
+SHARED = "#ffffff"          # a block held by more than one request (ref count > 1)
+TOUCHED = "bold underline"  # allocated or freed this step
+CURSOR = "reverse"          # the selected block
+
+STATUS_STYLE = {
+    "waiting": "yellow", "running": "green", "finished_stopped": "dim", "finished_length": "dim",
+    "finished_aborted": "red",
+}
+
+
+def request_colours(state: ViewState) -> dict[str, str]:
+    """Request id -> its colour, by arrival order (stable over a run and its replay)."""
+    return {rid: REQUEST_COLOURS[i % len(REQUEST_COLOURS)] for i, rid in enumerate(state.requests)}
+
+
+def printable(text: str) -> str:
+    """Text safe to draw in one cell per character: control and combining characters become '·'.
+
+    Random tiny models emit arbitrary bytes; a stray carriage return or
+    combining accent would otherwise break the layout.
+    """
+    return "".join(c if c.isprintable() and not unicodedata.combining(c) and
+                   unicodedata.east_asian_width(c) not in "WF" else "·" for c in text)

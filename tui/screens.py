@@ -1,0 +1,152 @@
+"""Modal screens: add a request, pick a scenario preset, help.
+
+Each returns its answer with `dismiss()`; the app decides what to do with it.
+"""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, OptionList, Static
+from textual.widgets.option_list import Option
+
+from nanoserve.scenarios import SCENARIOS
+
+
+class AddRequestScreen(ModalScreen[dict | None]):
+    """Prompt, max_tokens and temperature for a new request; dismisses with the request or None."""
+
+    BINDINGS = [Binding("escape", "cancel", "cancel")]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Label("Add a request", classes="dialog-title")
+            yield Label("prompt")
+            yield Input(placeholder="e.g. The capital of France is", id="prompt")
+            with Horizontal(classes="fields"):
+                with Vertical():
+                    yield Label("max_tokens")
+                    yield Input("16", type="integer", id="max-tokens")
+                with Vertical():
+                    yield Label("temperature (0 = greedy)")
+                    yield Input("0.8", type="number", id="temperature")
+            yield Label("", id="error")
+            with Horizontal(classes="buttons"):
+                yield Button("Add", variant="primary", id="add")
+                yield Button("Cancel", id="cancel")
+
+    def request(self) -> dict | None:
+        """The form as SamplingParams fields plus the prompt, or None (with the reason shown)."""
+        prompt = self.query_one("#prompt", Input).value
+        try:
+            max_tokens = int(self.query_one("#max-tokens", Input).value)
+            temperature = float(self.query_one("#temperature", Input).value)
+        except ValueError:
+            return self._error("max_tokens must be a whole number and temperature a number")
+        if not prompt.strip():
+            return self._error("the prompt is empty")
+        if max_tokens < 1:
+            return self._error("max_tokens must be at least 1")
+        if temperature < 0:
+            return self._error("temperature must be 0 or more")
+        return {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
+
+    def _error(self, text: str) -> None:
+        self.query_one("#error", Label).update(Text(text, style="bold red"))
+        return None
+
+    @on(Button.Pressed, "#add")
+    @on(Input.Submitted)
+    def submit(self) -> None:
+        request = self.request()
+        if request is not None:
+            self.dismiss(request)
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class ScenarioPicker(ModalScreen[str | None]):
+    """The scenario presets with what to watch for in each; dismisses with a name or None."""
+
+    BINDINGS = [Binding("escape", "cancel", "cancel")]
+
+    def __init__(self, note: str) -> None:
+        super().__init__()
+        self.note = note
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Label("Scenario presets", classes="dialog-title")
+            yield Label(self.note, classes="dim")
+            yield OptionList(*[
+                Option(Text.assemble((name, "bold"), "\n", (s.description, "dim")), id=name)
+                for name, s in SCENARIOS.items()
+            ], id="scenarios")
+
+    @on(OptionList.OptionSelected)
+    def chosen(self, message: OptionList.OptionSelected) -> None:
+        self.dismiss(message.option.id)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+KEYS = [
+    ("space / n", "one step forward"),
+    ("r", "run / pause (at the speed in the status line)"),
+    ("+ / -", "faster / slower"),
+    ("b / ←", "one step back (replay only; ← moves the block cursor while the pool grid has focus)"),
+    ("a", "add a request: prompt, max_tokens, temperature (live only)"),
+    ("x", "abort the selected request (live only)"),
+    ("f", "fork the selected request (arrives with copy-on-write)"),
+    ("p", "scenario presets (live: restart the engine with one; replay: start a live run of one)"),
+    ("tab", "focus the next panel: in the pool grid arrows select a block, in the request list ↑/↓ "
+            "select a request, elsewhere arrows scroll"),
+    ("?", "this help"),
+    ("q", "quit"),
+]
+PANELS = [
+    ("KV block pool", "one cell per physical block: grey when free, a request's colour when it holds the "
+                      "block, white when shared (ref count > 1); underlined = allocated or freed this step. "
+                      "Select a block (click, or arrows) to see its ref count, owners and the token "
+                      "positions it holds for each."),
+    ("block tables", "per request, logical block → physical block; (3/4) marks a partly filled last block, "
+                     "where the next tokens' K/V go."),
+    ("free queue", "free blocks, head (handed out next) first; freed blocks join the tail."),
+    ("radix tree", "the prefix cache's tree (not in this engine yet; hidden under 130 columns)."),
+    ("requests", "running, waiting and finished: tokens generated of max_tokens, prompt tokens, tokens "
+                 "with K/V in the cache, and the newest text."),
+    ("events", "everything the engine decided this step, in order."),
+    ("metrics", "tokens computed per step, KV pool usage, and \"accepted\": the share of drafted "
+                "tokens the target accepted (speculative decoding)."),
+]
+
+
+def help_table(title: str, rows: list[tuple[str, str]]) -> Table:
+    table = Table(title=title, title_justify="left", title_style="bold", show_header=False, box=None,
+                  padding=(0, 2, 0, 0), expand=True)
+    table.add_column(style="bold #e5c07b", no_wrap=True)
+    table.add_column(ratio=1)
+    for name, text in rows:
+        table.add_row(name, text)
+    return table
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,q,question_mark", "close", "close")]
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="dialog"):
+            yield Label("nanoserve TUI", classes="dialog-title")
+            yield Static(help_table("Keys", KEYS))
+            yield Static(help_table("Panels", PANELS), classes="help-panels")
+
+    def action_close(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,337 @@
+"""Where the TUI's events come from: a live engine, or a recorded trace.
+
+Both sources hand the app the same thing, a `Frame`: the `ViewState` that
+`fold()` built from every event so far, plus the events of the latest step
+(for the log). The app draws only frames, never the engine, which is why a
+replayed trace looks exactly like the live run that recorded it.
+
+* `LiveSource` runs an `LLMEngine` (inside a `ScenarioRunner`) on a Textual
+  worker thread. The UI never touches the engine: it puts commands (step,
+  add, abort, restart) on a queue, the worker executes them one at a time and
+  sends each command's events back with `call_from_thread`, where they are
+  folded on the UI thread.
+* `ReplaySource` reads a JSONL trace, splits it into steps, and folds up to
+  step N; every frame is cached, so stepping back is instant.
+
+A command a source cannot do (step back live, abort in a replay) raises
+`Unsupported` with a sentence for the user; the app shows it as a notice.
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from textual.app import App
+from textual.message import Message
+from textual.worker import get_current_worker
+
+from nanoserve.events import DraftVerified, EngineSynced, Event, StepFinished, StepStarted
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.scenarios import Scenario, ScenarioRunner, get_scenario
+from nanoserve.trace import JsonlRecorder, ViewState, fold, fold_all, read_trace
+
+DEFAULT_MODEL = "tiny-llama"
+
+# What `nanoserve tui --model X` runs when no scenario is named: an empty engine
+# with a pool small enough to watch. Requests come from the `a` dialog.
+PLAYGROUND = Scenario(
+    "playground", "An empty engine: add requests with `a`, or pick a preset with `p`.",
+    dict(block_size=8, num_blocks=128, max_num_batched_tokens=64, max_num_seqs=8), [],
+)
+
+
+class Unsupported(Exception):
+    """A control that does not apply here; the message says why, for the user."""
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One picture's worth of data: everything the panels draw."""
+
+    state: ViewState
+    events: tuple[Event, ...]              # the latest step's events (or a command's, e.g. an abort)
+    acceptance: tuple[float, ...] = ()     # accepted / drafted, per step that verified drafts
+    at_end: bool = False                   # nothing more to step: the trace ended, or no work is left
+    last_step: int | None = None           # the trace's last step (replay); None when live
+
+
+class SourceStatus(Message):
+    """The source changed state: "loading", "ready" or "error" (with a text for the user)."""
+
+    def __init__(self, kind: str, text: str) -> None:
+        super().__init__()
+        self.kind, self.text = kind, text
+
+
+class FrameReady(Message):
+    """A new frame to draw."""
+
+    def __init__(self, frame: Frame) -> None:
+        super().__init__()
+        self.frame = frame
+
+
+def acceptance_rate(events: Sequence[Event]) -> float | None:
+    """Accepted / drafted over one step's DraftVerified events; None when nothing was drafted."""
+    drafted = accepted = 0
+    for e in events:
+        if isinstance(e, DraftVerified):
+            drafted, accepted = drafted + e.num_drafted, accepted + e.num_accepted
+    return accepted / drafted if drafted else None
+
+
+def split_steps(events: Sequence[Event]) -> list[list[Event]]:
+    """Group a trace by step: [prelude, step 1, step 2, ...].
+
+    The prelude is everything before the first StepStarted (EngineSynced, the
+    first arrivals). A step runs to its StepFinished; requests added between
+    steps open the next group, as they do in a live run (a `ScenarioRunner`
+    adds arrivals right before it steps).
+    """
+    groups: list[list[Event]] = []
+    current: list[Event] = []
+    for event in events:
+        if isinstance(event, StepStarted) and not groups:
+            groups.append(current)
+            current = []
+        current.append(event)
+        if isinstance(event, StepFinished):
+            groups.append(current)
+            current = []
+    if current or not groups:
+        groups.append(current)
+    return groups
+
+
+class Source:
+    """What the app asks of a source. Results arrive as FrameReady / SourceStatus messages."""
+
+    mode: ClassVar[str]
+    description: str = ""                  # e.g. "memory-pressure on tiny-llama"
+
+    def attach(self, app: App) -> None:
+        """Start: post the first frame (and status) to `app`."""
+        raise NotImplementedError
+
+    def step(self, *, if_idle: bool = False) -> None:
+        """One step forward. `if_idle`: skip when a step is still being computed (the run timer)."""
+        raise NotImplementedError
+
+    def back(self) -> None:
+        raise Unsupported("step back works in replay; a live engine only goes forward")
+
+    def add_request(self, request_id: str, prompt: str, params: dict) -> None:
+        raise Unsupported("adding a request needs a live engine; this is a replay of a recorded trace")
+
+    def abort(self, request_id: str) -> None:
+        raise Unsupported("abort needs a live engine; this is a replay of a recorded trace")
+
+    def close(self) -> None:
+        """Stop whatever the source runs (the live worker)."""
+
+
+class ReplaySource(Source):
+    """Frames from a recorded trace; step N is the fold of steps 0..N."""
+
+    mode = "replay"
+
+    def __init__(self, events: Sequence[Event], name: str = "trace") -> None:
+        fold_all(events)                              # a trace that does not fold fails here, up front
+        self.groups = split_steps(events)
+        self.description = name
+        self.final_step = max(e.step for e in events)   # shown as "step 12/37"
+        self.position = 0                             # index into groups
+        self._frames: list[Frame] = []                # cache: frames 0..len-1 are built
+        self._app: App | None = None
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> ReplaySource:
+        """Read and check a trace; FileNotFoundError / ValueError with a clear message."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"trace not found: {path}")
+        return cls(read_trace(path), name=path.name)
+
+    @property
+    def last(self) -> int:
+        return len(self.groups) - 1
+
+    def frame(self, index: int) -> Frame:
+        """The frame after group `index`, folding forward from the last cached one."""
+        while len(self._frames) <= index:
+            k = len(self._frames)
+            prev = self._frames[-1] if self._frames else None
+            state = copy.deepcopy(prev.state) if prev else None   # cached frames are never mutated
+            for event in self.groups[k]:
+                state = fold(state, event)
+            rate = acceptance_rate(self.groups[k])
+            acceptance = (prev.acceptance if prev else ()) + (() if rate is None else (rate,))
+            self._frames.append(Frame(state, tuple(self.groups[k]), acceptance, k == self.last, self.final_step))
+        return self._frames[index]
+
+    def attach(self, app: App) -> None:
+        self._app = app
+        app.post_message(SourceStatus("ready", f"replaying {self.description}"))
+        self.goto(self.position)
+
+    def goto(self, index: int) -> None:
+        self.position = max(0, min(index, self.last))
+        if self._app is not None:
+            self._app.post_message(FrameReady(self.frame(self.position)))
+
+    def step(self, *, if_idle: bool = False) -> None:
+        if self.position >= self.last:
+            raise Unsupported(f"end of the trace (step {self.frame(self.last).state.step})")
+        self.goto(self.position + 1)
+
+    def back(self) -> None:
+        if self.position == 0:
+            raise Unsupported("already at the start of the trace")
+        self.goto(self.position - 1)
+
+
+class LiveSource(Source):
+    """A live engine stepped on a worker thread; commands go through a queue."""
+
+    mode = "live"
+
+    def __init__(self, model: str | None = None, scenario: str | None = None,
+                 record: str | Path | None = None) -> None:
+        self.model = model or DEFAULT_MODEL
+        self.scenario = get_scenario(scenario) if scenario else PLAYGROUND   # ValueError when unknown
+        self.record = record                          # also write every event to this JSONL trace
+        self.description = f"{self.scenario.name} on {self.model}"
+        self._commands: queue.Queue[tuple[str, tuple]] = queue.Queue()
+        self._pending_steps = 0                       # steps queued and not yet done (UI thread only)
+        self._done = False                            # the engine has nothing left to do
+        self._failed = False                          # the model did not load
+        self._state: ViewState | None = None          # folded on the UI thread
+        self._acceptance: tuple[float, ...] = ()
+        self._app: App | None = None
+
+    # -- UI thread ---------------------------------------------------------------------
+
+    def attach(self, app: App) -> None:
+        self._app = app
+        app.post_message(SourceStatus("loading", f"loading {self.model} …"))
+        app.run_worker(self._serve, thread=True, name="engine", group="engine", exit_on_error=False)
+
+    def step(self, *, if_idle: bool = False) -> None:
+        if self._failed:
+            raise Unsupported(f"{self.model} did not load; press q to quit")
+        if self._state is None:
+            raise Unsupported(f"still loading {self.model}")
+        if if_idle and self._pending_steps:
+            return
+        if self._done and not self._pending_steps:
+            raise Unsupported("all requests are done: add one with a, or pick a preset with p")
+        self._pending_steps += 1
+        self._commands.put(("step", ()))
+
+    def add_request(self, request_id: str, prompt: str, params: dict) -> None:
+        self._commands.put(("add", (request_id, prompt, params)))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", (request_id,)))
+
+    def restart(self, scenario: str) -> None:
+        """Start over on a fresh engine running `scenario` (the model stays loaded)."""
+        self.scenario = get_scenario(scenario)
+        self.description = f"{self.scenario.name} on {self.model}"
+        self._commands.put(("restart", (scenario,)))
+
+    def close(self) -> None:
+        self._commands.put(("stop", ()))
+
+    def _deliver(self, events: list[Event], done: bool, stepped: bool) -> None:
+        """Fold a command's events into the view (runs on the UI thread)."""
+        if stepped:
+            self._pending_steps = max(0, self._pending_steps - 1)
+        self._done = done
+        for event in events:
+            if isinstance(event, EngineSynced):
+                self._acceptance = ()                 # a fresh engine: fresh metrics
+            self._state = fold(self._state, event)
+        rate = acceptance_rate(events)
+        if rate is not None:
+            self._acceptance += (rate,)
+        if events and self._state is not None and self._app is not None:
+            self._app.post_message(FrameReady(Frame(self._state, tuple(events), self._acceptance, done)))
+
+    # -- worker thread -----------------------------------------------------------------
+
+    def _serve(self) -> None:
+        """The worker: load the model, then execute commands until told to stop."""
+        worker = get_current_worker()
+        try:
+            runner = ScenarioRunner(self.scenario, self.model)
+        except Exception as exc:   # noqa: BLE001 -- any loading failure becomes one clear line
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self._failed = True
+            self._to_ui(self._app.post_message,
+                        SourceStatus("error", f"could not load model {self.model!r}: {reason}"))
+            return
+        self._buffer: list[Event] = []               # the current command's events (worker only)
+        self._recorder = JsonlRecorder(self.record) if self.record else None
+        self._unsubscribe = self._listen(runner)
+        hint = "press space to step, r to run" if runner.pending else "press a to add a request, p for a preset"
+        self._to_ui(self._app.post_message, SourceStatus("ready", f"{self.description}: {hint}"))
+        self._flush(runner, stepped=False)
+        try:
+            while not worker.is_cancelled:
+                try:
+                    command, args = self._commands.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if command == "stop":
+                    break
+                try:
+                    runner = self._execute(runner, command, args)
+                except (ValueError, KeyError) as exc:      # bad user input: say so, keep running
+                    self._to_ui(self._app.notify, str(exc.args[0] if exc.args else exc), title=command,
+                                severity="error")
+                except Exception as exc:                    # noqa: BLE001 -- an engine bug: show it, stay up
+                    self._to_ui(self._app.notify, f"{type(exc).__name__}: {exc}", title=f"engine {command} failed",
+                                severity="error", timeout=30)
+                self._flush(runner, stepped=command == "step")
+        finally:
+            if self._recorder:
+                self._recorder.close()
+
+    def _execute(self, runner: ScenarioRunner, command: str, args: tuple) -> ScenarioRunner:
+        """Run one command on the engine; returns the runner to use from now on."""
+        if command == "step" and not runner.done:
+            runner.step()
+        elif command == "add":
+            request_id, prompt, params = args
+            runner.engine.add_request(request_id, prompt, SamplingParams(**params))
+        elif command == "abort":
+            runner.engine.abort_request(*args)
+        elif command == "restart":                          # a fresh engine; the loaded model stays
+            for unsubscribe in self._unsubscribe:
+                unsubscribe()
+            runner = ScenarioRunner(get_scenario(args[0]), self.model, loaded=runner.engine.loaded)
+            self._unsubscribe = self._listen(runner)        # sends EngineSynced: the view starts afresh
+        return runner
+
+    def _listen(self, runner: ScenarioRunner) -> list:
+        unsubscribe = [runner.engine.subscribe(self._buffer.append)]
+        if self._recorder:
+            unsubscribe.append(runner.engine.subscribe(self._recorder))
+        return unsubscribe
+
+    def _flush(self, runner: ScenarioRunner, stepped: bool) -> None:
+        events = self._buffer[:]
+        self._buffer.clear()
+        self._to_ui(self._deliver, events, runner.done, stepped)
+
+    def _to_ui(self, callback, *args, **kwargs) -> None:
+        try:
+            self._app.call_from_thread(callback, *args, **kwargs)
+        except RuntimeError:   # the app is shutting down
+            pass

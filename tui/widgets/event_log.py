@@ -1,0 +1,100 @@
+"""The events of the current step, one per line (wrapped with a hanging indent), coloured by type.
+
+Timings (`duration_s`) are left out on purpose: they differ between runs,
+and a replayed step should look exactly like the live one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rich.segment import Segment
+from rich.style import Style
+from textual.strip import Strip
+
+from nanoserve import events as ev
+from nanoserve_tui.palette import printable
+from nanoserve_tui.widgets.lines import LinesView, wrap
+
+COLOURS = {
+    "EngineSynced": "bold white", "StepStarted": "bold #56b6c2", "StepFinished": "bold #56b6c2",
+    "RequestAdded": "#e5c07b", "RequestAdmitted": "#98c379", "ChunkScheduled": "#82aaff",
+    "BlocksAllocated": "#98c379", "BlocksFreed": "#d19a66", "Preempted": "bold #e06c75",
+    "TokenSampled": "#9a9a9a", "RequestFinished": "#c678dd", "RequestAborted": "bold #e06c75",
+    "DraftProposed": "#7fdbca", "DraftVerified": "#56b6c2", "KVTrimmed": "#d19a66",
+}
+STYLES = {name: Style.parse(colour) for name, colour in COLOURS.items()}
+NAME_WIDTH = 16
+MAX_EVENTS = 400   # a 256-request step has ~500 events; the rest is summarised in one line
+
+
+def _ids(ids) -> str:
+    return "[" + " ".join(map(str, ids)) + "]"
+
+
+def describe(e: ev.Event) -> str:
+    """One line of detail for an event (everything but its type and timings)."""
+    match e:
+        case ev.EngineSynced():
+            return f"{e.model}: {e.num_blocks} blocks × {e.block_size} tokens, {len(e.requests)} requests"
+        case ev.StepStarted():
+            return f"step {e.step}: {e.num_waiting} waiting, {e.num_running} running"
+        case ev.StepFinished():
+            return (f"{e.num_seqs} seqs, {e.num_prefill_tokens} prefill + {e.num_decode_tokens} decode tokens, "
+                    f"{e.num_free_blocks} blocks free")
+        case ev.RequestAdded():
+            return f"{e.request_id}: {e.num_prompt_tokens} prompt tokens, max {e.max_tokens} {printable(e.prompt)[:40]!r}"
+        case ev.ChunkScheduled():
+            kind = "prefill" if e.is_prefill else "decode"
+            return f"{e.request_id} {kind} tokens {e.start}-{e.start + e.num_tokens - 1}"
+        case ev.BlocksAllocated():
+            return f"{e.request_id} +{_ids(e.block_ids)}"
+        case ev.BlocksFreed():
+            return f"{e.request_id} -{_ids(e.block_ids)}, to the free queue {_ids(e.released)}"
+        case ev.Preempted():
+            return f"{e.request_id} ({e.mode}): {e.num_tokens_lost} tokens of KV to compute again"
+        case ev.TokenSampled():
+            return f"{e.request_id} token {e.token_id} {printable(e.text)!r} logprob {e.logprob:.2f}"
+        case ev.RequestFinished():
+            return f"{e.request_id} {e.finish_reason} after {e.num_output_tokens} tokens" + (
+                f": {printable(e.error)}" if e.error else "")
+        case ev.DraftProposed():
+            return f"{e.request_id} {e.method} guesses {_ids(e.token_ids)}"
+        case ev.DraftVerified():
+            extra = "bonus" if e.is_bonus else "corrected"
+            return f"{e.request_id} accepted {e.num_accepted}/{e.num_drafted}, {extra} token {e.token_id}"
+        case ev.KVTrimmed():
+            return (f"{e.request_id} dropped KV of {e.num_tokens_dropped} rejected tokens, keeps "
+                    f"{e.num_computed_tokens}, gives back {_ids(e.block_ids)}")
+    fields = [f for f in dataclasses.fields(e) if f.name not in ("step", "duration_s")]
+    return " ".join(str(getattr(e, f.name)) for f in fields)
+
+
+def event_lines(events, width: int) -> list[Strip]:
+    """Each event: its type (coloured), then its details wrapped under the details column."""
+    lines: list[Strip] = []
+    for e in events[:MAX_EVENTS]:
+        name = type(e).__name__
+        first = [Segment(f"{name:<{NAME_WIDTH - 1}} ", STYLES.get(name))]
+        words = describe(e).split(" ")
+        pieces = [([Segment(w if i == 0 else " " + w)], len(w) + (i > 0)) for i, w in enumerate(words)]
+        lines += wrap(pieces, max(width, NAME_WIDTH + 10), first, NAME_WIDTH)
+    if len(events) > MAX_EVENTS:
+        lines.append(Strip([Segment(f"… {len(events) - MAX_EVENTS} more events this step", Style(dim=True))]))
+    return lines
+
+
+class EventLog(LinesView):
+    """Shows one step's events, from the top."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.events: tuple = ()
+
+    def show_events(self, events) -> None:
+        self.events = tuple(events)
+        self.show_lines(event_lines(self.events, self.scrollable_content_region.width))
+        self.scroll_home(animate=False, immediate=True)
+
+    def on_resize(self) -> None:
+        self.show_lines(event_lines(self.events, self.scrollable_content_region.width))

@@ -1,0 +1,310 @@
+"""The KV block pool panel: one cell per physical block, coloured by who holds it.
+
+A cell is free (grey), held by one request (that request's colour) or shared
+by several (white, ref count > 1). Blocks allocated or freed this step are
+underlined. Click a cell, or focus the grid and use the arrow keys, to see
+the block's ref count, its owners and which token positions it holds for each.
+
+Everything is drawn from a `ViewState`; `grid_layout`, `grid_line` and `describe_block` are
+plain functions so tests and benchmarks can call them without an app.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from rich.segment import Segment
+from rich.style import Style
+from rich.text import Text
+from textual import events, on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.geometry import Region, Size
+from textual.message import Message
+from textual.reactive import reactive
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+from textual.widgets import Static
+
+from nanoserve.trace import ViewState
+from nanoserve_tui.palette import CURSOR, FREE, SHARED, TOUCHED, request_colours
+
+NUMBERED_MAX = 1000   # up to this many blocks a cell shows its id; above, one character per block
+
+
+@dataclass(frozen=True, slots=True)
+class GridLayout:
+    """Where each block's cell goes. Cells get more detail the more room there is:
+
+    lines=3: id / owner / fill ("3/4")    lines=2: id / fill
+    lines=1: id only                      lines=0: one character, no text (huge pools)
+    """
+
+    num_blocks: int
+    lines: int
+    inner: int            # text width inside a cell
+    cols: int
+    pad: bool = True      # a space each side of the text and a gap after the cell
+
+    @property
+    def cell(self) -> int:
+        """Columns per cell, gap included."""
+        if self.lines == 0:
+            return 1
+        return self.inner + 3 if self.pad else self.inner + 1
+
+    @property
+    def row_height(self) -> int:
+        return self.lines + 1 if self.lines > 1 else 1   # multi-line rows have a blank line between them
+
+    @property
+    def rows(self) -> int:
+        return -(-self.num_blocks // self.cols)
+
+    @property
+    def height(self) -> int:
+        return self.rows * self.row_height - (1 if self.lines > 1 else 0)
+
+    def block_at(self, x: int, y: int) -> int | None:
+        col, row = x // self.cell, y // self.row_height
+        if col >= self.cols or (self.lines > 1 and y % self.row_height == self.lines):
+            return None
+        block = row * self.cols + col
+        return block if block < self.num_blocks else None
+
+
+def grid_layout(num_blocks: int, block_size: int, width: int, height: int) -> GridLayout:
+    """The most detailed layout whose grid fits `height` lines in `width` columns."""
+    digits, fill = len(str(num_blocks - 1)), len(f"{block_size}/{block_size}")
+    for lines, inner, pad in ((3, max(digits, fill, 6), True), (2, max(digits, fill), True),
+                              (1, digits, True), (1, digits, False)):
+        if lines > 1 and num_blocks > NUMBERED_MAX:
+            continue
+        probe = GridLayout(num_blocks, lines, inner, 1, pad)
+        layout = GridLayout(num_blocks, lines, inner, max(1, (width + pad) // probe.cell), pad)
+        if layout.height <= height:
+            return layout
+    if num_blocks <= NUMBERED_MAX:
+        return layout                                   # ids still shown; the grid scrolls
+    return GridLayout(num_blocks, 0, 1, max(1, width))  # huge pools: one character per block
+
+
+@lru_cache(maxsize=256)
+def _style(background: str, touched: bool, selected: bool) -> Style:
+    """Cell styles are few; parse each once (a 4096-block grid asks 4096 times per frame)."""
+    fg = "#b0b0b0" if background == FREE else "#000000"
+    style = Style.parse(f"{fg} on {background}")
+    if touched:
+        style += Style.parse(TOUCHED)
+    if selected:
+        style += Style.parse(CURSOR)
+    return style
+
+
+def block_colour(state: ViewState, block_id: int, owners: dict[int, list[str]], colours: dict[str, str]) -> str:
+    ref = state.ref_counts[block_id]
+    if ref == 0:
+        return FREE
+    if ref > 1:
+        return SHARED
+    holder = owners.get(block_id)
+    return colours[holder[0]] if holder else "#888888"   # held, but not by a request we know
+
+
+def _cell_lines(state: ViewState, b: int, owners: dict[int, list[str]], lines: int) -> list[str]:
+    """The text lines of one cell: id, then (3 lines) the owner, then how full it is."""
+    ref, bs = state.ref_counts[b], state.block_size
+    holders = owners.get(b, [])
+    if ref == 0:
+        owner, fill = "", ""
+    elif ref > 1:
+        owner, fill = f"x{ref}", ""
+    elif holders:
+        req = state.requests[holders[0]]
+        i = req.block_table.index(b)
+        owner, fill = holders[0], f"{max(0, min(bs, req.num_computed_tokens - i * bs))}/{bs}"
+    else:
+        owner, fill = "held", ""
+    return [str(b), owner, fill] if lines == 3 else [str(b), fill]
+
+
+_PLAIN = Style(underline=False, bold=False)   # touched cells underline their id line only
+_GAP = Segment(" ")
+
+
+def grid_line(state: ViewState, layout: GridLayout, y: int, owners: dict[int, list[str]],
+              colours: dict[str, str], selected: int | None = None) -> Strip:
+    """Text line `y` of the grid (a grid row is `layout.row_height` lines)."""
+    row, line = divmod(y, layout.row_height)
+    start = row * layout.cols
+    blocks = range(start, min(state.num_blocks, start + layout.cols))
+    if line >= max(1, layout.lines) or not blocks:
+        return Strip([])                                  # the blank line between multi-line rows
+    segments = []
+    inner, touched = layout.inner, state.touched_blocks
+    for b in blocks:
+        style = _style(block_colour(state, b, owners, colours), b in touched, b == selected)
+        if layout.lines == 0:
+            segments.append(Segment("•" if b in touched else " ", style))
+        elif layout.lines == 1 and not layout.pad:
+            segments.append(Segment(f"{b:>{inner + 1}}", style))
+        else:
+            label = str(b) if line == 0 else _cell_lines(state, b, owners, layout.lines)[line][:inner]
+            segments.append(Segment(f" {label:^{inner}} ", style if line == 0 else style + _PLAIN))
+            segments.append(_GAP)
+    return Strip(segments)
+
+
+def token_span(state: ViewState, request_id: str, block_id: int) -> str:
+    """Which token positions `block_id` holds for one request, e.g. "logical 2, tokens 8-10 (3/4)"."""
+    req, bs = state.requests[request_id], state.block_size
+    i = req.block_table.index(block_id)
+    filled = max(0, min(bs, req.num_computed_tokens - i * bs))
+    if filled == 0:
+        return f"logical {i}, reserved (no KV yet, 0/{bs})"
+    return f"logical {i}, tokens {i * bs}-{i * bs + filled - 1} ({filled}/{bs})"
+
+
+def describe_block(state: ViewState, block_id: int) -> Text:
+    """A few lines about one block: ref count, owners, token positions."""
+    ref = state.ref_counts[block_id]
+    text = Text()
+    text.append(f"block {block_id}", "bold")
+    if ref == 0:
+        pos = state.free_queue.index(block_id) if block_id in state.free_queue else -1
+        text.append(f" · free · position {pos} in the free queue (0 = next allocated)")
+        return text
+    text.append(f" · ref count {ref}" + (" · shared" if ref > 1 else ""))
+    colours = request_colours(state)
+    for rid in state.block_owners().get(block_id, []):
+        text.append("\n  ")
+        text.append(f" {rid} ", Style.parse(f"#000000 on {colours[rid]}"))
+        text.append(" " + token_span(state, rid, block_id))
+    return text
+
+
+class PoolGrid(ScrollView, can_focus=True):
+    """The grid of blocks (Line API: only rows on screen are drawn).
+
+    Arrow keys move the selection when focused; a click selects.
+    """
+
+    BINDINGS = [
+        Binding("left", "move(-1)", "previous block", show=False),
+        Binding("right", "move(1)", "next block", show=False),
+        Binding("up", "move_row(-1)", "block above", show=False),
+        Binding("down", "move_row(1)", "block below", show=False),
+    ]
+
+    state: reactive[ViewState | None] = reactive(None, always_update=True)
+    selected: reactive[int | None] = reactive(None)
+
+    class BlockSelected(Message):
+        """The user selected a block."""
+
+        def __init__(self, block_id: int | None) -> None:
+            super().__init__()
+            self.block_id = block_id
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.layout_: GridLayout | None = None
+        self._owners: dict[int, list[str]] = {}
+        self._colours: dict[str, str] = {}
+
+    def watch_state(self, state: ViewState | None) -> None:
+        if state is not None:   # once per step, not once per drawn row
+            self._owners, self._colours = state.block_owners(), request_colours(state)
+        self._relayout()
+
+    def watch_selected(self, block_id: int | None) -> None:
+        self.post_message(self.BlockSelected(block_id))
+        self.refresh()
+        if block_id is not None and self.layout_ is not None:
+            y = block_id // self.layout_.cols * self.layout_.row_height
+            self.scroll_to_region(Region(0, y, 1, max(1, self.layout_.lines)), animate=False, immediate=True)
+
+    def on_resize(self) -> None:
+        self._relayout()
+
+    def _relayout(self) -> None:
+        """Pick the most detailed layout that fits, and size the scrollable area to it."""
+        if self.state is None:
+            return
+        width, height = self.scrollable_content_region.size
+        self.layout_ = grid_layout(self.state.num_blocks, self.state.block_size, max(1, width), max(1, height))
+        self.virtual_size = Size(self.layout_.cols * self.layout_.cell, self.layout_.height)
+        self.refresh()
+
+    def render_line(self, y: int) -> Strip:
+        style = self.rich_style
+        if self.state is None or self.layout_ is None:
+            text = "waiting for the engine …" if y == 0 else ""
+            return Strip([Segment(text, style + Style(dim=True))]).extend_cell_length(self.size.width, style)
+        index = y + self.scroll_offset.y
+        if index >= self.layout_.height:
+            return Strip.blank(self.size.width, style)
+        strip = grid_line(self.state, self.layout_, index, self._owners, self._colours, self.selected)
+        return strip.crop_extend(0, self.size.width, style).apply_style(style)
+
+    @property
+    def text(self) -> str:
+        """The whole grid as plain text (what tests compare)."""
+        if self.state is None or self.layout_ is None:
+            return ""
+        return "\n".join(grid_line(self.state, self.layout_, y, self._owners, self._colours).text.rstrip()
+                         for y in range(self.layout_.height))
+
+    def on_click(self, event: events.Click) -> None:
+        offset = event.get_content_offset(self)
+        if offset is None or self.layout_ is None:
+            return
+        block_id = self.layout_.block_at(offset.x + self.scroll_offset.x, offset.y + self.scroll_offset.y)
+        if block_id is not None:
+            self.selected = block_id
+
+    def action_move(self, delta: int) -> None:
+        if self.state is not None:
+            start = -1 if delta > 0 else self.state.num_blocks
+            current = self.selected if self.selected is not None else start
+            self.selected = max(0, min(self.state.num_blocks - 1, current + delta))
+
+    def action_move_row(self, delta: int) -> None:
+        if self.layout_ is not None:
+            self.action_move(delta * self.layout_.cols)
+
+
+LEGEND = Text.assemble(
+    ("   ", Style.parse(f"on {FREE}")), " free  ",
+    ("   ", Style.parse(f"on {SHARED}")), " shared  ",
+    ("   ", Style.parse("on #61afef")), ("   ", Style.parse("on #98c379")), " one colour per request  ",
+    ("12", Style.parse("bold underline")), " touched this step",
+)
+
+
+class PoolPanel(Vertical):
+    """Grid + legend + details of the selected block."""
+
+    state: reactive[ViewState | None] = reactive(None, always_update=True)
+
+    def compose(self) -> ComposeResult:
+        yield PoolGrid(id="pool-grid")
+        yield Static(LEGEND, id="pool-legend")
+        yield Static(Text("click a block, or tab + arrows, for details", style="dim"),
+                     id="block-info")
+
+    def watch_state(self, state: ViewState | None) -> None:
+        grid = self.query_one(PoolGrid)
+        grid.state = state
+        self._show_block(grid.selected)
+
+    @on(PoolGrid.BlockSelected)
+    def _selected(self, message: PoolGrid.BlockSelected) -> None:
+        self._show_block(message.block_id)
+
+    def _show_block(self, block_id: int | None) -> None:
+        if self.state is None or block_id is None or block_id >= self.state.num_blocks:
+            return
+        self.query_one("#block-info", Static).update(describe_block(self.state, block_id))

@@ -1,0 +1,23 @@
+"""The status line at the top: mode, what is running, step, running/paused, speed.
+
+A `Static` with a fixed height, updated without a layout pass: the step
+number changes every step, and re-laying out the screen for it would cost
+more than drawing the step.
+"""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+MODE_STYLE = {"live": "bold #000000 on #98c379", "replay": "bold #000000 on #61afef"}
+
+
+class StatusBar(Static):
+    def show(self, mode: str, description: str, position: str, playing: bool, speed: float) -> None:
+        self.update(Text.assemble(
+            (" nanoserve ", "bold"), (f" {mode.upper()} ", MODE_STYLE.get(mode, "reverse")),
+            f"  {description}  ", (position, "bold"), "  ",
+            ("running" if playing else "paused", "bold #98c379" if playing else "#e5c07b"),
+            f"  {speed:g} steps/s",
+        ), layout=False)

@@ -1,0 +1,86 @@
+"""Block tables: for each request, logical block -> physical block.
+
+`r1  0→3  1→7  2→9(2/4)` (physical ids on the request's colour) says r1's
+tokens 0-3 live in block 3, tokens 4-7 in block 7, and block 9 holds 2 of its
+4 slots so far: the partly filled last block, where the next tokens go.
+Running requests come first, then waiting ones (which hold no blocks).
+Drawn from a `ViewState` only.
+"""
+
+from __future__ import annotations
+
+from rich.segment import Segment
+from rich.style import Style
+from textual.reactive import reactive
+from textual.strip import Strip
+
+from nanoserve.trace import ViewState
+from nanoserve_tui.palette import request_colours
+from nanoserve_tui.widgets.lines import LinesView, breaks
+
+DIM, BOLD = Style(dim=True), Style(bold=True)
+
+
+class TablesLayout:
+    """Which request and which of its entries go on each line, from widths alone.
+
+    Only the lines on screen are then built (`line(i)`): 256 requests x 14
+    blocks would otherwise be ~10k segments per step.
+    """
+
+    def __init__(self, state: ViewState, width: int) -> None:
+        self.state, self.colours = state, request_colours(state)
+        live = state.running + state.waiting
+        self.name_width = max((len(rid) for rid in live), default=0) + 2
+        self.rows: list[tuple[str, int, int]] = []     # (request id, first entry, end entry) per line
+        bs = state.block_size
+        for rid in live:
+            req = state.requests[rid]
+            table, computed = req.block_table, req.num_computed_tokens
+            sizes = [3 + len(str(i)) + len(str(b)) + (0 if computed - i * bs >= bs else
+                                                      len(f"({max(0, computed - i * bs)}/{bs})"))
+                     for i, b in enumerate(table)]
+            starts = breaks(sizes, width, self.name_width, self.name_width)
+            ends = starts[1:] + [len(table)]
+            self.rows.extend((rid, a, b) for a, b in zip(starts, ends))
+        self.width = width
+
+    def line(self, index: int) -> Strip:
+        if not self.rows:
+            return Strip([Segment("no request holds blocks", DIM)])
+        rid, start, end = self.rows[index]
+        req, bs = self.state.requests[rid], self.state.block_size
+        chip = Style.parse(f"bold #000000 on {self.colours[rid]}")
+        if start == 0:
+            segments = [Segment(f" {rid} ".ljust(self.name_width), chip)]
+        else:
+            segments = [Segment(" " * self.name_width)]
+        if not req.block_table:
+            why = "preempted, waiting" if req.num_output_tokens else "waiting"
+            segments.append(Segment(f"  no blocks ({why})", DIM))
+        for i in range(start, end):
+            filled = max(0, min(bs, req.num_computed_tokens - i * bs))
+            segments += [Segment(f"  {i}→", DIM), Segment(str(req.block_table[i]), chip)]
+            if filled < bs:
+                segments.append(Segment(f"({filled}/{bs})", BOLD))
+        return Strip(segments)
+
+    @property
+    def count(self) -> int:
+        return max(1, len(self.rows))
+
+
+class BlockTables(LinesView):
+    """Every live request's block table, running first."""
+
+    state: reactive[ViewState | None] = reactive(None, always_update=True)
+
+    def watch_state(self, state: ViewState | None) -> None:
+        if state is None:
+            self.show_lines([Strip([Segment("waiting for the engine …", DIM)])])
+            return
+        layout = TablesLayout(state, max(20, self.scrollable_content_region.width))
+        self.show(layout.count, layout.width, layout.line)
+
+    def on_resize(self) -> None:
+        self.watch_state(self.state)
