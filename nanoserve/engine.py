@@ -39,7 +39,7 @@ from nanoserve.spec_decode import Drafts, build_proposer, sampling_rows, verify
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence, SequenceStatus
-from nanoserve.trace import EventBus
+from nanoserve.trace import EventBus, synced_event
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -334,14 +334,7 @@ class LLMEngine:
         return unsubscribe
 
     def _synced(self) -> ev.EngineSynced:
-        s = self.snapshot()
-        return ev.EngineSynced(
-            self.step_count, self.config.model, self.pool.num_blocks, self.pool.block_size,
-            tuple(s["pool"]["ref_counts"]), tuple(s["pool"]["free_queue"]),
-            tuple((r["request_id"], r["status"], r["prompt"], r["num_prompt_tokens"], r["output_text"],
-                   r["num_output_tokens"], r["num_computed_tokens"], tuple(r["block_table"]))
-                  for r in s["requests"]),
-        )
+        return synced_event(self.snapshot())
 
     def snapshot(self) -> dict:
         """The engine's state as plain data: pool, block tables, queues."""

@@ -33,7 +33,7 @@ class EngineSynced(Event):
     ref_counts: tuple[int, ...]       # per physical block
     free_queue: tuple[int, ...]       # block ids, head (next allocated) first
     # (request_id, status, prompt, num_prompt_tokens, output_text, num_output_tokens,
-    #  num_computed_tokens, block_table) per live request, waiting ones included
+    #  num_computed_tokens, block_table, max_tokens) per live request, waiting ones included
     requests: tuple[tuple, ...]
 
 

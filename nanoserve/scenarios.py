@@ -99,18 +99,24 @@ class ScenarioRunner:
         self.scenario = scenario
         self.engine = LLMEngine(EngineConfig(model=model, **scenario.config), loaded=loaded)
         self.pending = sorted(scenario.arrivals, key=lambda a: a.step)
+        self.add_due()                     # the first arrivals wait in the queue before step 1
 
     @property
     def done(self) -> bool:
         return not self.pending and not self.engine.has_unfinished_requests()
 
-    def step(self):
-        """Add the requests due now, then run one engine step; returns the StepResult."""
+    def add_due(self) -> None:
+        """Add the requests whose arrival step has come."""
         while self.pending and self.pending[0].step <= self.engine.step_count:
             a = self.pending.pop(0)
             params = {"ignore_eos": True, **a.params}   # random weights may emit EOS at once
             self.engine.add_request(a.request_id, a.prompt, SamplingParams(**params))
-        return self.engine.step()
+
+    def step(self):
+        """Run one engine step, then add the requests due before the next; returns the StepResult."""
+        result = self.engine.step()
+        self.add_due()
+        return result
 
 
 def record(name: str, path: str | Path, model: str = "tiny-llama", max_steps: int = 1000) -> int:

@@ -155,7 +155,7 @@ class RequestView:
     request_id: str
     prompt: str
     num_prompt_tokens: int
-    max_tokens: int                   # 0 when unknown (the request came from EngineSynced)
+    max_tokens: int
     status: str = "waiting"           # "waiting" | "running" | "finished_" + stopped/length/aborted
     output_text: str = ""
     num_output_tokens: int = 0
@@ -192,11 +192,24 @@ class ViewState:
         return dict(sorted(owners.items()))
 
 
+def synced_event(snapshot: dict) -> EngineSynced:
+    """`engine.snapshot()` as an EngineSynced event, requests in queue order (running, then waiting)."""
+    pool = snapshot["pool"]
+    by_id = {r["request_id"]: r for r in snapshot["requests"]}
+    order = list(snapshot["running"]) + list(snapshot["waiting"])
+    requests = tuple(
+        (r["request_id"], r["status"], r["prompt"], r["num_prompt_tokens"], r["output_text"],
+         r["num_output_tokens"], r["num_computed_tokens"], tuple(r["block_table"]), r["max_tokens"])
+        for r in (by_id[rid] for rid in order)
+    )
+    return EngineSynced(snapshot["step"], snapshot["model"], pool["num_blocks"], pool["block_size"],
+                        tuple(pool["ref_counts"]), tuple(pool["free_queue"]), requests)
+
+
 def _synced_state(e: EngineSynced) -> ViewState:
     state = ViewState(e.step, e.model, e.num_blocks, e.block_size, list(e.ref_counts), list(e.free_queue))
-    for rid, status, prompt, n_prompt, text, n_out, n_computed, table in e.requests:
-        # EngineSynced does not carry max_tokens: 0 means unknown
-        state.requests[rid] = RequestView(rid, prompt, n_prompt, 0, status, text, n_out, n_computed,
+    for rid, status, prompt, n_prompt, text, n_out, n_computed, table, max_tokens in e.requests:
+        state.requests[rid] = RequestView(rid, prompt, n_prompt, max_tokens, status, text, n_out, n_computed,
                                           list(table))
         if status in ("running", "waiting"):
             (state.running if status == "running" else state.waiting).append(rid)

@@ -266,3 +266,27 @@ def test_jupyter_reprs(engine):
     assert "LLMEngine" in html
     if shutil.which("dot"):
         assert "<svg" in html and "<svg" in engine._repr_svg_()
+
+
+def test_subscribing_mid_run_folds_to_the_snapshot(tiny_llama):
+    """A viewer that joins late (EngineSynced mid-run) sees the same pool, tables and queue order."""
+    from nanoserve.trace import fold
+
+    engine = make_engine(tiny_llama, block_size=4, num_blocks=14, max_num_batched_tokens=16)
+    for i in range(6):
+        engine.add_request(f"r{i}", list(range(1, 10 + 3 * i)), greedy(12))
+    for _ in range(12):
+        engine.step()
+    state = None
+    def on_event(e):
+        nonlocal state
+        state = fold(state, e)
+    engine.subscribe(on_event)
+    while engine.has_unfinished_requests():
+        snap = engine.snapshot()
+        assert state.running == snap["running"] and state.waiting == snap["waiting"]
+        assert state.free_queue == snap["pool"]["free_queue"]
+        for r in snap["requests"]:
+            view = state.requests[r["request_id"]]
+            assert (view.block_table, view.max_tokens) == (r["block_table"], r["max_tokens"])
+        engine.step()

@@ -22,8 +22,8 @@ from nanoserve.trace import (
 # unicode and newlines in text, a negative float, empty tuples.
 SAMPLES = [
     EngineSynced(0, "tiny-llama", 8, 4, (1, 1, 0, 0, 0, 0, 0, 0), (2, 3, 4, 5, 6, 7),
-                 (("a", "running", "héllo\nworld", 5, "", 0, 4, (0, 1)),
-                  ("b", "waiting", "x", 1, "out", 2, 0, ()))),
+                 (("a", "running", "héllo\nworld", 5, "", 0, 4, (0, 1), 16),
+                  ("b", "waiting", "x", 1, "out", 2, 0, (), 8))),
     StepStarted(1, num_waiting=1, num_running=1),
     RequestAdded(1, "c", "the prompt ✓", 3, 16),
     RequestAdmitted(1, "b"),
@@ -63,7 +63,7 @@ def test_round_trip_every_event_type(tmp_path):
 @given(text=st.text(), logprob=st.floats(allow_nan=False), table=st.lists(st.integers(0, 10**6)))
 def test_round_trip_arbitrary_values(text, logprob, table):
     events = [TokenSampled(3, text, 7, text, logprob),
-              EngineSynced(0, text, 4, 2, (0,) * 4, (0, 1, 2, 3), ((text, "waiting", text, 1, text, 0, 0, tuple(table)),))]
+              EngineSynced(0, text, 4, 2, (0,) * 4, (0, 1, 2, 3), ((text, "waiting", text, 1, text, 0, 0, tuple(table), 4),))]
     assert [event_from_dict(json.loads(json.dumps(event_to_dict(e)))) for e in events] == events
 
 
@@ -201,14 +201,15 @@ def test_fold_hand_written_sequence():
 
 def test_fold_sync_restores_live_requests():
     s = fold(None, EngineSynced(5, "m", 4, 2, (1, 2, 0, 0), (3, 2), (
-        ("a", "running", "p", 3, "xy", 2, 4, (0, 1)),
-        ("b", "waiting", "q", 1, "", 0, 0, ()),
-        ("c", "running", "r", 1, "", 0, 1, (1,)),
+        ("a", "running", "p", 3, "xy", 2, 4, (0, 1), 10),
+        ("b", "waiting", "q", 1, "", 0, 0, (), 10),
+        ("c", "running", "r", 1, "", 0, 1, (1,), 10),
     )))
     assert s.step == 5 and s.running == ["a", "c"] and s.waiting == ["b"]
     assert s.free_queue == [3, 2] and s.ref_counts == [1, 2, 0, 0]
     assert s.block_owners() == {0: ["a"], 1: ["a", "c"]}
     assert s.requests["a"].output_text == "xy" and s.requests["a"].block_table == [0, 1]
+    assert s.requests["a"].max_tokens == 10
 
 
 def test_fold_preempt_goes_to_front_and_abort_is_idempotent():
@@ -259,7 +260,7 @@ class SimPool:
 def test_fold_pool_matches_simulation(num_blocks, data):
     rids = ["r0", "r1", "r2"]
     pool, tables = SimPool(num_blocks), {r: [] for r in rids}
-    state = fold(None, sync(num_blocks, tuple((r, "running", "", 1, "", 0, 0, ()) for r in rids)))
+    state = fold(None, sync(num_blocks, tuple((r, "running", "", 1, "", 0, 0, (), 4) for r in rids)))
     for step in range(1, data.draw(st.integers(1, 30)) + 1):
         rid = data.draw(st.sampled_from(rids))
         op = data.draw(st.sampled_from(["alloc", "revive", "share", "free"]))

@@ -294,9 +294,11 @@ async def test_live_add_request_dialog():
         await wait_for(pilot, lambda: "u1" in app.frame.state.requests)
         req = app.frame.state.requests["u1"]
         assert (req.prompt, req.max_tokens, req.status) == ("Hi there", 5, "waiting")
+        before = list(app.frame.state.requests)                   # the scenario's first arrivals and u1
+        assert before[-1] == "u1"
         await pilot.press("a", "escape")                          # cancel adds nothing
         await pilot.pause()
-        assert list(app.frame.state.requests) == ["u1"]
+        assert list(app.frame.state.requests) == before
 
 
 @run_async

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from graphviz import Digraph
 
-from nanoserve.events import EngineSynced, StepFinished, StepStarted
-from nanoserve.trace import ViewState, fold, read_trace
+from nanoserve.events import StepFinished, StepStarted
+from nanoserve.trace import ViewState, fold, read_trace, synced_event
 
 # (light fill, dark line) per request, in arrival order. No gold or red here:
 # gold marks shared blocks and red marks blocks touched this step.
@@ -249,16 +249,7 @@ def state_of(engine) -> ViewState:
 
 def state_from_snapshot(snapshot: dict) -> ViewState:
     """A ViewState from `engine.snapshot()`'s plain data."""
-    pool = snapshot["pool"]
-    requests = tuple((r["request_id"], r["status"], r["prompt"], r["num_prompt_tokens"], r["output_text"],
-                      r["num_output_tokens"], r["num_computed_tokens"], tuple(r["block_table"]))
-                     for r in snapshot["requests"])
-    state = fold(None, EngineSynced(snapshot["step"], snapshot["model"], pool["num_blocks"], pool["block_size"],
-                                    tuple(pool["ref_counts"]), tuple(pool["free_queue"]), requests))
-    state.waiting, state.running = list(snapshot["waiting"]), list(snapshot["running"])  # queue order
-    for r in snapshot["requests"]:
-        state.requests[r["request_id"]].max_tokens = r.get("max_tokens", 0)
-    return state
+    return fold(None, synced_event(snapshot))
 
 
 def engine_svg(source, what: str = "tables") -> str | None:
