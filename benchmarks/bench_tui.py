@@ -38,7 +38,7 @@ def synced() -> EngineSynced:
     per = -(-PROMPT // BLOCK_SIZE)
     ref_counts = [1] * (NUM_REQUESTS * per) + [0] * (NUM_BLOCKS - NUM_REQUESTS * per)
     requests = tuple(
-        (f"r{i}", "running", "a prompt", PROMPT, "", 0, PROMPT, tuple(range(i * per, (i + 1) * per)))
+        (f"r{i}", "running", "a prompt", PROMPT, "", 0, PROMPT, tuple(range(i * per, (i + 1) * per)), 64)
         for i in range(NUM_REQUESTS)
     )
     free = tuple(range(NUM_REQUESTS * per, NUM_BLOCKS))
