@@ -3,12 +3,15 @@
 Text cannot be produced one token at a time by decoding each token alone:
 byte-level BPE splits a multi-byte character across tokens, and
 SentencePiece decides spaces from the neighbouring tokens. So each update
-decodes the whole output and takes the new part, and holds back
+decodes a small window: the tokens since `prefix_offset` with and without
+the new ones (vLLM's incremental detokenization), and the difference is the
+new text. A window whose text ends in U+FFFD (an incomplete UTF-8 character)
+waits for the next token. Decoding a window instead of the whole output keeps
+each step's cost constant however long the output grows.
 
-* a trailing U+FFFD (an incomplete UTF-8 character, completed by the next token),
-* the last `len(longest stop string) - 1` characters, which might be the start
-  of a stop string: the text a user sees never contains a stop string, not
-  even half of one for a step.
+The last `len(longest stop string) - 1` characters are held back too: they
+might be the start of a stop string, and the text a user sees never contains
+a stop string, not even half of one for a step.
 
 When a stop string appears, the text is cut just before it and the sequence
 stops. The engine owns the other stop conditions (EOS, stop ids, max_tokens).
@@ -27,12 +30,24 @@ class IncrementalDetokenizer:
         self.hold = max((len(s) for s in self.stop), default=1) - 1   # chars that may start a stop string
         self.text = ""       # everything decoded so far (cut at a stop string)
         self.released = 0    # how much of `text` has been handed out
+        self.prefix_offset = 0   # the decode window starts at this token ...
+        self.read_offset = 0     # ... and the tokens before this one are already in `text`
+
+    def _new_text(self, ids: list[int]) -> str:
+        """Text added by the tokens from read_offset on ("" while a character is incomplete)."""
+        decode = lambda t: self.tokenizer.decode(t, skip_special_tokens=self.skip_special_tokens)  # noqa: E731
+        prefix = decode(ids[self.prefix_offset : self.read_offset])
+        window = decode(ids[self.prefix_offset :])
+        if len(window) <= len(prefix) or window.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        return window[len(prefix) :]
 
     def update(self, output_token_ids: list[int], check_stop: bool = True) -> tuple[str, bool]:
         """Decode after new tokens; return (newly releasable text, hit a stop string)."""
         if self.tokenizer is None:
             return "", False
-        text = self.tokenizer.decode(output_token_ids, skip_special_tokens=self.skip_special_tokens)
+        text = self.text + self._new_text(output_token_ids)
         stopped = False
         if check_stop and self.stop:
             # Only the tail can hold a new stop string: start a little before the old end
@@ -44,10 +59,7 @@ class IncrementalDetokenizer:
         self.text = text
         if stopped:
             return self.flush(), True
-        end = len(text) - self.hold
-        while end > self.released and text[end - 1] == "\ufffd":   # wait for the rest of the character
-            end -= 1
-        return self._release(end), False
+        return self._release(len(text) - self.hold), False
 
     def flush(self) -> str:
         """The request is over: release everything that is left."""

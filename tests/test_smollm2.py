@@ -73,3 +73,23 @@ def test_smollm2_greedy_matches_hf(smollm2, prompt_ids, expected, config, must_p
     got = [finished[str(i)].outputs[0].token_ids for i in range(len(prompt_ids))]
     assert got == expected
     assert preempted > 0 or not must_preempt
+
+
+def test_streamed_text_equals_a_full_decode(smollm2):
+    """Incremental detokenization over a real BPE vocabulary: deltas add up to decode(all tokens)."""
+    from nanoserve import SamplingParams
+
+    engine = make_engine(smollm2, num_blocks=256)
+    prompts = ["Write a short poem about the sea, with emoji 🌊:", "Translate to French: I love bread.",
+               "List three prime numbers:"]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=40, temperature=0.9, seed=i))
+    streamed, final = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step().outputs:
+            streamed[out.request_id] = streamed.get(out.request_id, "") + out.outputs[0].delta
+            if out.finished:
+                final[out.request_id] = out.outputs[0]
+    for rid, c in final.items():
+        assert streamed[rid] == c.text
+        assert c.text == smollm2.tokenizer.decode(c.token_ids, skip_special_tokens=True)

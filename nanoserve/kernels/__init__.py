@@ -1,0 +1,9 @@
+"""Attention kernels over the paged KV cache.
+
+reference.py       torch, any device: the contract every kernel is tested against
+triton_decode.py   Triton paged decode attention (split-K + combine)
+triton_prefill.py  Triton paged prefill over a cached prefix
+triton_cache.py    Triton KV store and block copy
+triton_common.py   the block-table tile load and online-softmax step both attention kernels share
+checks.py          argument checks that name the bad argument before any launch
+"""
