@@ -14,6 +14,12 @@ import importlib.util  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# CI replays the same examples every run, so a red build always means a change broke something.
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 from nanoserve import EngineConfig, LLMEngine
 from nanoserve.models.loader import byte_tokenizer, load_model, tiny_hf_config
