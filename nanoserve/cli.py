@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from nanoserve.models.loader import ACCEPTED
+from nanoserve.models.loader import ACCEPTED, TINY_MODELS, resolve_model_path
 from nanoserve.scenarios import SCENARIOS
 
 
@@ -111,6 +111,8 @@ def cmd_tui(args: argparse.Namespace) -> int:
     if args.scenario is not None:
         from nanoserve.scenarios import get_scenario
         get_scenario(args.scenario)
+    if args.model is not None and args.model not in TINY_MODELS:
+        resolve_model_path(args.model, convert=False)   # a bad name fails here, before the app starts
     return run_app(model=args.model, replay=args.replay, scenario=args.scenario)
 
 

@@ -165,3 +165,11 @@ def test_console_script(trace, tmp_path):
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert out.read_text().startswith("digraph pool") and f"wrote {out}" in done.stderr
+
+
+def test_tui_with_a_bad_model_name_fails_before_the_app_starts(capsys):
+    from nanoserve.cli import main
+
+    assert main(["tui", "--model", "/no/such/model/dir"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model" in err and "tiny-llama" in err and len(err.strip().splitlines()) == 1

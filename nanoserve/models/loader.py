@@ -133,15 +133,20 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
     return target
 
 
-def resolve_model_path(name: str) -> str:
-    """Turn a user-facing model name into something `from_pretrained` can read."""
+def resolve_model_path(name: str, convert: bool = True) -> str:
+    """Turn a user-facing model name into something `from_pretrained` can read.
+
+    With convert=False a GGUF file is only checked, not dequantised: a quick
+    way to reject a bad name before starting anything slow.
+    """
     if name == "smollm2":
-        return str(gguf_to_hf_dir(smollm2_gguf()))
+        gguf = smollm2_gguf()
+        return str(gguf_to_hf_dir(gguf)) if convert else str(gguf)
     path = Path(name).expanduser()
     if name.endswith(".gguf"):
         if not path.is_file():
             raise ValueError(f"GGUF file not found: {name}")
-        return str(gguf_to_hf_dir(path.resolve()))
+        return str(gguf_to_hf_dir(path.resolve())) if convert else str(path)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ValueError(f"{name} is a directory without config.json; accepted models: {ACCEPTED}")
