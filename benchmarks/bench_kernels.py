@@ -46,9 +46,6 @@ def timed(fn, device: str, repeats: int) -> float:
 
 def decode_sweep(args, device: str, peak: float | None) -> None:
     import torch
-    import torch.nn.functional as F
-
-    from nanoserve.kernels.triton_decode import decode_attention
 
     dtype = torch.float16 if device == "cuda" else torch.float32
     hq, hkv, d, bs = (32, 8, 128, 16) if not args.smoke else (4, 2, 16, 4)
@@ -58,27 +55,35 @@ def decode_sweep(args, device: str, peak: float | None) -> None:
     print(f"{'batch':>5} {'context':>7} {'triton':>9} {'GB/s':>8} {'of peak':>8} {'sdpa':>9} {'GB/s':>8} {'ratio':>6}")
     for batch in batches:
         for ctx in contexts:
-            nb = ctx // bs
-            num_blocks = batch * nb
-            if num_blocks * bs * hkv * d * 2 * 2 > 0.5 * (torch.cuda.mem_get_info()[0] if device == "cuda" else 2**32):
-                continue
-            k_cache = torch.randn(num_blocks, bs, hkv, d, dtype=dtype, device=device)
-            v_cache = torch.randn_like(k_cache)
-            tables = torch.randperm(num_blocks, device=device).view(batch, nb)   # scattered blocks
-            seq_lens = torch.full((batch,), ctx, device=device)
-            q = torch.randn(batch, hq, d, dtype=dtype, device=device)
-            # The same K/V stored contiguously per sequence, for SDPA.
-            k = k_cache[tables].view(batch, ctx, hkv, d).transpose(1, 2).contiguous()
-            v = v_cache[tables].view(batch, ctx, hkv, d).transpose(1, 2).contiguous()
-            t_tri = timed(lambda: decode_attention(q, k_cache, v_cache, tables, seq_lens, d**-0.5), device, args.repeats)
-            t_sdpa = timed(lambda: F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True),
-                           device, args.repeats)
-            moved = 2 * batch * ctx * hkv * d * k_cache.element_size() + 2 * q.numel() * q.element_size()
-            bw_tri, bw_sdpa = moved / t_tri / 1e9, moved / t_sdpa / 1e9
-            frac = f"{bw_tri / peak:7.0%}" if peak else "      -"
-            print(f"{batch:5d} {ctx:7d} {t_tri * 1e6:7.0f}us {bw_tri:8.0f} {frac} {t_sdpa * 1e6:7.0f}us "
-                  f"{bw_sdpa:8.0f} {t_sdpa / t_tri:5.2f}x")
-            del k_cache, v_cache, k, v
+            if batch * ctx * hkv * d * 2 * 2 * 2 > 0.5 * (torch.cuda.mem_get_info()[0] if device == "cuda" else 2**32):
+                continue   # K/V twice (paged and contiguous) must fit comfortably
+            measure_decode(args, device, peak, dtype, batch, ctx, hq, hkv, d, bs)
+
+
+def measure_decode(args, device, peak, dtype, batch, ctx, hq, hkv, d, bs) -> None:
+    """One row of the sweep (a function, so its tensors are freed before the next row)."""
+    import torch
+    import torch.nn.functional as F
+
+    from nanoserve.kernels.triton_decode import decode_attention
+
+    nb = ctx // bs
+    k_cache = torch.randn(batch * nb, bs, hkv, d, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(batch * nb, device=device).view(batch, nb)     # scattered blocks
+    seq_lens = torch.full((batch,), ctx, device=device)
+    q = torch.randn(batch, hq, d, dtype=dtype, device=device)
+    # The same K/V stored contiguously per sequence, for SDPA.
+    k = k_cache[tables].view(batch, ctx, hkv, d).transpose(1, 2).contiguous()
+    v = v_cache[tables].view(batch, ctx, hkv, d).transpose(1, 2).contiguous()
+    t_tri = timed(lambda: decode_attention(q, k_cache, v_cache, tables, seq_lens, d**-0.5), device, args.repeats)
+    t_sdpa = timed(lambda: F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True),
+                   device, args.repeats)
+    moved = 2 * batch * ctx * hkv * d * k_cache.element_size() + 2 * q.numel() * q.element_size()
+    bw_tri, bw_sdpa = moved / t_tri / 1e9, moved / t_sdpa / 1e9
+    frac = f"{bw_tri / peak:7.0%}" if peak else "      -"
+    print(f"{batch:5d} {ctx:7d} {t_tri * 1e6:7.0f}us {bw_tri:8.0f} {frac} {t_sdpa * 1e6:7.0f}us "
+          f"{bw_sdpa:8.0f} {t_sdpa / t_tri:5.2f}x")
 
 
 def end_to_end(args, device: str) -> None:

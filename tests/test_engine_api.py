@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from nanoserve import EngineConfig, LLMEngine, SamplingParams
 from nanoserve import events as ev

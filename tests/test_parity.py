@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nanoserve import SamplingParams
-from conftest import make_engine, run_to_end
+from conftest import make_engine
 
 NUM_PROMPTS = 16
 MAX_TOKENS = 12

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve import EngineConfig, LLMEngine, SamplingParams
+from nanoserve import EngineConfig, SamplingParams
 from nanoserve import events as ev
 from nanoserve.spec_decode import ngram_lookup, verify
 from conftest import make_engine

@@ -53,7 +53,7 @@ def render_pool(ref_counts: list[int], owners: dict[int, int], max_cells: int = 
 def render_block_pool(pool):
     """`engine.pool` in a REPL: one cell per block and the free queue head first."""
     snap = pool.snapshot()
-    head = Text.assemble((f"BlockPool", "bold"), f"  {pool.num_used_blocks}/{pool.num_blocks} used, "
+    head = Text.assemble(("BlockPool", "bold"), f"  {pool.num_used_blocks}/{pool.num_blocks} used, "
                          f"block_size {pool.block_size}")
     free = snap["free_queue"]
     queue = Text("free queue (next allocated first): ", style="dim")
