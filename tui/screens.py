@@ -124,8 +124,8 @@ PANELS = [
     ("requests", "running, waiting and finished: tokens generated of max_tokens, prompt tokens, tokens "
                  "with K/V in the cache, and the newest text."),
     ("events", "everything the engine decided this step, in order."),
-    ("metrics", "tokens computed per step, KV pool usage, and \"accepted\": the share of drafted "
-                "tokens the target accepted (speculative decoding)."),
+    ("metrics", "tokens computed per step (the title: tokens per second of the latest step), KV pool "
+                "usage, and \"accepted\": the share of drafted tokens the target accepted (speculative decoding)."),
 ]
 
 

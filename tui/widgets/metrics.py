@@ -1,6 +1,7 @@
 """Metrics over time: Textual `Sparkline`s from `ViewState.history`.
 
-Tokens computed per step (prefill + decode), KV pool usage, and, with
+Tokens computed per step (prefill + decode, and per second of that step's
+time), KV pool usage, and, with
 speculative decoding, the share of drafted tokens the target accepted
 ("accepted"). A sparkline spans its data's min..max; the label has the value.
 """
@@ -19,10 +20,16 @@ def series(frame: Frame) -> dict[str, tuple[str, list[float]]]:
     """Metric id -> (label with the latest value, values per step)."""
     state = frame.state
     tokens = [p + d for _, p, d, _, _ in state.history]
+    seconds = [dur for *_, dur in state.history]
+    rate = ""
+    if tokens and seconds[-1] > 0:
+        per_s = tokens[-1] / seconds[-1]
+        rate = f"{per_s / 1000:.1f}k" if per_s >= 1000 else f"{per_s:.0f}"
     used = [100 * (state.num_blocks - free) / state.num_blocks for _, _, _, free, _ in state.history]
     accepted = [100 * r for r in frame.acceptance]
     return {
         "tokens": (f"tokens/step {tokens[-1] if tokens else '–'}", tokens),
+        "rate": (rate, []),
         "kv": (f"KV used {used[-1]:.0f}%" if used else "KV used –", used),
         "accept": (f"accepted {accepted[-1]:.0f}%" if accepted else "accepted –",
                    accepted),
@@ -41,6 +48,9 @@ class Metrics(Horizontal):
     def watch_frame(self, frame: Frame | None) -> None:
         if frame is None:
             return
-        for key, (label, values) in series(frame).items():
+        data = series(frame)
+        rate = data.pop("rate")[0]
+        self.border_title = f"metrics · {rate} tokens/s" if rate else "metrics"   # the latest step's speed
+        for key, (label, values) in data.items():
             self.query_one(f"#{key}-label", Label).update(label, layout=False)   # fixed size: repaint only
             self.query_one(f"#{key}-spark", Sparkline).data = values[-200:]
