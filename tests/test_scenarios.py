@@ -34,9 +34,14 @@ def shows_mechanism(name: str, events: list) -> bool:
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_recorded_scenario_shows_its_mechanism(name, tmp_path):
+    from nanoserve_tui.screenshots import showcase_step
+
     path = tmp_path / f"{name}.jsonl"
     record(name, path)
-    assert shows_mechanism(name, read_trace(path))
+    events = read_trace(path)
+    assert shows_mechanism(name, events)
+    # The docs' screenshot of this scenario is taken at a step of this run.
+    assert 1 <= showcase_step(name, events) <= max(e.step for e in events)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

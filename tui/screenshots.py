@@ -1,0 +1,77 @@
+"""Regenerate the docs' TUI screenshots: `python -m nanoserve_tui.screenshots docs/img`.
+
+For every scenario: record it on tiny-llama, replay the trace headless, stop
+at the first step where the scenario's mechanism shows (a preemption, a
+prefill chunk beside a decode, an accepted draft, ...), and save the app's
+own SVG screenshot as `tui-<scenario>.svg`; plus `tui-100x30.svg`, the
+memory-pressure screen at the small size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import tempfile
+from pathlib import Path
+
+from nanoserve import events as ev
+from nanoserve.scenarios import SCENARIOS, record
+from nanoserve.trace import read_trace
+from nanoserve_tui.app import NanoserveApp
+from nanoserve_tui.source import ReplaySource
+from nanoserve_tui.widgets.pool import PoolGrid
+
+
+def showcase_step(name: str, events: list) -> int:
+    """The first step where scenario `name` shows its mechanism."""
+    def first(pred) -> int:
+        return next(e.step for e in events if pred(e))
+
+    if name == "memory-pressure":
+        preempted = [e.step for e in events if isinstance(e, ev.Preempted)]
+        return preempted[1] if len(preempted) > 1 else preempted[0]
+    if name == "long-prompt":
+        decode_steps = {e.step for e in events if isinstance(e, ev.ChunkScheduled) and not e.is_prefill}
+        return first(lambda e: isinstance(e, ev.ChunkScheduled) and e.request_id == "long"
+                     and e.is_prefill and e.step in decode_steps)
+    if name == "speculative-decoding":
+        return first(lambda e: isinstance(e, ev.DraftVerified) and e.num_accepted > 0)
+    if name == "shared-system-prompt":
+        return first(lambda e: isinstance(e, ev.StepStarted) and e.num_running >= 3)
+    # continuous-batching: the step in which a request is admitted after another finished
+    finished = first(lambda e: isinstance(e, ev.RequestFinished))
+    return first(lambda e: isinstance(e, ev.RequestAdmitted) and e.step > finished)
+
+
+async def shoot(trace: Path, step: int, size: tuple[int, int], out: Path, select: str | None = None) -> None:
+    """Save the screen at `step`; `select`: show the details of this request's last block."""
+    source = ReplaySource.from_path(trace)
+    source.position = next(i for i, group in enumerate(source.groups)
+                           if any(isinstance(e, ev.StepStarted) and e.step == step for e in group))
+    app = NanoserveApp(source)
+    async with app.run_test(size=size) as pilot:
+        while app.frame is None or app.frame.state.step != step:
+            await pilot.pause(0.05)
+        if select is not None:
+            app.query_one(PoolGrid).selected = app.frame.state.requests[select].block_table[-1]
+        await pilot.pause(0.2)
+        out.write_text(app.export_screenshot(title=f"nanoserve tui --replay {trace.name}  (step {step})"))
+
+
+def main(folder: str = "docs/img") -> None:
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in SCENARIOS:
+            trace = Path(tmp) / f"{name}.jsonl"
+            record(name, trace)
+            step = showcase_step(name, read_trace(trace))
+            select = "r0" if name == "memory-pressure" else None
+            asyncio.run(shoot(trace, step, (160, 50), out / f"tui-{name}.svg", select))
+            if name == "memory-pressure":
+                asyncio.run(shoot(trace, step, (100, 30), out / "tui-100x30.svg", select))
+            print(f"tui-{name}.svg: step {step}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
