@@ -357,7 +357,7 @@ class LLMEngine:
     def check_invariants(self) -> None:
         """Raise AssertionError if any bookkeeping invariant is broken."""
         self.scheduler.check_invariants()
-        if hasattr(self.proposer, "check_invariants"):
+        if self.proposer:
             self.proposer.check_invariants()
         live = {s.request_id for s in self.scheduler.running} | {s.request_id for s in self.scheduler.waiting}
         assert live == set(self.requests), f"queues {sorted(live)} != requests {sorted(self.requests)}"

@@ -118,6 +118,9 @@ class NgramProposer:
     def release(self, request_id: str) -> None:
         pass
 
+    def check_invariants(self) -> None:
+        pass   # no blocks, no state
+
 
 def ngram_lookup(tokens: list[int], ngram_min: int, ngram_max: int, k: int) -> list[int]:
     """Longest suffix of length n in [ngram_min, ngram_max] seen earlier -> the k tokens after it.

@@ -13,7 +13,7 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 INTS = (torch.int32, torch.int64)
 
 
-def _expect(cond: bool, name: str, what: str, tensor: torch.Tensor) -> None:
+def expect(cond: bool, name: str, what: str, tensor: torch.Tensor) -> None:
     if not cond:
         raise ValueError(f"{name}: expected {what}, got shape {tuple(tensor.shape)} dtype {tensor.dtype} "
                          f"on {tensor.device}")
@@ -21,11 +21,11 @@ def _expect(cond: bool, name: str, what: str, tensor: torch.Tensor) -> None:
 
 def check_cache(name: str, cache: torch.Tensor, like: torch.Tensor | None = None) -> None:
     """A KV cache: [num_blocks, block_size, num_kv_heads, head_dim], float, contiguous last dim."""
-    _expect(cache.dim() == 4, name, "a 4-d cache [num_blocks, block_size, num_kv_heads, head_dim]", cache)
-    _expect(cache.dtype in FLOATS, name, "a float16/bfloat16/float32 tensor", cache)
-    _expect(cache.stride(-1) == 1, name, "a contiguous last dimension", cache)
+    expect(cache.dim() == 4, name, "a 4-d cache [num_blocks, block_size, num_kv_heads, head_dim]", cache)
+    expect(cache.dtype in FLOATS, name, "a float16/bfloat16/float32 tensor", cache)
+    expect(cache.stride(-1) == 1, name, "a contiguous last dimension", cache)
     if like is not None:
-        _expect(cache.shape == like.shape and cache.dtype == like.dtype and cache.device == like.device,
+        expect(cache.shape == like.shape and cache.dtype == like.dtype and cache.device == like.device,
                 name, f"the same shape, dtype and device as the K cache {tuple(like.shape)}", cache)
 
 
@@ -34,21 +34,21 @@ def check_paged_args(*, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """Queries [T, Hq, D] against a paged cache, with block tables [rows, max_blocks]."""
     check_cache("k_cache", k_cache)
     check_cache("v_cache", v_cache, like=k_cache)
-    _expect(q.dim() == 3, "q", "a 3-d tensor [tokens, num_heads, head_dim]", q)
-    _expect(q.dtype == k_cache.dtype, "q", f"dtype {k_cache.dtype} like the cache", q)
-    _expect(q.device == k_cache.device, "q", f"device {k_cache.device} like the cache", q)
-    _expect(q.shape[2] == k_cache.shape[3], "q", f"head_dim {k_cache.shape[3]} like the cache", q)
-    _expect(q.shape[1] % k_cache.shape[2] == 0, "q",
+    expect(q.dim() == 3, "q", "a 3-d tensor [tokens, num_heads, head_dim]", q)
+    expect(q.dtype == k_cache.dtype, "q", f"dtype {k_cache.dtype} like the cache", q)
+    expect(q.device == k_cache.device, "q", f"device {k_cache.device} like the cache", q)
+    expect(q.shape[2] == k_cache.shape[3], "q", f"head_dim {k_cache.shape[3]} like the cache", q)
+    expect(q.shape[1] % k_cache.shape[2] == 0, "q",
             f"a head count divisible by the cache's {k_cache.shape[2]} KV heads", q)
-    _expect(q.stride(-1) == 1, "q", "a contiguous last dimension", q)
-    _expect(block_tables.dim() == 2 and block_tables.dtype in INTS, "block_tables",
+    expect(q.stride(-1) == 1, "q", "a contiguous last dimension", q)
+    expect(block_tables.dim() == 2 and block_tables.dtype in INTS, "block_tables",
             "a 2-d int32/int64 tensor [rows, max_blocks]", block_tables)
-    _expect(block_tables.device == q.device, "block_tables", f"device {q.device}", block_tables)
+    expect(block_tables.device == q.device, "block_tables", f"device {q.device}", block_tables)
     if seq_lens is not None:
-        _expect(seq_lens.dim() == 1 and seq_lens.dtype in INTS and seq_lens.device == q.device, "seq_lens",
+        expect(seq_lens.dim() == 1 and seq_lens.dtype in INTS and seq_lens.device == q.device, "seq_lens",
                 f"a 1-d int32/int64 tensor on {q.device}", seq_lens)
 
 
 def check_int_vector(name: str, t: torch.Tensor, n: int, device: torch.device) -> None:
-    _expect(t.dim() == 1 and t.shape[0] == n and t.dtype in INTS and t.device == device, name,
+    expect(t.dim() == 1 and t.shape[0] == n and t.dtype in INTS and t.device == device, name,
             f"a 1-d int32/int64 tensor of length {n} on {device}", t)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.checks import _expect, check_cache, check_int_vector
+from nanoserve.kernels.checks import expect, check_cache, check_int_vector
 
 
 @triton.jit
@@ -56,11 +56,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     check_cache("v_cache", v_cache, like=k_cache)
     T = k.shape[0]
     for name, t in (("k", k), ("v", v)):
-        _expect(t.dim() == 3 and t.shape[1:] == k_cache.shape[2:], name,
+        expect(t.dim() == 3 and t.shape[1:] == k_cache.shape[2:], name,
                 f"[tokens, {k_cache.shape[2]}, {k_cache.shape[3]}] like the cache's heads", t)
-        _expect(t.shape[0] == T and t.dtype == k_cache.dtype and t.device == k_cache.device, name,
+        expect(t.shape[0] == T and t.dtype == k_cache.dtype and t.device == k_cache.device, name,
                 f"{T} tokens of dtype {k_cache.dtype} on {k_cache.device}", t)
-        _expect(t.stride(-1) == 1, name, "a contiguous last dimension", t)
+        expect(t.stride(-1) == 1, name, "a contiguous last dimension", t)
     check_int_vector("slot_mapping", slot_mapping, T, k_cache.device)
     if T == 0:
         return
@@ -97,9 +97,11 @@ def copy_blocks(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor
         raise ValueError(f"src and dst must pair up: {tuple(src.shape)} vs {tuple(dst.shape)}")
     for i, cache in enumerate(caches):
         check_cache(f"caches[{i}]", cache)
-        _expect(cache.is_contiguous(), f"caches[{i}]", "a contiguous tensor", cache)
-        check_int_vector("src", src, src.shape[0], cache.device)
-        check_int_vector("dst", dst, dst.shape[0], cache.device)
+        expect(cache.is_contiguous(), f"caches[{i}]", "a contiguous tensor", cache)
+        expect(cache.device == caches[0].device, f"caches[{i}]", f"device {caches[0].device}", cache)
+    if caches:
+        check_int_vector("src", src, src.shape[0], caches[0].device)
+        check_int_vector("dst", dst, dst.shape[0], caches[0].device)
     if src.numel() == 0:
         return
     if len(set(dst.tolist())) != dst.numel() or set(dst.tolist()) & set(src.tolist()):

@@ -240,11 +240,8 @@ def export_trace(trace: str | Path, step: int | None = None, what: str = "tables
 
 # -- live engines (REPL, Jupyter) -------------------------------------------------
 def state_of(engine) -> ViewState:
-    """A live engine's current view state: subscribing sends an EngineSynced at once."""
-    synced: list = []
-    unsubscribe = engine.subscribe(synced.append)
-    unsubscribe()
-    return fold(None, synced[0])
+    """A live engine's current view state (the same fold a new subscriber starts from)."""
+    return state_from_snapshot(engine.snapshot())
 
 
 def state_from_snapshot(snapshot: dict) -> ViewState:
