@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from nanoserve.events import (
     EVENT_TYPES, BlocksAllocated, BlocksFreed, ChunkScheduled, EngineSynced, Preempted,
     RequestAborted, RequestAdded, RequestAdmitted, RequestFinished, StepFinished, StepStarted,
-    TokenSampled, DraftProposed, DraftVerified, KVTrimmed,
+    TokenSampled, DraftProposed, DraftVerified, KVTrimmed, PrefixMatched, RadixInserted, RadixSplit,
+    RadixLocked, RadixEvicted, BlockDeduplicated, Forked, CowCopied, BeamPruned, SwappedOut, SwappedIn,
 )
 from nanoserve.trace import (
     EventBus, JsonlRecorder, RequestView, event_from_dict, event_to_dict, fold, fold_all,
@@ -38,6 +39,22 @@ SAMPLES = [
     DraftProposed(2, "r1", "ngram", (5, 6, 7)),
     DraftVerified(2, "r1", 3, 1, 1, 9, False),
     KVTrimmed(2, "r1", 12, 2, (4,)),
+    # memory mechanisms; an EngineSynced with 11-field requests, a radix tree and a CPU pool
+    EngineSynced(3, "m", 4, 2, (2, 1, 0, 0), (2, 3), (("a", "swapped", "p", 3, "", 0, 3, (), 8, 0, (0, 1)),
+                                                         ("b", "running", "p", 3, "", 0, 2, (0,), 8, 1, ())),
+                 radix=((1, 0, "a \"b\"\n", 2, (0,), 2), (2, 1, "ü", 2, (1,), 3)), prefix_caching=True,
+                 num_cpu_blocks=4),
+    PrefixMatched(3, "b", 6, 4, (0, 1)),
+    RadixInserted(3, "b", 3, 1, "✓ text\n", 4, (5, 6)),
+    RadixSplit(3, 3, 4, 1, "head", "tail"),
+    RadixLocked(3, "b", 3),
+    RadixEvicted(4, 3, (6,), 3),
+    BlockDeduplicated(4, "b", 2, 7, 5, True),
+    Forked(4, "b", "b.1", (0, 1, 5)),
+    CowCopied(4, "b.1", 2, 5, 8),
+    BeamPruned(5, "b.1"),
+    SwappedOut(5, "b", (0, 1), (1,), (2, 3)),
+    SwappedIn(6, "b", (2, 3), (4, 9)),
 ]
 
 

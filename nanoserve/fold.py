@@ -1,0 +1,300 @@
+"""fold: events -> view state.
+
+This module owns `fold(state, event)`, which applies one event to a
+`ViewState` (see `view.py`) the way the engine applied the decision to its
+own bookkeeping, `fold_all(events)`, and `synced_event(snapshot)`, which turns
+`engine.snapshot()` into the EngineSynced event a fold starts from.
+
+Block events mirror `block_pool.py`: taking a block unlinks it from wherever
+it sits in the free queue; freeing drops one holder per block, then appends
+the released ones to the tail in the event's order. Tree events mirror
+`radix_cache.py`: the tree holds one reference on each block of each node.
+
+It leaves deciding to the engine and drawing to viz/ and tui/. It imports
+nothing but `events.py` and `view.py`.
+"""
+
+from __future__ import annotations
+
+from nanoserve import events as ev
+from nanoserve.view import FINISHED_STATUS, HISTORY_LEN, ROOT, RadixNodeView, RequestView, ViewState
+
+
+def synced_event(snapshot: dict) -> ev.EngineSynced:
+    """`engine.snapshot()` as an EngineSynced event, requests in queue order (running, waiting, swapped).
+
+    Keys added with the memory mechanisms ("radix", "cpu_pool", "swapped",
+    a request's "cache_node" and "cpu_block_table") are optional, so older
+    snapshots still convert.
+    """
+    pool = snapshot["pool"]
+    by_id = {r["request_id"]: r for r in snapshot["requests"]}
+    order = list(snapshot["running"]) + list(snapshot["waiting"]) + list(snapshot.get("swapped", ()))
+    requests = tuple(
+        (r["request_id"], r["status"], r["prompt"], r["num_prompt_tokens"], r["output_text"],
+         r["num_output_tokens"], r["num_computed_tokens"], tuple(r["block_table"]), r["max_tokens"],
+         r.get("cache_node", ROOT), tuple(r.get("cpu_block_table", ())))
+        for r in (by_id[rid] for rid in order)
+    )
+    radix = snapshot.get("radix") or {}
+    nodes = tuple((n["node_id"], n["parent_id"], n["text"], n["num_tokens"], tuple(n["block_ids"]),
+                   n["last_access"]) for n in radix.get("nodes", ()))
+    cpu_pool = snapshot.get("cpu_pool") or {}
+    return ev.EngineSynced(snapshot["step"], snapshot["model"], pool["num_blocks"], pool["block_size"],
+                           tuple(pool["ref_counts"]), tuple(pool["free_queue"]), requests, nodes,
+                           bool(radix.get("enabled", False)), cpu_pool.get("num_blocks", 0))
+
+
+def _synced_state(e: ev.EngineSynced) -> ViewState:
+    state = ViewState(e.step, e.model, e.num_blocks, e.block_size, list(e.ref_counts), list(e.free_queue),
+                      prefix_caching=e.prefix_caching, num_cpu_blocks=e.num_cpu_blocks)
+    queues = {"running": state.running, "waiting": state.waiting, "swapped": state.swapped}
+    for fields in e.requests:
+        # 9 fields in traces recorded before the memory mechanisms, 11 since
+        rid, status, prompt, n_prompt, text, n_out, n_computed, table, max_tokens = fields[:9]
+        cache_node, cpu_table = fields[9:11] if len(fields) >= 11 else (ROOT, ())
+        state.requests[rid] = RequestView(rid, prompt, n_prompt, max_tokens, status, text, n_out, n_computed,
+                                          list(table), None, cache_node, list(cpu_table))
+        if status in queues:
+            queues[status].append(rid)
+    for node_id, parent_id, text, num_tokens, block_ids, last_access in e.radix:   # parents come first
+        state.radix[node_id] = RadixNodeView(node_id, parent_id, text, num_tokens, list(block_ids), last_access)
+        state.radix[parent_id].children.append(node_id)
+    return state
+
+
+def _finish(state: ViewState, req: RequestView, reason: str) -> None:
+    if reason not in FINISHED_STATUS:
+        raise ValueError(f"unknown finish reason {reason!r} for request {req.request_id!r}")
+    if req.request_id in state.finished:
+        return  # RequestAborted then RequestFinished("abort"): count it once
+    req.status, req.finish_reason = FINISHED_STATUS[reason], reason
+    req.cache_node = ROOT             # a finished request holds no cache node
+    req.cpu_block_table = []          # nor CPU blocks (an aborted swapped request's are freed)
+    for queue in (state.waiting, state.running, state.swapped):
+        if req.request_id in queue:
+            queue.remove(req.request_id)
+    state.finished.append(req.request_id)
+
+
+def _take(state: ViewState, block_id: int) -> None:
+    """One more holder; a block with no holder leaves the free queue (wherever it sits)."""
+    if state.ref_counts[block_id] == 0 and block_id in state.free_queue:
+        state.free_queue.remove(block_id)
+    state.ref_counts[block_id] += 1
+
+
+def _touch_path(state: ViewState, node_id: int, step: int) -> None:
+    for n in state.radix_path(node_id):
+        state.radix[n].last_access = step
+
+
+def _matched_nodes(state: ViewState, block_ids: tuple[int, ...]) -> list[int]:
+    """The nodes a prefix hit went through: walk down from the root following the hit blocks."""
+    path, node, rest = [], state.radix[ROOT], list(block_ids)
+    while rest:
+        nxt = next((c for c in node.children if state.radix[c].block_ids[:1] == rest[:1]), None)
+        if nxt is None:
+            break
+        path.append(nxt)
+        node, rest = state.radix[nxt], rest[len(state.radix[nxt].block_ids):]
+    return path
+
+
+def _fold_radix(state: ViewState, event: ev.Event) -> None:
+    """The tree events that are not about one request's table."""
+    radix = state.radix
+    if isinstance(event, ev.RadixInserted):
+        node = RadixNodeView(event.node_id, event.parent_id, event.text, event.num_tokens,
+                             list(event.block_ids), event.step)
+        radix[event.node_id] = node
+        radix[event.parent_id].children.append(event.node_id)
+        for block_id in event.block_ids:
+            _take(state, block_id)                    # the tree's own reference
+        _touch_path(state, event.node_id, event.step)
+        state.inserted_nodes.add(event.node_id)
+    elif isinstance(event, ev.RadixSplit):
+        tail = radix[event.node_id]
+        head = RadixNodeView(event.new_node_id, tail.parent_id, event.head_text,
+                             event.num_blocks * state.block_size, tail.block_ids[:event.num_blocks],
+                             tail.last_access, [tail.node_id])
+        siblings = radix[tail.parent_id].children
+        siblings[siblings.index(tail.node_id)] = head.node_id   # the head takes the tail's place
+        radix[head.node_id] = head
+        tail.parent_id, tail.text = head.node_id, event.tail_text
+        tail.block_ids, tail.num_tokens = tail.block_ids[event.num_blocks:], tail.num_tokens - head.num_tokens
+        for marks in (state.hit_nodes, state.inserted_nodes):
+            if tail.node_id in marks:
+                marks.add(head.node_id)
+    elif isinstance(event, ev.RadixEvicted):
+        node = radix.pop(event.node_id)
+        if node.parent_id in radix:
+            radix[node.parent_id].children.remove(node.node_id)
+        for block_id in event.block_ids:
+            state.ref_counts[block_id] -= 1
+        state.free_queue.extend(event.block_ids)
+        state.touched_blocks.update(event.block_ids)
+        node.last_access = event.last_access
+        state.evicted_nodes[node.node_id] = node
+        state.hit_nodes.discard(node.node_id)
+        state.inserted_nodes.discard(node.node_id)
+
+
+def _fork(state: ViewState, event: ev.Forked) -> None:
+    """A new request view: a copy of the parent's, sharing every block of its table."""
+    parent = state.requests.get(event.parent_id)
+    if parent is None:
+        raise ValueError(f"Forked from unknown request {event.parent_id!r}")
+    rid = event.request_id
+    state.requests[rid] = RequestView(rid, parent.prompt, parent.num_prompt_tokens, parent.max_tokens,
+                                      parent.status, parent.output_text, parent.num_output_tokens,
+                                      parent.num_computed_tokens, list(event.block_ids), None, parent.cache_node)
+    for block_id in event.block_ids:
+        _take(state, block_id)                        # shared: one more holder each
+    (state.waiting if parent.status == "waiting" else state.running).append(rid)
+    state.touched_blocks.update(event.block_ids)
+
+
+def _fold_memory(state: ViewState, req: RequestView, event: ev.Event) -> None:
+    """Per-request memory events: prefix hits, locks, dedup, copy-on-write, pruning, swap."""
+    rid = req.request_id
+    if isinstance(event, ev.PrefixMatched):
+        for block_id in event.block_ids:
+            _take(state, block_id)
+        req.block_table = list(event.block_ids)       # the table was empty: admission or after preemption
+        req.num_computed_tokens = event.num_hit_tokens
+        state.cache_hit_tokens += event.num_hit_tokens
+        state.cache_lookup_tokens += event.num_tokens
+        state.touched_blocks.update(event.block_ids)
+        path = _matched_nodes(state, event.block_ids)
+        state.hit_nodes.update(path)
+        for node_id in path:
+            state.radix[node_id].last_access = event.step
+    elif isinstance(event, ev.RadixLocked):
+        req.cache_node = event.node_id
+        _touch_path(state, event.node_id, event.step)
+    elif isinstance(event, ev.BlockDeduplicated):
+        _take(state, event.kept)
+        req.block_table[event.index] = event.kept
+        state.ref_counts[event.dropped] -= 1
+        if event.released:
+            state.free_queue.append(event.dropped)
+        state.touched_blocks.update((event.kept, event.dropped))
+    elif isinstance(event, ev.CowCopied):
+        req.block_table[event.index] = event.dst
+        state.ref_counts[event.src] -= 1
+        _take(state, event.dst)
+        state.touched_blocks.update((event.src, event.dst))
+    elif isinstance(event, ev.BeamPruned):
+        _finish(state, req, "pruned")
+    elif isinstance(event, ev.SwappedOut):
+        for block_id in event.block_ids:
+            state.ref_counts[block_id] -= 1
+        state.free_queue.extend(event.released)
+        req.block_table, req.cpu_block_table = [], list(event.cpu_block_ids)
+        state.touched_blocks.update(event.block_ids)
+    elif isinstance(event, ev.SwappedIn):
+        for block_id in event.block_ids:
+            _take(state, block_id)
+        req.block_table, req.cpu_block_table = list(event.block_ids), []
+        if rid in state.swapped:
+            state.swapped.remove(rid)
+            state.running.append(rid)
+        req.status = "running"
+        state.touched_blocks.update(event.block_ids)
+
+
+_RADIX_EVENTS = (ev.RadixInserted, ev.RadixSplit, ev.RadixEvicted)
+_MEMORY_EVENTS = (ev.PrefixMatched, ev.RadixLocked, ev.BlockDeduplicated, ev.CowCopied, ev.BeamPruned,
+                  ev.SwappedOut, ev.SwappedIn)
+
+
+def fold(state: ViewState | None, event: ev.Event) -> ViewState:
+    """Apply one event to `state` (mutated and returned); `EngineSynced` starts afresh.
+
+    Block events mirror `block_pool.py`: allocating unlinks a block from
+    wherever it sits in the free queue; freeing drops one holder per block,
+    then appends `released` to the tail in the event's order. A holder that
+    is not a known request (e.g. the radix tree) changes the pool, no table.
+    """
+    if isinstance(event, ev.EngineSynced):
+        return _synced_state(event)
+    if state is None:
+        raise ValueError("trace must start with EngineSynced")
+    state.step = max(state.step, event.step)
+    rid = getattr(event, "request_id", None)
+    req = state.requests.get(rid)
+
+    if isinstance(event, ev.BlocksAllocated):
+        for block_id in event.block_ids:
+            _take(state, block_id)                    # a fresh block (head), a revived cached one, or a sharer
+        if req is not None:
+            req.block_table.extend(event.block_ids)
+        state.touched_blocks.update(event.block_ids)
+    elif isinstance(event, ev.BlocksFreed):
+        for block_id in event.block_ids:
+            state.ref_counts[block_id] -= 1
+            if req is not None and block_id in req.block_table:
+                req.block_table.remove(block_id)
+        state.free_queue.extend(event.released)
+        state.touched_blocks.update(event.block_ids)
+    elif isinstance(event, ev.StepStarted):
+        state.step = event.step
+        state.touched_blocks.clear()
+        state.hit_nodes.clear()
+        state.inserted_nodes.clear()
+        state.evicted_nodes.clear()
+    elif isinstance(event, ev.StepFinished):
+        state.last_step = event
+        state.history.append((event.step, event.num_prefill_tokens, event.num_decode_tokens,
+                              event.num_free_blocks, event.duration_s))
+        del state.history[:-HISTORY_LEN]
+        if state.cache_lookup_tokens:
+            state.cache_history.append((event.step, state.cache_hit_tokens, state.cache_lookup_tokens))
+            del state.cache_history[:-HISTORY_LEN]
+    elif isinstance(event, _RADIX_EVENTS):
+        _fold_radix(state, event)
+    elif isinstance(event, ev.RequestAdded):
+        state.requests[rid] = RequestView(rid, event.prompt, event.num_prompt_tokens, event.max_tokens)
+        state.waiting.append(rid)
+    elif isinstance(event, ev.Forked):
+        _fork(state, event)
+    elif req is None:  # every other event is about a request we must know
+        raise ValueError(f"{type(event).__name__} for unknown request {rid!r}")
+    elif isinstance(event, _MEMORY_EVENTS):
+        _fold_memory(state, req, event)
+    elif isinstance(event, ev.RequestAdmitted):
+        state.waiting.remove(rid)
+        state.running.append(rid)
+        req.status = "running"
+    elif isinstance(event, ev.ChunkScheduled):
+        req.num_computed_tokens = event.start + event.num_tokens
+    elif isinstance(event, ev.Preempted):
+        state.running.remove(rid)
+        req.cache_node = ROOT                         # a preempted request lets go of its cache node
+        if event.mode == "swap":                      # KV moves to the CPU pool (SwappedOut follows)
+            state.swapped.append(rid)
+            req.status = "swapped"
+        else:                                         # KV dropped: admitted first again, recomputed
+            state.waiting.insert(0, rid)
+            req.status, req.num_computed_tokens = "waiting", 0
+    elif isinstance(event, ev.KVTrimmed):
+        req.num_computed_tokens = event.num_computed_tokens   # rejected drafts' KV is gone
+    elif isinstance(event, ev.TokenSampled):
+        req.num_output_tokens += 1
+        req.output_text += event.text
+    elif isinstance(event, ev.RequestFinished):
+        _finish(state, req, event.finish_reason)
+    elif isinstance(event, ev.RequestAborted):
+        _finish(state, req, "abort")
+    return state
+
+
+def fold_all(events) -> ViewState:
+    """Fold a whole trace (which must start with EngineSynced) into one view state."""
+    state = None
+    for event in events:
+        state = fold(state, event)
+    if state is None:
+        raise ValueError("trace must start with EngineSynced")
+    return state

@@ -1,0 +1,149 @@
+"""The view state: what every viewer draws.
+
+This module owns the plain data types a viewer reads: `ViewState` (block
+pool, block tables, queues, the radix tree, the CPU swap space, cache hit
+counters), `RequestView` and `RadixNodeView`, and the questions viewers ask
+of them (who holds a block, a node's lock count, which blocks are cached and
+evictable). `fold.py` builds a ViewState from events; the TUI, the Graphviz
+exporter and the lessons draw it, never the engine, so a recorded trace
+replays without a model.
+
+The bookkeeping mirrors the engine's:
+
+* a block's ref count is the number of block tables holding it, plus one
+  when a radix-tree node holds it (the tree takes one reference per block);
+* the free queue holds the blocks with ref count 0, head (next allocated)
+  first; freed blocks join the tail;
+* a node's lock count is not stored: it is the number of live requests whose
+  deepest held node (`RequestView.cache_node`) is that node or one below it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanoserve.events import StepFinished
+
+FINISHED_STATUS = {"stop": "finished_stopped", "length": "finished_length", "abort": "finished_aborted",
+                   "pruned": "finished_pruned"}
+HISTORY_LEN = 1000  # finished steps kept in ViewState.history
+ROOT = 0            # the radix tree's root: no blocks, never drawn as a span
+
+
+@dataclass(slots=True)
+class RequestView:
+    """One request as a viewer sees it."""
+
+    request_id: str
+    prompt: str
+    num_prompt_tokens: int
+    max_tokens: int
+    status: str = "waiting"           # "waiting" | "running" | "swapped" | "finished_" + stopped/length/aborted/pruned
+    output_text: str = ""
+    num_output_tokens: int = 0
+    num_computed_tokens: int = 0      # tokens whose KV is in the cache (on the device, or on the CPU when swapped)
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "pruned" once finished
+    cache_node: int = ROOT            # the deepest radix node this request holds (0: none)
+    cpu_block_table: list[int] = field(default_factory=list)   # CPU pool blocks while swapped out
+
+
+@dataclass(slots=True)
+class RadixNodeView:
+    """One node of the radix prefix tree: a span of whole blocks under its parent."""
+
+    node_id: int
+    parent_id: int                    # -1 for the root
+    text: str                         # the span's tokens as text
+    num_tokens: int
+    block_ids: list[int]              # the tree holds one reference on each
+    last_access: int = 0              # the step it was last matched or extended
+    children: list[int] = field(default_factory=list)   # node ids, in insertion order
+
+
+def _root() -> dict[int, RadixNodeView]:
+    return {ROOT: RadixNodeView(ROOT, -1, "", 0, [])}
+
+
+@dataclass(slots=True)
+class ViewState:
+    """Everything a viewer draws, rebuilt from events by `fold`."""
+
+    step: int
+    model: str
+    num_blocks: int
+    block_size: int
+    ref_counts: list[int]             # per physical block
+    free_queue: list[int]             # block ids, head (next allocated) first
+    requests: dict[str, RequestView] = field(default_factory=dict)  # in arrival order, finished kept
+    waiting: list[str] = field(default_factory=list)    # request ids, next admitted first
+    running: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)   # in finishing order
+    touched_blocks: set[int] = field(default_factory=set)  # allocated, freed, copied or shared this step
+    last_step: StepFinished | None = None
+    # (step, num_prefill_tokens, num_decode_tokens, num_free_blocks, duration_s), last HISTORY_LEN steps
+    history: list[tuple[int, int, int, int, float]] = field(default_factory=list)
+    # -- memory mechanisms --
+    prefix_caching: bool = False      # the engine keeps a radix prefix cache
+    radix: dict[int, RadixNodeView] = field(default_factory=_root)   # node id -> node, the root (0) included
+    swapped: list[str] = field(default_factory=list)    # requests whose KV sits in the CPU pool
+    num_cpu_blocks: int = 0           # size of the CPU swap pool (0: no swapping)
+    cache_hit_tokens: int = 0         # sum of PrefixMatched.num_hit_tokens
+    cache_lookup_tokens: int = 0      # sum of PrefixMatched.num_tokens
+    # (step, cache_hit_tokens, cache_lookup_tokens) after each step, last HISTORY_LEN steps
+    cache_history: list[tuple[int, int, int]] = field(default_factory=list)
+    hit_nodes: set[int] = field(default_factory=set)        # matched this step
+    inserted_nodes: set[int] = field(default_factory=set)   # created this step
+    evicted_nodes: dict[int, RadixNodeView] = field(default_factory=dict)   # removed this step (kept to draw)
+
+    def block_owners(self) -> dict[int, list[str]]:
+        """Block id -> ids of the requests whose block tables hold it (held blocks only)."""
+        owners: dict[int, list[str]] = {}
+        for rid, req in self.requests.items():
+            for block_id in req.block_table:
+                owners.setdefault(block_id, []).append(rid)
+        return dict(sorted(owners.items()))
+
+    # -- the radix tree --
+    def radix_nodes(self) -> list[RadixNodeView]:
+        """Every node but the root, parents before children (depth first, children in order)."""
+        out, stack = [], list(reversed(self.radix[ROOT].children))
+        while stack:
+            node = self.radix[stack.pop()]
+            out.append(node)
+            stack.extend(reversed(node.children))
+        return out
+
+    def radix_path(self, node_id: int) -> list[int]:
+        """Node ids from just under the root down to `node_id` (empty for the root or an unknown node)."""
+        path = []
+        while node_id != ROOT and node_id in self.radix:
+            path.append(node_id)
+            node_id = self.radix[node_id].parent_id
+        return path[::-1]
+
+    def lock_counts(self) -> dict[int, int]:
+        """Node id -> how many live requests hold it or a node below it (every node but the root)."""
+        counts = {node_id: 0 for node_id in self.radix if node_id != ROOT}
+        for req in self.requests.values():
+            if not req.status.startswith("finished"):
+                for node_id in self.radix_path(req.cache_node):
+                    counts[node_id] += 1
+        return counts
+
+    def cached_blocks(self) -> dict[int, int]:
+        """Block id -> the radix node holding it."""
+        return {b: node.node_id for node in self.radix.values() for b in node.block_ids}
+
+    def evictable_blocks(self) -> set[int]:
+        """Blocks only the cache holds (ref count 1, node unlocked): reusable by a hit, or evicted for room."""
+        locks = self.lock_counts()
+        return {b for b, node_id in self.cached_blocks().items()
+                if self.ref_counts[b] == 1 and locks[node_id] == 0}
+
+    def cache_hit_rate(self) -> float | None:
+        """Tokens whose KV came from the cache / tokens looked up; None before any lookup."""
+        return self.cache_hit_tokens / self.cache_lookup_tokens if self.cache_lookup_tokens else None
+
+    def cpu_blocks_used(self) -> int:
+        return sum(len(req.cpu_block_table) for req in self.requests.values())
