@@ -23,7 +23,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 512   # token budget of one step (decodes + prefill chunks)
     max_model_len: int | None = None    # prompt + output limit; None: the model's, capped by the pool and budget
     enable_chunked_prefill: bool = True  # let a long prompt spread over several steps
-    preemption_mode: str = "recompute"  # what happens to a request evicted for memory: recompute its KV later
+    enable_prefix_caching: bool = True  # radix prefix cache: reuse the KV of shared prefixes (radix_cache.py)
+    preemption_mode: str = "recompute"  # a preempted request's KV: "recompute" it later or "swap" it to CPU
+    preemption_policy: str = "newest"   # victim: "newest" admitted, lowest "priority", or "shortest_remaining" keeps
+                                        # the ones closest to done (the most tokens left is preempted first)
+    num_cpu_blocks: int | None = None   # swap space in blocks; None: as many as num_blocks when swapping
     attention_backend: str = "auto"     # "torch", "triton" (interpreted on CPU: slow) or "auto" (triton on CUDA)
     seed: int = 0                       # seeds random weights of tiny models and unseeded requests
     # Speculative decoding (spec_decode.py): off unless a method is named.
@@ -49,8 +53,13 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if self.preemption_mode != "recompute":
-            raise ValueError(f"preemption_mode must be 'recompute' (swap arrives with the CPU block pool), got {self.preemption_mode!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.preemption_policy not in ("newest", "priority", "shortest_remaining"):
+            raise ValueError("preemption_policy must be 'newest', 'priority' or 'shortest_remaining', "
+                             f"got {self.preemption_policy!r}")
+        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
         if self.attention_backend not in ("torch", "triton", "auto"):
             raise ValueError(f"attention_backend must be 'torch', 'triton' or 'auto', got {self.attention_backend!r}")
 
@@ -79,6 +88,8 @@ class EngineConfig:
         """Fill in num_blocks and max_model_len once the model is known."""
         if self.num_blocks is None:
             self.num_blocks = max(1, int(self.kv_cache_memory_mb * 2**20) // bytes_per_block)
+        if self.num_cpu_blocks is None:
+            self.num_cpu_blocks = self.num_blocks if self.preemption_mode == "swap" else 0
         pool_tokens = self.num_blocks * self.block_size
         if self.max_model_len is None:
             limit = min(model_max_len, pool_tokens)

@@ -27,12 +27,17 @@ from collections.abc import Callable, Sequence as Seq
 
 import torch
 
-from nanoserve import events as ev
+import copy
+
+from nanoserve import beam_search, events as ev
 from nanoserve.block_pool import BlockPool
 from nanoserve.config import EngineConfig
 from nanoserve.detokenizer import IncrementalDetokenizer
 from nanoserve.models.loader import LoadedModel, load_model
-from nanoserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepResult, StepStats
+from nanoserve.kv_manager import KVManager
+from nanoserve.outputs import RequestOutput, StepResult, StepStats
+from nanoserve.radix_cache import RadixCache
+from nanoserve.request import Request
 from nanoserve.runner import ModelRunner, RunInput, kv_bytes_per_block
 from nanoserve.sampler import SampledToken, Sampler, SamplingRow
 from nanoserve.spec_decode import Drafts, build_proposer, sampling_rows, verify
@@ -80,15 +85,24 @@ class LLMEngine:
         config.resolve(model.max_positions, kv_bytes_per_block(model, config.block_size, dtype))
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.bus = EventBus()
-        self.scheduler = Scheduler(config, self.pool, self._emit)
+        # The radix prefix cache (None when off) and the CPU pool for swap preemption (None without swap space).
+        self.radix = RadixCache(self.pool, self._emit, self._span_text) if config.enable_prefix_caching else None
+        self.cpu_pool = BlockPool(config.num_cpu_blocks, config.block_size) if config.num_cpu_blocks else None
+        self.kv = KVManager(self.pool, self.radix, self.cpu_pool, self._emit)
+        self.scheduler = Scheduler(config, self.kv, self._emit)
         self.backend = prepare_backend(config)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, dtype, torch.device(config.device),
                                   self.backend)
+        if self.cpu_pool is not None:
+            self.runner.allocate_swap(config.num_cpu_blocks)
         self.sampler = Sampler()
         self.proposer = build_proposer(config, self.loaded, dtype)   # None unless speculative decoding is on
         self.vocab_size = model.config.vocab_size
-        self.requests: dict[str, Sequence] = {}      # unfinished requests by id
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.requests: dict[str, Sequence] = {}      # unfinished sequences by id (a request's first has its id)
+        self.groups: dict[str, Request] = {}         # unfinished requests by id, with all their sequences
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}   # by sequence id
+        self._finished_ids: set[str] = set()         # for clear errors about requests that are over
+        self._deltas: dict[str, str] = {}            # text each sequence added in the current step
         self.step_count = 0
         self._events: list[ev.Event] = []            # events since the last step() returned
         self._rng = torch.Generator().manual_seed(config.seed)   # seeds the RNG of unseeded requests
@@ -97,11 +111,14 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | Seq[int],
-                    params: SamplingParams | None = None, arrival_time: float | None = None) -> None:
-        """Queue a request. Raises ValueError (and changes nothing) on bad input."""
+    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue a request. Raises ValueError (and changes nothing) on bad input.
+
+        `priority` matters with preemption_policy="priority": the lowest is preempted first.
+        """
         params = params or SamplingParams()
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         if params.stop and self.tokenizer is None:
@@ -110,12 +127,23 @@ class LLMEngine:
         if len(token_ids) >= max_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {max_len}, "
                              "which leaves no room to generate")
+        if params.num_seqs > self.config.max_num_seqs:
+            raise ValueError(f"{'beam_width' if params.use_beam_search else 'n'}={params.num_seqs} sequences "
+                             f"cannot run together with max_num_seqs={self.config.max_num_seqs}")
+        if params.use_beam_search:
+            worst = params.num_seqs * self.pool.blocks_needed(0, min(max_len, len(token_ids) + params.max_tokens))
+            if worst > self.pool.num_blocks:
+                raise ValueError(f"beam search with {params.num_seqs} beams may need {worst} blocks; "
+                                 f"the pool has {self.pool.num_blocks}")
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
-        seq = Sequence(request_id, text, token_ids, params, generator=torch.Generator().manual_seed(seed))
+        seq = Sequence(request_id, text, token_ids, params, generator=torch.Generator().manual_seed(seed),
+                       priority=priority, seats=params.num_seqs)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         if params.logprobs is not None:
             seq.logprobs = []
+        self.groups[request_id] = Request(request_id, params, seed, [seq])
+        self._finished_ids.discard(request_id)
         self.requests[request_id] = seq
         self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params)
         self.scheduler.add(seq)
@@ -140,18 +168,78 @@ class LLMEngine:
         return None, token_ids
 
     def abort_request(self, request_id: str) -> RequestOutput:
-        """Stop a request now and free all its blocks. Raises KeyError for an unknown id."""
-        if request_id not in self.requests:
-            raise KeyError(f"no unfinished request {request_id!r}")
-        seq = self.requests[request_id]
-        self._emit(ev.RequestAborted(self.step_count, request_id))
-        return self._finish(seq, SequenceStatus.FINISHED_ABORTED, delta="")
+        """Stop a request (all its sequences) now and free their blocks.
+
+        Takes a request id, or one sequence's id ("r1.2") to stop just that fork.
+        Raises KeyError for an unknown id.
+        """
+        if request_id in self.groups:
+            seqs = self.groups[request_id].live
+        elif request_id in self.requests:
+            seqs = [self.requests[request_id]]
+        else:
+            raise KeyError(self._unknown(request_id))
+        out = None
+        for seq in seqs:
+            self._emit(ev.RequestAborted(self.step_count, seq.request_id))
+            out = self._finish(seq, SequenceStatus.FINISHED_ABORTED, delta="")
+        return out
+
+    def _unknown(self, request_id: str) -> str:
+        if request_id in self._finished_ids:
+            return f"request {request_id!r} has already finished"
+        return f"no unfinished request {request_id!r}"
+
+    def fork(self, request_id: str) -> str:
+        """Fork a running sequence at its current position; returns the new sequence's id.
+
+        The fork joins the same request as one more completion. It shares every
+        block of its parent (nothing is copied until one of them writes into a
+        shared, partly filled block) and continues with its own random stream.
+        Raises KeyError for an unknown or finished request, ValueError when the
+        sequence cannot be forked now; the engine is unchanged then.
+        """
+        seq = self.requests.get(request_id)
+        if seq is None:
+            raise KeyError(self._unknown(request_id))
+        if seq.params.use_beam_search:
+            raise ValueError(f"{request_id!r} is a beam of a beam search, which forks its beams itself")
+        if seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens == 0:
+            state = "is still computing its prompt" if seq.status is SequenceStatus.RUNNING else f"is {seq.status.value}"
+            raise ValueError(f"{request_id!r} {state}: only a running request that has started generating "
+                             "can be forked")
+        if self.scheduler.seats_used + 1 > self.config.max_num_seqs:
+            raise ValueError(f"no free seat for a fork: max_num_seqs={self.config.max_num_seqs} sequences "
+                             "already run")
+        seed = int(torch.randint(2**62, (1,), generator=self._rng))
+        return self._fork_seq(seq, seed).request_id
+
+    def _fork_seq(self, parent: Sequence, seed: int) -> Sequence:
+        """A new running sequence of the same request, sharing `parent`'s tokens, text and blocks."""
+        group = self.groups[parent.group_id]
+        child_id = group.fork_id()
+        while child_id in self.requests or child_id in self.groups:   # a user's request may have this id
+            child_id = group.fork_id()
+        child = Sequence(
+            child_id, parent.prompt, parent.prompt_token_ids, parent.params, arrival_time=parent.arrival_time,
+            generator=torch.Generator().manual_seed(seed), status=SequenceStatus.RUNNING,
+            output_token_ids=list(parent.output_token_ids), output_text=parent.output_text, cumulative_logprob=parent.cumulative_logprob,
+            logprobs=list(parent.logprobs) if parent.logprobs is not None else None,
+            first_token_time=parent.first_token_time, group_id=parent.group_id,
+            index=int(child_id.rsplit(".", 1)[1]), priority=parent.priority,
+        )
+        self.kv.fork(parent, child)
+        self.scheduler.running.append(child)
+        group.seqs.append(child)
+        self.requests[child_id] = child
+        self.detokenizers[child_id] = copy.copy(self.detokenizers[parent.request_id])   # plain state: a shallow copy
+        return child
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
+        return len(self.groups)
 
     # -- the step ----------------------------------------------------------------------
 
@@ -159,14 +247,20 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.step_count += 1
         self.scheduler.step = self.step_count
+        self._deltas = {}
         self._emit(ev.StepStarted(self.step_count, len(self.scheduler.waiting), len(self.scheduler.running)))
         drafts = self._propose() if self.proposer else Drafts()
         # Token counts when the drafts were made: what a rollback returns the draft cache to.
         drafted_at = {rid: self.requests[rid].num_tokens for rid in drafts.tokens}
         plan = self.scheduler.schedule(drafts.tokens)
+        # Block moves the plan needs before the forward: swap out first (those device blocks may be
+        # handed to someone else in this very step), then swap in, then copy-on-write copies.
+        self.runner.swap_out(plan.swap_out)
+        self.runner.swap_in(plan.swap_in)
+        self.runner.copy_blocks(plan.copies)
         outputs: dict[str, RequestOutput] = {}
         for seq in plan.failed:
-            outputs[seq.request_id] = self._finish(seq, seq.status, delta="")
+            outputs[seq.group_id] = self._finish(seq, seq.status, delta="")
         for seq in plan.preempted:
             if self.proposer:
                 self.proposer.release(seq.request_id)   # its draft KV goes with its target KV
@@ -176,6 +270,7 @@ class LLMEngine:
             for rid in drafts.tokens.keys() - ran:
                 if rid in self.requests:
                     self.proposer.accepted(self.requests[rid], drafted_at[rid], 0)
+        self.scheduler.cache_blocks()      # blocks that filled this step join the prefix cache
         prefill = sum(c.num_tokens for c in plan.chunks if c.is_prefill)
         stats = StepStats(
             step=self.step_count, num_seqs=len(plan.chunks), num_prefill_tokens=prefill,
@@ -183,6 +278,7 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
             num_free_blocks=self.pool.num_free_blocks, num_blocks=self.pool.num_blocks,
             duration_s=time.perf_counter() - t0, num_drafted=num_drafted, num_accepted=num_accepted,
+            num_swapped=len(self.scheduler.swapped),
         )
         self._emit(ev.StepFinished(self.step_count, stats.num_seqs, prefill, stats.num_decode_tokens,
                                    stats.num_free_blocks, stats.duration_s))
@@ -195,27 +291,99 @@ class LLMEngine:
                            num_logits=1 + len(c.draft_token_ids) if c.samples else 0) for c in plan.chunks]
         logits = self.runner.run(self.runner.prepare(inputs))   # [rows, vocab], in chunk order
         self.scheduler.update(plan)                              # the KV of every real token is written
-        # Split the logits rows: plain chunks sample one token together, drafted ones verify.
-        plain, spec, row = [], [], 0
+        # Split the logits rows: plain chunks sample one token together, drafted ones verify,
+        # beams wait until every beam of their request has its scores.
+        plain, spec, beams, row = [], [], [], 0
         for c, x in zip(plan.chunks, inputs):
             if x.num_logits:
-                (spec if c.draft_token_ids else plain).append((c, row))
+                if c.draft_token_ids:
+                    spec.append((c, row))
+                else:
+                    (beams if c.seq.params.use_beam_search else plain).append((c.seq, row))
                 row += x.num_logits
         if plain:
-            rows = [SamplingRow(c.seq.params, c.seq.prompt_token_ids, c.seq.output_token_ids,
-                                c.seq.generator, self.eos_token_id) for c, _ in plain]
-            sampled = self.sampler(logits[[r for _, r in plain]], rows)
-            for (c, _), token in zip(plain, sampled):
-                outputs[c.seq.request_id] = self._append_tokens(c.seq, [token])
+            self._sample(plain, logits, outputs)
         drafted = accepted = 0
         for c, r in spec:
             tokens = self._verify(c, logits[r : r + 1 + len(c.draft_token_ids)], drafts)
             drafted += len(c.draft_token_ids)
             accepted += len(tokens) - 1
-            outputs[c.seq.request_id] = self._append_tokens(c.seq, tokens)
+            outputs[c.seq.group_id] = self._append_tokens(c.seq, tokens)
         self._spec_totals["drafted"] += drafted
         self._spec_totals["accepted"] += accepted
+        for seq, r in beams:
+            seq.beam_logprobs = beam_search.next_logprobs(logits[r], seq, self.eos_token_id)
+        for group_id in dict.fromkeys(seq.group_id for seq, _ in beams):
+            self._beam_step(self.groups[group_id], outputs)
         return drafted, accepted
+
+    def _sample(self, plain: list[tuple[Sequence, int]], logits: torch.Tensor,
+                outputs: dict[str, RequestOutput]) -> None:
+        """One token for each (sequence, logits row). A request with n > 1 forks here, when its
+        prompt is done: the n sequences share the prompt's blocks and sample from the same row."""
+        pairs = []
+        for seq, r in plain:
+            pairs.append((seq, r))
+            group = self.groups[seq.group_id]
+            if group.needs_fork(seq):
+                group.forked, seq.seats = True, 1
+                pairs += [(self._fork_seq(seq, (group.seed * 1_000_003 + i) % 2**62), r)
+                          for i in range(1, group.params.n)]
+        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator, self.eos_token_id)
+                for s, _ in pairs]
+        sampled = self.sampler(logits[[r for _, r in pairs]], rows)
+        for (seq, _), token in zip(pairs, sampled):
+            outputs[seq.group_id] = self._append_tokens(seq, [token])
+
+    def _beam_step(self, group: Request, outputs: dict[str, RequestOutput]) -> None:
+        """Every live beam has its next-token scores: keep the best continuations (beam_search.py)."""
+        live = group.live
+        if not live or any(s.beam_logprobs is None for s in live):
+            return   # a beam was preempted before computing: wait for it
+        params = group.params
+        end_ids = set(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            end_ids.add(self.eos_token_id)
+        keep, ended = beam_search.select(live, params.beam_width, end_ids)
+        group.forked = True
+        for s in live:
+            s.seats = 1
+        # Forks first, while every parent still has the state the candidates extend.
+        moves, used = [], set()
+        for c in keep + ended:
+            continues_itself = c in keep and c.beam.request_id not in used
+            used.add(c.beam.request_id) if continues_itself else None
+            seq = c.beam if continues_itself else self._fork_seq(c.beam, group.seed)
+            moves.append((seq, c))
+        for s in live:
+            if s.request_id not in used:
+                outputs[group.request_id] = self._prune(s)
+        tokens = [(seq, self._beam_token(seq, c)) for seq, c in moves]
+        for seq, _ in moves:
+            seq.beam_logprobs = None
+        for seq, token in tokens:
+            outputs[group.request_id] = self._append_tokens(seq, [token])
+        live = group.live
+        if live and beam_search.is_done([s for s in group.seqs if s.is_finished], live, params.beam_width,
+                                        params.length_penalty):
+            for s in live:   # no live beam can beat the finished ones any more
+                outputs[group.request_id] = self._prune(s)
+
+    def _beam_token(self, seq: Sequence, c: beam_search.Candidate) -> SampledToken:
+        top = None
+        if seq.params.logprobs is not None:
+            n = seq.params.logprobs
+            vals, ids = c.beam.beam_logprobs.topk(n) if n else (torch.empty(0), torch.empty(0))
+            top = dict(zip(ids.tolist(), vals.tolist()))
+            top[c.token_id] = c.logprob
+        return SampledToken(c.token_id, c.logprob, top)
+
+    def _prune(self, seq: Sequence) -> RequestOutput:
+        """Drop a beam: free its blocks, forget it (it is no completion of the request)."""
+        self._emit(ev.BeamPruned(self.step_count, seq.request_id))
+        seq.pruned = True
+        self.groups[seq.group_id].seqs.remove(seq)
+        return self._finish(seq, SequenceStatus.FINISHED_ABORTED, delta="", quiet=True)
 
     # -- speculative decoding ---------------------------------------------------------------
 
@@ -231,7 +399,8 @@ class LLMEngine:
     def _propose(self) -> Drafts:
         """Ask the proposer for drafts for every running request that is decoding."""
         k, max_len = self.config.num_speculative_tokens, self.config.max_model_len
-        seqs = [s for s in self.scheduler.running if not s.is_prefilling]
+        seqs = [s for s in self.scheduler.running   # beams are scored together, one token per step
+                if s.num_uncomputed_tokens == 1 and not s.params.use_beam_search]
         # Never draft past max_tokens or max_model_len: one step emits up to k + 1 tokens.
         limits = {s.request_id: max(0, min(k, s.params.max_tokens - s.num_output_tokens - 1,
                                            max_len - s.num_tokens - 1)) for s in seqs}
@@ -261,7 +430,7 @@ class LLMEngine:
         return self.sampler.report(logits[: len(tokens)], tokens, rows[: len(tokens)])
 
     def _append_tokens(self, seq: Sequence, tokens: list[SampledToken]) -> RequestOutput:
-        """Postprocess this step's tokens (one, or several with speculation) until one finishes the request."""
+        """Postprocess this step's tokens (one, or several with speculation) until one finishes the sequence."""
         seq.num_sampling_steps += 1
         self._spec_totals["forwards"] += 1
         delta = ""
@@ -271,7 +440,8 @@ class LLMEngine:
             delta += text
             if status is not None:
                 return self._finish(seq, status, delta)
-        return self._output(seq, delta)
+        self._deltas[seq.request_id] = self._deltas.get(seq.request_id, "") + delta
+        return self.groups[seq.group_id].output(self._deltas)
 
     def _append_token(self, seq: Sequence, token: SampledToken) -> tuple[SequenceStatus | None, str]:
         """One token: text, logprobs, stop conditions. Returns (finished status or None, new text)."""
@@ -297,28 +467,23 @@ class LLMEngine:
         seq.output_text += delta
         return status, delta
 
-    def _finish(self, seq: Sequence, status: SequenceStatus, delta: str) -> RequestOutput:
-        """Close a request: free its blocks, forget it, say so."""
+    def _finish(self, seq: Sequence, status: SequenceStatus, delta: str, quiet: bool = False) -> RequestOutput:
+        """Close a sequence: free its blocks, forget it, say so; the request ends with its last sequence."""
+        self._deltas[seq.request_id] = self._deltas.get(seq.request_id, "") + delta
         self.detokenizers.pop(seq.request_id)
         if self.proposer:
             self.proposer.release(seq.request_id)
-        if not seq.is_finished:   # (the scheduler already closed requests it failed)
+        if not seq.is_finished:   # (the scheduler already closed sequences it failed)
             self.scheduler.finish(seq, status)
         self.requests.pop(seq.request_id)
-        self._emit(ev.RequestFinished(self.step_count, seq.request_id, seq.status.finish_reason,
-                                      seq.num_output_tokens, seq.error or ""))
-        return self._output(seq, delta)
-
-    def _output(self, seq: Sequence, delta: str) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0, text=seq.output_text, token_ids=list(seq.output_token_ids),
-            cumulative_logprob=seq.cumulative_logprob,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-            finish_reason=seq.status.finish_reason, delta=delta, error=seq.error,
-        )
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
-                             RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time,
-                                            seq.num_sampling_steps, seq.num_drafted, seq.num_accepted))
+        if not quiet:             # (a pruned beam is no completion: BeamPruned said it all)
+            self._emit(ev.RequestFinished(self.step_count, seq.request_id, seq.status.finish_reason,
+                                          seq.num_output_tokens, seq.error or ""))
+        group = self.groups[seq.group_id]
+        if group.finished:
+            del self.groups[group.request_id]
+            self._finished_ids.add(group.request_id)
+        return group.output(self._deltas)
 
     # -- watching ------------------------------------------------------------------------
 
@@ -337,13 +502,15 @@ class LLMEngine:
         return synced_event(self.snapshot())
 
     def snapshot(self) -> dict:
-        """The engine's state as plain data: pool, block tables, queues."""
+        """The engine's state as plain data: pool, block tables, queues, radix tree, CPU pool."""
         def view(seq: Sequence) -> dict:
             return {
                 "request_id": seq.request_id, "status": seq.status.value, "prompt": seq.prompt or "",
                 "num_prompt_tokens": seq.num_prompt_tokens, "output_text": seq.output_text,
                 "num_output_tokens": seq.num_output_tokens, "num_computed_tokens": seq.num_computed_tokens,
                 "block_table": list(seq.block_table), "max_tokens": seq.params.max_tokens,
+                "cache_node": seq.cache_node.node_id if seq.cache_node is not None else 0,
+                "cpu_block_table": list(seq.cpu_block_table),
             }
         return {
             "step": self.step_count,
@@ -351,7 +518,10 @@ class LLMEngine:
             "pool": self.pool.snapshot(),
             "waiting": [s.request_id for s in self.scheduler.waiting],
             "running": [s.request_id for s in self.scheduler.running],
+            "swapped": [s.request_id for s in self.scheduler.swapped],
             "requests": [view(s) for s in self.requests.values()],
+            "radix": {"enabled": self.radix is not None, "nodes": self.radix.snapshot() if self.radix else []},
+            "cpu_pool": self.cpu_pool.snapshot() if self.cpu_pool else None,
         }
 
     def check_invariants(self) -> None:
@@ -359,10 +529,28 @@ class LLMEngine:
         self.scheduler.check_invariants()
         if self.proposer:
             self.proposer.check_invariants()
-        live = {s.request_id for s in self.scheduler.running} | {s.request_id for s in self.scheduler.waiting}
-        assert live == set(self.requests), f"queues {sorted(live)} != requests {sorted(self.requests)}"
-        if not self.requests:
-            assert self.pool.num_used_blocks == 0, f"{self.pool.num_used_blocks} blocks leaked with no requests"
+        queues = self.scheduler.running + list(self.scheduler.waiting) + list(self.scheduler.swapped)
+        live = {s.request_id for s in queues}
+        assert live == set(self.requests), f"queues {sorted(live)} != sequences {sorted(self.requests)}"
+        groups = {s.group_id for s in self.requests.values()}
+        assert groups == set(self.groups), f"sequences' requests {sorted(groups)} != requests {sorted(self.groups)}"
+        if not self.requests:   # nothing runs: the only blocks in use are the prefix cache's
+            cached = self.radix.num_cached_blocks if self.radix else 0
+            assert self.pool.num_used_blocks == cached, \
+                f"{self.pool.num_used_blocks - cached} blocks leaked with no requests"
+            assert self.cpu_pool is None or self.cpu_pool.num_used_blocks == 0, "CPU blocks leaked"
+
+    # -- prefix cache --------------------------------------------------------------------
+
+    def _span_text(self, tokens: list[int]) -> str:
+        """A radix node's tokens as text, for events and views."""
+        if self.tokenizer is None:
+            return " ".join(map(str, tokens))
+        return self.tokenizer.decode(tokens)
+
+    def clear_prefix_cache(self) -> int:
+        """Evict every cached block nobody is using; returns how many went back to the free queue."""
+        return self.radix.clear() if self.radix else 0
 
     def __rich__(self):
         from nanoserve.viz.repl import render_engine

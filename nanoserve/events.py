@@ -33,8 +33,14 @@ class EngineSynced(Event):
     ref_counts: tuple[int, ...]       # per physical block
     free_queue: tuple[int, ...]       # block ids, head (next allocated) first
     # (request_id, status, prompt, num_prompt_tokens, output_text, num_output_tokens,
-    #  num_computed_tokens, block_table, max_tokens) per live request, waiting ones included
+    #  num_computed_tokens, block_table, max_tokens, cache_node, cpu_block_table) per live sequence,
+    #  waiting and swapped ones included (older traces have only the first 9 fields)
     requests: tuple[tuple, ...]
+    # Radix prefix cache: (node_id, parent_id, text, num_tokens, block_ids, last_access) per node,
+    # parents before children, the root (node 0) left out. Empty when prefix caching is off.
+    radix: tuple[tuple, ...] = ()
+    prefix_caching: bool = False
+    num_cpu_blocks: int = 0            # swap space: blocks of the CPU pool (0: no swapping)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +100,8 @@ class Preempted(Event):
     """A running request was evicted to make room; it will recompute its KV later."""
 
     request_id: str
-    mode: str                         # "recompute"
-    num_tokens_lost: int              # tokens whose KV must be computed again
+    mode: str                         # "recompute" (KV dropped) or "swap" (KV moved to the CPU pool)
+    num_tokens_lost: int              # tokens whose KV must be computed again (0 for a swap)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,11 +173,121 @@ class KVTrimmed(Event):
     block_ids: tuple[int, ...]        # trailing blocks given back (also in a BlocksFreed event)
 
 
+# -- memory mechanisms: radix prefix cache, copy-on-write fork, swap ----------------------
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatched(Event):
+    """A request looked its tokens up in the radix cache; the hit blocks join its table (0 tokens: a miss)."""
+
+    request_id: str
+    num_tokens: int                   # tokens looked up (the prompt, or prompt + output after preemption)
+    num_hit_tokens: int               # tokens whose KV is reused: their prefill is skipped
+    block_ids: tuple[int, ...]        # the cached blocks now at the start of the request's table
+
+
+@dataclass(frozen=True, slots=True)
+class RadixInserted(Event):
+    """A new tree node: a request's freshly filled blocks, under `parent_id` (0 is the root)."""
+
+    request_id: str
+    node_id: int
+    parent_id: int
+    text: str                         # the span's tokens as text
+    num_tokens: int
+    block_ids: tuple[int, ...]        # the tree takes one reference on each
+
+
+@dataclass(frozen=True, slots=True)
+class RadixSplit(Event):
+    """A node was cut at a block boundary: its first `num_blocks` blocks move to a new parent node."""
+
+    node_id: int                      # keeps the tail of the span, and its children
+    new_node_id: int                  # the head: parent of node_id, child of node_id's old parent
+    num_blocks: int
+    head_text: str
+    tail_text: str
+
+
+@dataclass(frozen=True, slots=True)
+class RadixLocked(Event):
+    """The deepest tree node a request holds moved (0: it holds none). A node's lock count is
+    the number of requests holding it or a node below it."""
+
+    request_id: str
+    node_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class RadixEvicted(Event):
+    """An unlocked leaf was evicted (least recently used first); its blocks went back to the free queue."""
+
+    node_id: int
+    block_ids: tuple[int, ...]        # appended to the free queue in this order
+    last_access: int                  # the step it was last matched or extended
+
+
+@dataclass(frozen=True, slots=True)
+class BlockDeduplicated(Event):
+    """A request's full block turned out to be in the cache already: it now uses the cached block."""
+
+    request_id: str
+    index: int                        # position in the request's block table
+    dropped: int                      # its own copy (freed, back to the free queue if nobody else holds it)
+    kept: int                         # the cached block with the same tokens
+    released: bool                    # True when `dropped` reached the free queue
+
+
+@dataclass(frozen=True, slots=True)
+class Forked(Event):
+    """A new sequence shares all of its parent's blocks (n > 1, beam search or engine.fork)."""
+
+    parent_id: str
+    request_id: str                   # the new sequence
+    block_ids: tuple[int, ...]        # the shared table: every ref count went up by one
+
+
+@dataclass(frozen=True, slots=True)
+class CowCopied(Event):
+    """Copy-on-write: a request about to write into a shared block got its own copy of it."""
+
+    request_id: str
+    index: int                        # position in the request's block table
+    src: int                          # the shared block (one holder fewer)
+    dst: int                          # a fresh block from the free queue, holding a copy of src's KV
+
+
+@dataclass(frozen=True, slots=True)
+class BeamPruned(Event):
+    """Beam search dropped a beam that none of the best candidates continued; its blocks are freed."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SwappedOut(Event):
+    """Swap preemption: a request's KV blocks were copied to the CPU pool and freed on the device."""
+
+    request_id: str
+    block_ids: tuple[int, ...]        # device blocks, in table order (one holder fewer each)
+    released: tuple[int, ...]         # the device blocks that went back to the free queue, in that order
+    cpu_block_ids: tuple[int, ...]    # where each one's KV now lives
+
+
+@dataclass(frozen=True, slots=True)
+class SwappedIn(Event):
+    """A swapped request came back: its KV was copied from the CPU pool into fresh device blocks."""
+
+    request_id: str
+    cpu_block_ids: tuple[int, ...]    # freed in the CPU pool
+    block_ids: tuple[int, ...]        # fresh device blocks, in table order
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.__name__: cls
     for cls in (
         EngineSynced, StepStarted, RequestAdded, RequestAdmitted, ChunkScheduled, BlocksAllocated,
         BlocksFreed, Preempted, TokenSampled, RequestFinished, RequestAborted, StepFinished,
-        DraftProposed, DraftVerified, KVTrimmed,
+        DraftProposed, DraftVerified, KVTrimmed, PrefixMatched, RadixInserted, RadixSplit, RadixLocked,
+        RadixEvicted, BlockDeduplicated, Forked, CowCopied, BeamPruned, SwappedOut, SwappedIn,
     )
 }

@@ -30,7 +30,7 @@ class RequestMetrics:
 
 @dataclass(slots=True)
 class CompletionOutput:
-    index: int                       # which of the request's n completions (always 0 until n > 1 exists)
+    index: int                       # which of the request's completions (0 .. n-1; beams best first)
     text: str                        # the text so far (never contains a stop string)
     token_ids: list[int]             # the generated tokens so far
     cumulative_logprob: float        # sum of the chosen tokens' log-probabilities
@@ -82,6 +82,7 @@ class StepStats:
     duration_s: float
     num_drafted: int = 0            # speculative decoding: draft tokens verified this step
     num_accepted: int = 0           # ... and accepted
+    num_swapped: int = 0            # sequences waiting in the CPU pool after the step
 
 
 @dataclass(slots=True)

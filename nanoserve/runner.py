@@ -19,7 +19,10 @@ decoding uses the same class over its own cache.
 
 The cache is one pair of tensors per layer, `[num_blocks, block_size,
 num_kv_heads, head_dim]`, allocated once; blocks are handed out by the
-block pool, which never touches these tensors.
+block pool, which never touches these tensors. Block moves the scheduler
+plans are carried out here, before the forward that needs them:
+`copy_blocks` (copy-on-write, on the device) and `swap_out`/`swap_in`
+(between the device cache and a CPU copy of it, pinned when on CUDA).
 """
 
 from __future__ import annotations
@@ -70,6 +73,53 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(model.num_layers)
         ]
+
+        self.cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] = []   # swap space, see allocate_swap
+
+    def allocate_swap(self, num_cpu_blocks: int) -> None:
+        """A CPU copy of the cache layout with `num_cpu_blocks` blocks per layer (swap preemption)."""
+        k, _ = self.kv_caches[0]
+        shape = (num_cpu_blocks, *k.shape[1:])
+        pin = self.device.type == "cuda"      # pinned pages make device <-> host copies fast and async
+        self.cpu_caches = [(torch.zeros(shape, dtype=k.dtype, pin_memory=pin),
+                            torch.zeros(shape, dtype=k.dtype, pin_memory=pin)) for _ in self.kv_caches]
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: device block dst = device block src, in every layer's K and V."""
+        if not pairs:
+            return
+        src = self._tensor([s for s, _ in pairs])
+        dst = self._tensor([d for _, d in pairs])
+        if self.backend == "triton":
+            from nanoserve.kernels.triton_cache import copy_blocks
+            copy_blocks([c for kv in self.kv_caches for c in kv], src, dst)
+            return
+        for k, v in self.kv_caches:
+            k[dst] = k[src]            # advanced indexing reads all of src before writing dst
+            v[dst] = v[src]
+
+    @torch.inference_mode()
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, CPU block): copy each device block's KV to its CPU block."""
+        if not pairs:
+            return
+        gpu = self._tensor([g for g, _ in pairs])
+        cpu = torch.tensor([c for _, c in pairs])
+        for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
+            ck[cpu] = k[gpu].cpu()
+            cv[cpu] = v[gpu].cpu()
+
+    @torch.inference_mode()
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(CPU block, device block): copy each CPU block's KV back into its (fresh) device block."""
+        if not pairs:
+            return
+        cpu = torch.tensor([c for c, _ in pairs])
+        gpu = self._tensor([g for _, g in pairs])
+        for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
+            k[gpu] = ck[cpu].to(self.device, non_blocking=True)
+            v[gpu] = cv[cpu].to(self.device, non_blocking=True)
 
     def prepare(self, inputs: list[RunInput]) -> Batch:
         bs = self.block_size

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class SamplingParams:
-    n: int = 1                      # completions per prompt (n > 1 arrives with copy-on-write fork)
+    n: int = 1                      # completions per prompt: the prompt is computed once, then forked n ways
     temperature: float = 1.0        # 0 means greedy (argmax); higher flattens the distribution
     top_p: float = 1.0              # nucleus: keep the smallest set of tokens whose mass reaches top_p
     top_k: int = 0                  # keep the k most likely tokens; 0 or -1 keeps all
@@ -30,6 +30,10 @@ class SamplingParams:
     logprobs: int | None = None     # return this many top log-probabilities per token (0: only the chosen one)
     seed: int | None = None         # per-request seed: the same seed gives the same tokens, whatever else runs
     skip_special_tokens: bool = True  # leave special tokens out of the detokenized text
+    # Beam search (off when beam_width is 0): keep the beam_width most likely continuations,
+    # return the n best, sorted by score = cumulative_logprob / num_output_tokens ** length_penalty.
+    beam_width: int = 0             # beams kept each step; needs temperature=0 (beam search does not sample)
+    length_penalty: float = 1.0     # as in Hugging Face: > 0 favours longer, < 0 shorter finished beams
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -38,8 +42,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.n > 1:
-            raise ValueError("n > 1 (parallel sampling) needs copy-on-write fork, which this version does not have yet")
+        if self.beam_width:
+            self._check_beam()
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -62,6 +66,30 @@ class SamplingParams:
             raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+
+    def _check_beam(self) -> None:
+        """Beam search picks the most likely continuations: sampling settings contradict it."""
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be 0 (off) or at least 1, got {self.beam_width}")
+        if self.n > self.beam_width:
+            raise ValueError(f"beam search returns at most beam_width={self.beam_width} completions, asked n={self.n}")
+        defaults = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+        clashes = [f"{name}={getattr(self, name)}" for name, off in defaults.items()
+                   if getattr(self, name) != off and not (name == "top_k" and self.top_k == -1)]
+        if clashes:
+            raise ValueError(f"beam search keeps the most likely continuations and does not sample; "
+                             f"these settings contradict it: {', '.join(clashes)} (use temperature=0, the rest "
+                             "at their defaults)")
+
+    @property
+    def use_beam_search(self) -> bool:
+        return self.beam_width > 0
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences this request runs at once: n for parallel sampling, beam_width for beam search."""
+        return self.beam_width or self.n
 
     @property
     def greedy(self) -> bool:

@@ -2,26 +2,38 @@
 
 Continuous batching means the batch is rebuilt every step: finished requests
 leave, new ones join, and one step is one model forward over a *mixed* batch.
-`schedule()` fills a token budget (`max_num_batched_tokens`) in three passes:
+`schedule()` fills a token budget (`max_num_batched_tokens`) in four passes:
 
 1. **Decodes** of running sequences, in admission order: 1 token each.
 2. **Prefill chunks** of running sequences that have not finished their
    prompt yet (chunked prefill: a long prompt spreads over several steps).
-3. **Admission** of waiting sequences, first come first served, while the
-   budget, `max_num_seqs` and the free blocks allow: each gets a chunk of its
-   prompt (the whole prompt, if chunked prefill is off).
+3. **Swap-in** of swapped sequences, oldest first, when their blocks fit.
+4. **Admission** of waiting sequences, first come first served, while the
+   budget, `max_num_seqs` and the blocks allow (and nobody is swapped out:
+   they were running first). A waiting sequence starts from its longest
+   cached prefix (`prefix cache hit`): only the rest is computed.
 
 Before a sequence runs it must hold blocks for every token it will have KV
-for. When a running sequence cannot get a block, the scheduler *preempts* the
-most recently admitted sequence that is not already in this step's batch:
-its blocks are freed and it goes back to the front of the waiting queue, to
-recompute its KV (prompt + tokens generated so far) when there is room.
-Waiting sequences are only admitted when free blocks cover their chunk; they
-never preempt anyone. A sequence that could not fit even in an empty pool is
-failed with an error instead of being retried forever.
+for. When a running sequence cannot get a block, the scheduler *preempts* a
+victim that is not already in this step's batch, chosen by
+`preemption_policy`:
 
-The scheduler moves sequences between states and blocks between tables; the
-engine runs the model, samples, and decides when a sequence is finished.
+* "newest": the most recently admitted (the default: older requests keep going),
+* "priority": the lowest `priority` (ties: the newest),
+* "shortest_remaining": the one with the most tokens still to generate, so
+  the ones closest to finishing run on and free their blocks soon.
+  (Seed 000 picks the opposite, the one closest to completion; that throws
+  away the most nearly finished work, so nanoserve does not.)
+
+With `preemption_mode="recompute"` the victim's blocks are freed and it waits
+at the front of the queue to recompute its KV; with "swap" its KV is copied to
+the CPU pool and back later (falling back to recompute when the CPU pool is
+full). Waiting sequences never preempt anyone. A sequence that could not fit
+even in an empty pool is failed with an error instead of retried forever.
+
+The scheduler moves sequences between queues; `kv_manager.py` does the block
+work (allocation with eviction, prefix hits, copy-on-write, swap); the engine
+runs the model, samples, and decides when a sequence is finished.
 """
 
 from __future__ import annotations
@@ -31,8 +43,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nanoserve import events as ev
-from nanoserve.block_pool import BlockPool
 from nanoserve.config import EngineConfig
+from nanoserve.kv_manager import KVManager
 from nanoserve.sequence import Sequence, SequenceStatus
 
 
@@ -69,6 +81,9 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)   # decodes first, then prefill chunks
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)         # could never fit; finished with an error
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) device blocks
+    swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, CPU block) copies
+    swap_in: list[tuple[int, int]] = field(default_factory=list)    # (CPU block, device block) copies
 
     @property
     def num_tokens(self) -> int:
@@ -76,13 +91,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: BlockPool, emit: Callable[[ev.Event], None]) -> None:
+    def __init__(self, config: EngineConfig, kv: KVManager, emit: Callable[[ev.Event], None]) -> None:
         self.config = config
-        self.pool = pool
+        self.kv = kv
+        self.pool = kv.pool
         self.emit = emit                       # publishes an event (the engine stamps the step)
         self.step = 0                          # the engine's step counter, for event stamps
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []      # in admission order: the last one is the first victim
+        self.running: list[Sequence] = []      # in admission order: the last one is the newest
+        self.swapped: deque[Sequence] = deque()   # swapped out to the CPU pool, oldest first
 
     # -- queue changes from outside ---------------------------------------------
 
@@ -91,24 +108,29 @@ class Scheduler:
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """End `seq` (finished or aborted): drop it from its queue and free all its blocks at once."""
-        if seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-        elif seq in self.running:
-            self.running.remove(seq)
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
         seq.set_status(status)
-        self._free_blocks(seq)
+        self.kv.release(seq)
+
+    @property
+    def seats_used(self) -> int:
+        return sum(s.seats for s in self.running)
 
     # -- the step ------------------------------------------------------------------
 
     def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
         """Plan one step. `drafts` (speculative decoding) maps a decoding request to its draft tokens."""
         drafts = drafts or {}
+        self.kv.begin_step(self.step)
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()   # request ids already in this step's batch (never preempted)
 
-        # Pass 1 and 2: running sequences, decodes before unfinished prefills.
-        decodes = [s for s in self.running if not s.is_prefilling]
+        # Pass 1 and 2: running sequences, decodes before unfinished prefills. A beam that
+        # already has its next-token scores waits (0 tokens to compute) for the other beams.
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.is_prefilling]
         for seq in decodes + prefills:
             if budget == 0:
@@ -122,38 +144,77 @@ class Scheduler:
                 self._add_chunk(out, seq, num_new, scheduled, draft)
                 budget -= num_new
 
-        # Pass 3: admit waiting sequences (FCFS) while budget, seats and blocks last.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # Pass 3: swapped sequences come back first (they were running before anyone waiting).
+        while self.swapped and budget > 0:
+            seq = self.swapped[0]
+            num_new = self._chunk_size(seq, budget)
+            need = len(seq.cpu_block_table) + self.pool.blocks_needed(len(seq.cpu_block_table),
+                                                                       seq.num_computed_tokens + num_new)
+            if (not num_new and seq.num_uncomputed_tokens) or need > self.kv.num_available_blocks \
+                    or self.seats_used + seq.seats > self.config.max_num_seqs:
+                break
+            self.swapped.popleft()
+            self.kv.swap_in(seq)
+            seq.set_status(SequenceStatus.RUNNING)
+            self.running.append(seq)
+            if num_new:   # (a beam waiting for its siblings has nothing to compute)
+                self.kv.grow(seq, num_new)
+                self._add_chunk(out, seq, num_new, scheduled)
+                budget -= num_new
+
+        # Pass 4: admit waiting sequences (FCFS) while budget, seats and blocks last.
+        while self.waiting and budget > 0 and not self.swapped:
             seq = self.waiting[0]
             if self.pool.blocks_needed(0, seq.num_tokens) > self.pool.num_blocks:
                 self.waiting.popleft()
                 self._fail(seq, out, f"needs {seq.num_tokens} tokens of KV but the whole pool holds "
                                      f"{self.pool.num_blocks * self.pool.block_size}")
                 continue
-            num_new = seq.num_uncomputed_tokens
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
-                    break                  # the whole prompt must wait for a step with room
-                num_new = budget
-            if self.pool.blocks_needed(0, seq.num_computed_tokens + num_new) > self.pool.num_free_blocks:
-                break                      # admission only when the blocks are there
+            if self.seats_used + seq.seats > self.config.max_num_seqs:
+                break
+            node, cached = self.kv.match(seq)          # the longest cached prefix (no blocks change yet)
+            num_cached = len(cached) * self.pool.block_size
+            num_new = self._chunk_size(seq, budget, num_cached)
+            if not num_new:
+                break                                  # the whole prompt must wait for a step with room
+            need = self.pool.blocks_needed(len(cached), num_cached + num_new)
+            if need > self.kv.num_available_blocks - self.kv.evictable_in_path(node) \
+                    and not self._preempt_idle(seq, need, node, scheduled, out):
+                break                                  # admission only when the blocks are there
             self.waiting.popleft()
             seq.set_status(SequenceStatus.RUNNING)
             self.running.append(seq)
             self.emit(ev.RequestAdmitted(self.step, seq.request_id))
-            self._allocate(seq, num_new)
+            self.kv.commit_match(seq, node, cached)
+            self.kv.grow(seq, num_new)
             self._add_chunk(out, seq, num_new, scheduled)
             budget -= num_new
+        out.copies, out.swap_out, out.swap_in = self.kv.copies, self.kv.swap_out_pairs, self.kv.swap_in_pairs
         return out
+
+    def _chunk_size(self, seq: Sequence, budget: int, num_cached: int = 0) -> int:
+        """Tokens of `seq` to compute this step (0: it must wait for a step with more budget)."""
+        num_new = seq.num_tokens - max(num_cached, seq.num_computed_tokens)
+        if num_new > budget:
+            return budget if self.config.enable_chunked_prefill else 0
+        return num_new
+
+    def _preempt_idle(self, seq: Sequence, need: int, node, scheduled: set[str], out: SchedulerOutput) -> bool:
+        """Beam search only: beams that wait for a preempted sibling hold blocks and compute nothing.
+        Preempt them (newest first) so the sibling can come back; True once `need` blocks are there."""
+        idle = [s for s in self.running if s.num_uncomputed_tokens == 0 and s.request_id not in scheduled]
+        while idle and need > self.kv.num_available_blocks - self.kv.evictable_in_path(node):
+            self._preempt(idle.pop(), out)
+        return need <= self.kv.num_available_blocks - self.kv.evictable_in_path(node)
 
     def _reserve(self, seq: Sequence, num_new: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         """Get blocks for `num_new` more tokens of a running `seq`, preempting others if needed.
 
         Returns False when `seq` itself had to be preempted (or failed).
         """
-        while self.pool.blocks_needed(len(seq.block_table), seq.num_computed_tokens + num_new) > self.pool.num_free_blocks:
-            victim = next((s for s in reversed(self.running) if s.request_id not in scheduled), None)
-            if victim is seq and self.pool.num_free_blocks + len(seq.block_table) == self.pool.num_blocks:
+        while self.kv.blocks_to_write(seq, num_new) > self.kv.num_available_blocks:
+            victim = self._victim(scheduled)
+            if victim is seq and self.kv.num_available_blocks + len(seq.block_table) >= self.pool.num_blocks:
                 # Nobody else holds a block and it still does not fit: it never will.
                 self.running.remove(seq)
                 self._fail(seq, out, f"needs more than the {self.pool.num_blocks} blocks of the pool")
@@ -161,13 +222,20 @@ class Scheduler:
             self._preempt(victim, out)
             if victim is seq:
                 return False
-        self._allocate(seq, num_new)
+        self.kv.grow(seq, num_new)
         return True
 
-    def _allocate(self, seq: Sequence, num_new: int) -> None:
-        new_ids = self.pool.append_slots(seq.block_table, seq.num_computed_tokens + num_new)
-        if new_ids:
-            self.emit(ev.BlocksAllocated(self.step, seq.request_id, tuple(new_ids)))
+    def _victim(self, scheduled: set[str]) -> Sequence:
+        """The running sequence to preempt, by `preemption_policy` (never one already in this batch)."""
+        candidates = [(i, s) for i, s in enumerate(self.running) if s.request_id not in scheduled]
+        policy = self.config.preemption_policy
+        if policy == "priority":
+            key = lambda c: (-c[1].priority, c[0])                                        # noqa: E731
+        elif policy == "shortest_remaining":
+            key = lambda c: (c[1].params.max_tokens - c[1].num_output_tokens, c[0])       # noqa: E731
+        else:   # "newest"
+            key = lambda c: c[0]                                                          # noqa: E731
+        return max(candidates, key=key)[1]
 
     def _add_chunk(self, out: SchedulerOutput, seq: Sequence, num_new: int, scheduled: set[str],
                    draft: list[int] | None = None) -> None:
@@ -181,27 +249,27 @@ class Scheduler:
         self.emit(ev.ChunkScheduled(self.step, seq.request_id, chunk.start, num_new, chunk.is_prefill))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Recompute preemption: free the blocks, forget the KV, wait at the front of the queue."""
-        lost = seq.num_computed_tokens
+        """Make room: swap `seq`'s KV to the CPU pool, or drop it to be recomputed later."""
         self.running.remove(seq)
+        out.preempted.append(seq)
+        if self.config.preemption_mode == "swap" and seq.block_table and self.kv.can_swap_out(seq):
+            seq.set_status(SequenceStatus.SWAPPED)
+            self.emit(ev.Preempted(self.step, seq.request_id, "swap", 0))
+            self.kv.swap_out(seq)
+            self.swapped.append(seq)
+            return
+        lost = seq.num_computed_tokens
         seq.set_status(SequenceStatus.WAITING)
         self.emit(ev.Preempted(self.step, seq.request_id, "recompute", lost))
-        self._free_blocks(seq)
+        self.kv.release(seq)
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
 
     def _fail(self, seq: Sequence, out: SchedulerOutput, reason: str) -> None:
         seq.error = reason
         seq.set_status(SequenceStatus.FINISHED_ABORTED)
-        self._free_blocks(seq)
+        self.kv.release(seq)
         out.failed.append(seq)
-
-    def _free_blocks(self, seq: Sequence) -> None:
-        if seq.block_table:
-            released = self.pool.free(seq.block_table)
-            self.emit(ev.BlocksFreed(self.step, seq.request_id, tuple(seq.block_table), tuple(released)))
-            seq.block_table = []
 
     # -- after the forward pass ----------------------------------------------------
 
@@ -212,20 +280,17 @@ class Scheduler:
 
     def trim(self, seq: Sequence) -> tuple[int, ...]:
         """Free the blocks past the sequence's computed tokens (KV of rejected drafts)."""
-        keep = self.pool.blocks_needed(0, seq.num_computed_tokens)
-        extra = seq.block_table[keep:]
-        if not extra:
-            return ()
-        released = self.pool.free(extra)
-        del seq.block_table[keep:]
-        self.emit(ev.BlocksFreed(self.step, seq.request_id, tuple(extra), tuple(released)))
-        return tuple(extra)
+        return self.kv.trim(seq)
+
+    def cache_blocks(self) -> None:
+        """After a step: running sequences' newly filled blocks go into the prefix cache."""
+        for seq in self.running:
+            self.kv.cache_full_blocks(seq)
 
     # -- inspection -----------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        tables = [s.block_table for s in self.running]
-        self.pool.check_invariants(tables)
+        self.kv.check_invariants(self.running, list(self.swapped))
         for seq in self.running:
             assert seq.status is SequenceStatus.RUNNING, f"{seq.request_id} in running but {seq.status.name}"
             expected = self.pool.blocks_needed(0, seq.num_computed_tokens)
@@ -233,5 +298,8 @@ class Scheduler:
                 f"{seq.request_id}: {len(seq.block_table)} blocks for {seq.num_computed_tokens} computed tokens"
             )
         for seq in self.waiting:
-            assert seq.status is SequenceStatus.WAITING and not seq.block_table, f"{seq.request_id}: waiting with blocks"
-        assert len(self.running) <= self.config.max_num_seqs
+            assert seq.status is SequenceStatus.WAITING and not seq.block_table and seq.cache_node is None, \
+                f"{seq.request_id}: waiting with blocks"
+        for seq in self.swapped:
+            assert seq.status is SequenceStatus.SWAPPED, f"{seq.request_id} in swapped but {seq.status.name}"
+        assert self.seats_used <= self.config.max_num_seqs, f"{self.seats_used} seats > max_num_seqs"

@@ -12,8 +12,14 @@ and where it is in its life:
 
 Preemption by recompute sends a RUNNING sequence back to WAITING with its
 blocks freed and `num_computed_tokens = 0`; its generated tokens are kept and
-recomputed as if they were prompt. SWAPPED belongs to swap preemption (the
-CPU block pool), which arrives with the memory-mechanisms work.
+recomputed as if they were prompt. Preemption by swap copies its KV to the
+CPU block pool (`cpu_block_table`) and parks it as SWAPPED until there is
+room to copy it back.
+
+One request can own several sequences: `n > 1` and beam search fork the
+prompt's sequence (they share its blocks). `request_id` is the sequence's own
+id (the request's id for the first, "r1.1", "r1.2", ... for forks) and
+`group_id` the request it belongs to.
 
 The scheduler owns the transitions; the engine owns text and stop checks.
 """
@@ -63,7 +69,7 @@ _TRANSITIONS = {
 
 @dataclass(slots=True)
 class Sequence:
-    request_id: str
+    request_id: str                      # this sequence's id: the request's, or "<request>.<index>" for forks
     prompt: str | None                   # the text, when the request came as text
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -82,6 +88,18 @@ class Sequence:
     num_accepted: int = 0                # ... and how many of them the target accepted
     first_token_time: float | None = None
     finish_time: float | None = None
+    group_id: str = ""                   # the request this sequence belongs to ("" means request_id)
+    index: int = 0                       # which of the request's completions (forks count up)
+    seats: int = 1                       # places in the running batch it takes: n until a request forks
+    priority: int = 0                    # preemption_policy="priority": the lowest is preempted first
+    cache_node: object | None = None     # radix_cache.RadixNode: the deepest cached node it holds locked
+    cpu_block_table: list[int] = field(default_factory=list)   # swap: where its KV waits in the CPU pool
+    beam_logprobs: torch.Tensor | None = None   # beam search: next-token log-probs waiting for the other beams
+    pruned: bool = False                 # beam search dropped this beam
+
+    def __post_init__(self) -> None:
+        if not self.group_id:
+            self.group_id = self.request_id
 
     # -- token counts -------------------------------------------------------------
 

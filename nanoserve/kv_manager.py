@@ -1,0 +1,242 @@
+"""The KV manager: how a sequence's blocks change, for every memory mechanism.
+
+The scheduler decides *who* runs, waits, is preempted or swapped; this module
+does the block work that goes with each decision and says so in events:
+
+* `grow`: new blocks for the tokens a sequence is about to compute. When the
+  free queue is short it first evicts cached blocks (`RadixCache.evict`).
+* `match`/`commit_match`: a waiting sequence starts from the longest cached
+  prefix (its prefill is skipped for those tokens) and locks those nodes.
+* `cache_full_blocks`: after a step, blocks that filled up enter the radix
+  tree; a block whose tokens the tree already holds in another block is
+  swapped for the cached one (same tokens, same KV) and freed.
+* `fork`: a child shares every block of its parent (ref count + 1 each).
+* `copy_on_write`: before a sequence writes into a block someone else also
+  holds, it gets a fresh block and a device copy of the shared one
+  (`SchedulerOutput.copies`, executed by the runner before the forward).
+* `swap_out`/`swap_in`: a preempted sequence's KV moves to the CPU pool and
+  back (block pairs executed by the runner).
+* `release`: unlock the cache path and drop the table (finish, abort, preempt).
+
+Blocks are plain ids here; tensors live in the runner.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+from nanoserve import events as ev
+from nanoserve.block_pool import BlockPool
+from nanoserve.radix_cache import RadixCache
+from nanoserve.sequence import Sequence
+
+
+class KVManager:
+    def __init__(self, pool: BlockPool, cache: RadixCache | None, cpu_pool: BlockPool | None,
+                 emit: Callable[[ev.Event], None]) -> None:
+        self.pool = pool
+        self.cache = cache            # None: prefix caching is off
+        self.cpu_pool = cpu_pool      # None: no swap space (preemption by recompute only)
+        self.emit = emit
+        self.begin_step(0)
+
+    # -- room ----------------------------------------------------------------------------
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks an allocation can get: free ones plus cached ones nobody is using."""
+        return self.pool.num_free_blocks + (self.cache.num_evictable_blocks if self.cache else 0)
+
+    def evictable_in_path(self, node) -> int:
+        """Blocks on the path to `node` that count as evictable now (a match is about to lock them)."""
+        return sum(len(n.block_ids) for n in node.path() if n.lock_count == 0) if node is not None else 0
+
+    def blocks_to_write(self, seq: Sequence, num_new: int) -> int:
+        """Fresh blocks `seq` needs to write `num_new` more tokens (new blocks + a copy-on-write copy)."""
+        return self.pool.blocks_needed(len(seq.block_table), seq.num_computed_tokens + num_new) + \
+            int(self._shared_write_block(seq) is not None)
+
+    def _take(self, n: int) -> list[int]:
+        short = n - self.pool.num_free_blocks
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        return self.pool.allocate(n)
+
+    def grow(self, seq: Sequence, num_new: int) -> None:
+        """Blocks for `num_new` more tokens of `seq` (copy-on-write first, if its last block is shared)."""
+        self.copy_on_write(seq)
+        needed = self.pool.blocks_needed(len(seq.block_table), seq.num_computed_tokens + num_new)
+        if needed:
+            new_ids = self._take(needed)
+            seq.block_table.extend(new_ids)
+            self.emit(ev.BlocksAllocated(self.step, seq.request_id, tuple(new_ids)))
+
+    # -- copy-on-write ---------------------------------------------------------------------
+
+    def _shared_write_block(self, seq: Sequence) -> int | None:
+        """Index of the partly filled block `seq` writes next, if another table holds it too."""
+        bs = self.pool.block_size
+        i = seq.num_computed_tokens // bs
+        if seq.num_computed_tokens % bs and i < len(seq.block_table) and \
+                self.pool.blocks[seq.block_table[i]].ref_count > 1:
+            return i
+        return None
+
+    def copy_on_write(self, seq: Sequence) -> tuple[int, int] | None:
+        """Give `seq` its own copy of a shared block it is about to write into; returns (src, dst)."""
+        i = self._shared_write_block(seq)
+        if i is None:
+            return None
+        src = seq.block_table[i]
+        dst = self._take(1)[0]
+        self.pool.free([src])                  # one holder fewer; the others keep it
+        seq.block_table[i] = dst
+        self.copies.append((src, dst))
+        self.emit(ev.CowCopied(self.step, seq.request_id, i, src, dst))
+        return src, dst
+
+    def begin_step(self, step: int) -> None:
+        """A new step: stamp events with `step`, start empty lists of block copies for the runner."""
+        self.step = step                                   # the engine's step counter, for event stamps
+        self.copies: list[tuple[int, int]] = []            # copy-on-write (src, dst) device blocks
+        self.swap_out_pairs: list[tuple[int, int]] = []   # (device block, cpu block)
+        self.swap_in_pairs: list[tuple[int, int]] = []    # (cpu block, device block)
+        if self.cache is not None:
+            self.cache.step = step
+
+    # -- prefix cache -------------------------------------------------------------------------
+
+    def match(self, seq: Sequence):
+        """The longest cached prefix of `seq`'s tokens: (node, block ids). Changes no ref counts."""
+        if self.cache is None:
+            return None, []
+        return self.cache.match_prefix(seq.all_token_ids)
+
+    def commit_match(self, seq: Sequence, node, blocks: list[int]) -> None:
+        """`seq` (no blocks yet) starts from the cached blocks: share them, lock their nodes."""
+        if self.cache is None:
+            return
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        self.emit(ev.PrefixMatched(self.step, seq.request_id, seq.num_tokens,
+                                   len(blocks) * self.pool.block_size, tuple(blocks)))
+        if not blocks:
+            return
+        self.pool.share(blocks)
+        seq.block_table = list(blocks)
+        seq.num_computed_tokens = len(blocks) * self.pool.block_size
+        self.cache.touch(node)
+        self._relock(seq, node)
+
+    def _relock(self, seq: Sequence, node) -> None:
+        if node is seq.cache_node:
+            return
+        if node is not None and node is not self.cache.root:
+            self.cache.lock(node)
+        else:
+            node = None
+        if seq.cache_node is not None:
+            self.cache.unlock(seq.cache_node)
+        seq.cache_node = node
+        self.emit(ev.RadixLocked(self.step, seq.request_id, node.node_id if node is not None else 0))
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Put `seq`'s filled, computed blocks in the tree (no-op when nothing new filled)."""
+        if self.cache is None:
+            return
+        num_full = seq.num_computed_tokens // self.pool.block_size
+        if num_full <= _depth_blocks(seq.cache_node):
+            return
+        node, duplicates = self.cache.insert(seq.request_id, seq.token_ids(0, num_full * self.pool.block_size),
+                                             seq.block_table[:num_full])
+        for index, own, cached in duplicates:
+            self.pool.share([cached])
+            released = self.pool.free([own])
+            seq.block_table[index] = cached
+            self.emit(ev.BlockDeduplicated(self.step, seq.request_id, index, own, cached, bool(released)))
+        self._relock(seq, node)
+
+    # -- fork ---------------------------------------------------------------------------------
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` (a copy of `parent`'s tokens) shares all of `parent`'s blocks and cache locks."""
+        self.pool.share(parent.block_table)
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.emit(ev.Forked(self.step, parent.request_id, child.request_id, tuple(child.block_table)))
+        if parent.cache_node is not None:
+            self._relock(child, parent.cache_node)
+
+    # -- release ----------------------------------------------------------------------------
+
+    def release(self, seq: Sequence) -> None:
+        """Drop everything `seq` holds on the device: its cache locks and its blocks."""
+        if seq.cache_node is not None:
+            self._relock(seq, None)
+        if seq.block_table:
+            released = self.pool.free(seq.block_table)
+            self.emit(ev.BlocksFreed(self.step, seq.request_id, tuple(seq.block_table), tuple(released)))
+            seq.block_table = []
+        if seq.cpu_block_table:
+            self.cpu_pool.free(seq.cpu_block_table)
+            seq.cpu_block_table = []
+
+    def trim(self, seq: Sequence) -> tuple[int, ...]:
+        """Free the blocks past the sequence's computed tokens (KV of rejected drafts)."""
+        keep = self.pool.blocks_needed(0, seq.num_computed_tokens)
+        extra = seq.block_table[keep:]
+        if not extra:
+            return ()
+        released = self.pool.free(extra)
+        del seq.block_table[keep:]
+        self.emit(ev.BlocksFreed(self.step, seq.request_id, tuple(extra), tuple(released)))
+        return tuple(extra)
+
+    # -- swap ---------------------------------------------------------------------------------
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return self.cpu_pool is not None and len(seq.block_table) <= self.cpu_pool.num_free_blocks
+
+    def swap_out(self, seq: Sequence) -> None:
+        """Copy `seq`'s KV to CPU blocks and free its device blocks (the copy runs before the forward)."""
+        cpu_ids = self.cpu_pool.allocate(len(seq.block_table))
+        self.swap_out_pairs += zip(seq.block_table, cpu_ids)
+        if seq.cache_node is not None:
+            self._relock(seq, None)
+        gpu_ids = seq.block_table
+        released = self.pool.free(gpu_ids)
+        seq.block_table, seq.cpu_block_table = [], cpu_ids
+        self.emit(ev.SwappedOut(self.step, seq.request_id, tuple(gpu_ids), tuple(released), tuple(cpu_ids)))
+
+    def swap_in(self, seq: Sequence) -> None:
+        """Fresh device blocks for a swapped sequence, filled from its CPU blocks."""
+        gpu_ids = self._take(len(seq.cpu_block_table))
+        self.swap_in_pairs += zip(seq.cpu_block_table, gpu_ids)
+        cpu_ids = seq.cpu_block_table
+        self.cpu_pool.free(cpu_ids)
+        seq.cpu_block_table, seq.block_table = [], gpu_ids
+        self.emit(ev.SwappedIn(self.step, seq.request_id, tuple(cpu_ids), tuple(gpu_ids)))
+
+    # -- invariants ---------------------------------------------------------------------------
+
+    def check_invariants(self, running: list[Sequence], swapped: list[Sequence]) -> None:
+        tables = [s.block_table for s in running]
+        if self.cache is not None:
+            tables += self.cache.held_blocks()
+            locks = Counter(s.cache_node.node_id for s in running if s.cache_node is not None)
+            self.cache.check_invariants(dict(locks))
+            for s in running:   # a sequence's table starts with the blocks of its locked path
+                path = [b for n in reversed(s.cache_node.path()) for b in n.block_ids] if s.cache_node else []
+                assert s.block_table[: len(path)] == path, f"{s.request_id}: table does not start with its cached path"
+        self.pool.check_invariants(tables)
+        if self.cpu_pool is not None:
+            self.cpu_pool.check_invariants([s.cpu_block_table for s in swapped])
+        for s in swapped:
+            assert not s.block_table and s.cache_node is None, f"{s.request_id}: swapped but holds device blocks"
+            assert len(s.cpu_block_table) == self.pool.blocks_needed(0, s.num_computed_tokens), \
+                f"{s.request_id}: {len(s.cpu_block_table)} CPU blocks for {s.num_computed_tokens} tokens"
+
+
+def _depth_blocks(node) -> int:
+    """Blocks on the path from the root down to `node` (0 for the root or None)."""
+    return sum(len(n.block_ids) for n in node.path()) if node is not None else 0
