@@ -171,8 +171,9 @@ def _fold_memory(state: ViewState, req: RequestView, event: ev.Event) -> None:
         for node_id in path:
             state.radix[node_id].last_access = event.step
     elif isinstance(event, ev.RadixLocked):
+        if event.node_id != req.cache_node:           # moved deeper (a hit or an insert): the path is used now;
+            _touch_path(state, event.node_id, event.step)   # a fork's child re-locking its parent's node is not a use
         req.cache_node = event.node_id
-        _touch_path(state, event.node_id, event.step)
     elif isinstance(event, ev.BlockDeduplicated):
         _take(state, event.kept)
         req.block_table[event.index] = event.kept

@@ -141,6 +141,22 @@ class ViewState:
         return {b for b, node_id in self.cached_blocks().items()
                 if self.ref_counts[b] == 1 and locks[node_id] == 0}
 
+    def block_kinds(self, owners: dict[int, list[str]] | None = None) -> list[str]:
+        """Per block, what a picture colours it by:
+
+        "free" (ref 0), "owned" (one request's table holds it, maybe the cache too),
+        "shared" (two or more tables), "cached" (only the cache: evictable), "held" (by no
+        request we know, e.g. a locked node with its requests out of view).
+        """
+        owners = self.block_owners() if owners is None else owners
+        evictable = self.evictable_blocks() if self.prefix_caching else set()
+        kinds = []
+        for block_id, ref in enumerate(self.ref_counts):
+            holders = len(owners.get(block_id, ()))
+            kinds.append("free" if ref == 0 else "shared" if holders > 1 else "owned" if holders else
+                         "cached" if block_id in evictable else "held")
+        return kinds
+
     def cache_hit_rate(self) -> float | None:
         """Tokens whose KV came from the cache / tokens looked up; None before any lookup."""
         return self.cache_hit_tokens / self.cache_lookup_tokens if self.cache_lookup_tokens else None

@@ -123,3 +123,9 @@ def memory_trace() -> list:
 def events_through(step: int) -> list:
     """The trace up to the end of `step` (0: the prelude only)."""
     return [e for group in memory_steps()[:step + 1] for e in group]
+
+
+def memory_state(step: int):
+    """The view state at the end of `step`."""
+    from nanoserve.trace import fold_all
+    return fold_all(events_through(step))

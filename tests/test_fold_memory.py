@@ -301,3 +301,43 @@ def test_old_snapshot_and_nine_field_requests_still_load():
 def test_radix_node_view_defaults():
     assert RadixNodeView(3, 0, "t", 4, [1]).children == [] and BeamPruned(1, "x").request_id == "x"
     assert PrefixMatched(1, "a", 3, 0, ()).block_ids == () and RadixLocked(1, "a", 0).node_id == 0
+
+
+# -- the fold agrees with a live engine's own snapshot, step after step ----------------------------
+
+SYSTEM = "You are a helpful assistant. Answer briefly and politely. "
+
+
+@pytest.mark.parametrize("config, requests, fork_at, expect", [
+    (dict(num_blocks=24), [("r0", "Hi", {}), ("r1", "What is up?", {}), ("r2", "Hi", {})], None,
+     {"RadixSplit", "RadixEvicted", "Preempted"}),
+    (dict(num_blocks=24, preemption_mode="swap"), [("r0", "Hi", {}), ("r1", "Tell me a joke", {}),
+                                                   ("r2", "Hi", {})], None, {"SwappedOut", "SwappedIn"}),
+    (dict(num_blocks=48), [("r0", "Hello", {"n": 2, "temperature": 0.8})], 2, {"Forked", "CowCopied"}),
+    (dict(num_blocks=60, max_num_seqs=8), [("b", "Hi", {"beam_width": 3, "temperature": 0})], None,
+     {"Forked", "BeamPruned"}),
+])
+def test_fold_matches_engine_snapshots(config, requests, fork_at, expect):
+    from nanoserve import EngineConfig, LLMEngine, SamplingParams
+
+    engine = LLMEngine(EngineConfig(model="tiny-llama", block_size=4, max_num_batched_tokens=32,
+                                    max_num_seqs=config.pop("max_num_seqs", 4), **config))
+    events = []
+    engine.subscribe(events.append)
+    for rid, prompt, params in requests:
+        engine.add_request(rid, SYSTEM + prompt, SamplingParams(max_tokens=10, ignore_eos=True, **params))
+    while engine.has_unfinished_requests():
+        if engine.step_count == fork_at:
+            engine.fork(engine.snapshot()["running"][0])
+        engine.step()
+        state, snap = fold_all(events), fold(None, synced_event(engine.snapshot()))
+        assert (state.ref_counts, state.free_queue) == (snap.ref_counts, snap.free_queue)
+        assert (state.running, state.waiting, state.swapped) == (snap.running, snap.waiting, snap.swapped)
+        assert state.radix == snap.radix and state.lock_counts() == snap.lock_counts()
+        for rid in snap.running + snap.waiting + snap.swapped:
+            a, b = state.requests[rid], snap.requests[rid]
+            assert (a.block_table, a.cpu_block_table, a.cache_node, a.num_computed_tokens, a.status) == \
+                (b.block_table, b.cpu_block_table, b.cache_node, b.num_computed_tokens, b.status)
+    kinds = {type(e).__name__ for e in events}
+    assert {"RadixInserted", "PrefixMatched"} | expect <= kinds, expect - kinds
+    assert not state.running and not state.swapped and state.lock_counts() == dict.fromkeys(state.lock_counts(), 0)

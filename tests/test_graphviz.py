@@ -16,6 +16,7 @@ from nanoserve.viz.graphviz import (
     SHARED_FILL, TOUCHED_LINE, engine_svg, export_trace, pool_dot, radix_dot, state_at,
     state_from_snapshot, state_of, tables_dot,
 )
+from memory_events import memory_state
 
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None,
                                reason="rendering needs the Graphviz `dot` program (apt-get install graphviz)")
@@ -134,13 +135,15 @@ def test_pool_cells_owners_touched_and_free_queue(trace, preempt_step):
     state = state_at(trace, preempt_step)
     assert state.touched_blocks, "a preemption step frees blocks"
     source = pool_dot(state)
-    cells, owners = pool_cells(source), state.block_owners()
+    cells, owners, kinds = pool_cells(source), state.block_owners(), state.block_kinds()
     assert sorted(cells) == list(range(state.num_blocks))
     for block, (fill, outlined, caption) in cells.items():
         assert outlined == (block in state.touched_blocks), block
         assert ("free" in caption) == (state.ref_counts[block] == 0)
-        if block in owners:
-            assert caption == owners[block][0]
+        if kinds[block] == "owned":          # one request (and maybe the prefix cache: "+tree")
+            assert caption.split("<FONT")[0] == owners[block][0]
+        elif kinds[block] == "shared":
+            assert f"shared ×{state.ref_counts[block]}" in caption
     assert f'COLOR="{TOUCHED_LINE}"' in source
     assert free_queue_ids(source) == state.free_queue
     assert "head" in source and "tail" in source
@@ -155,8 +158,8 @@ def test_pool_shared_block_and_empty_queue():
     assert "(empty)" in pool_dot(state)
 
 
-def test_radix_is_a_clear_error():
-    with pytest.raises(ValueError, match="no radix tree"):
+def test_radix_without_prefix_caching_is_a_clear_error():
+    with pytest.raises(ValueError, match="no radix tree: prefix caching was off.*enable_prefix_caching=True"):
         radix_dot(shared_state())
 
 
@@ -195,8 +198,11 @@ def test_export_dot_names_and_contents(trace):
     assert path == trace.with_name("pressure-pool-5.dot")
     assert path.read_text() == pool_dot(state_at(trace, 5))
     assert export_trace(trace, None, "tables", "dot").name == "pressure-tables-end.dot"
-    with pytest.raises(ValueError, match="no radix tree"):
-        export_trace(trace, 5, "radix", "dot")
+    if state_at(trace, 5).prefix_caching:
+        assert "radix tree" in export_trace(trace, 5, "radix", "dot").read_text()
+    else:
+        with pytest.raises(ValueError, match="no radix tree"):
+            export_trace(trace, 5, "radix", "dot")
     with pytest.raises(ValueError, match="unknown format"):
         export_trace(trace, 5, "pool", "pdf")
 
@@ -220,6 +226,14 @@ def test_render_svg_and_png(trace, preempt_step, tmp_path, what):
     assert "<svg" in text[:1000] and text.rstrip().endswith("</svg>")
     png = export_trace(trace, preempt_step, what, "png", tmp_path / f"{what}.png")
     assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+@needs_dot
+def test_render_memory_pictures():
+    state = memory_state(5)
+    for what in ("radix", "pool", "tables"):
+        svg = engine_svg(state, what)
+        assert "<svg" in svg[:1000] and svg.rstrip().endswith("</svg>"), what
 
 
 @needs_dot

@@ -1,4 +1,4 @@
-"""Graphviz pictures of the KV cache: block tables, the block pool, (later) the radix tree.
+"""Graphviz pictures of the KV cache: block tables, the block pool, the radix prefix tree.
 
 This module owns turning a `ViewState` (what `trace.fold` rebuilds from
 events) into DOT source, and rendering that source to SVG/PNG with the `dot`
@@ -9,7 +9,10 @@ program. It never looks at engine internals: a recorded trace is enough.
 * `tables_dot(state)`: each live request's block table, logical block i ->
   the physical block it maps to, one colour per request.
 * `pool_dot(state)`: every physical block as a grid cell coloured by who holds
-  it, blocks touched this step outlined, and the free queue from head to tail.
+  it (one request, several: shared, only the prefix cache: cached and
+  evictable), blocks touched this step outlined, the CPU swap pool when there
+  is one, and the free queue from head to tail.
+* `radix_dot(state)`: the prefix cache's tree (in `radix_dot.py`).
 * `state_at(trace, step)`, `export_trace(...)`: the CLI's `export` command.
 * `state_of(engine)`, `engine_svg(...)`: the same pictures of a live engine,
   for the REPL and Jupyter (`_repr_svg_`).
@@ -40,6 +43,8 @@ PALETTE = [("#c6dbef", "#2171b5"), ("#c7e9c0", "#238b45"), ("#dadaeb", "#6a51a3"
            ("#d9d9d9", "#525252"), ("#c2e1ff", "#08306b")]
 SHARED_FILL, SHARED_LINE = "#ffd92f", "#b8860b"
 FREE_FILL, TOUCHED_LINE = "#ffffff", "#d62728"
+CACHED_FILL = "#b7b7a4"      # only the prefix cache holds it: reusable by a hit, or evicted for room
+HELD_FILL = "#eeeeee"        # held by no request we know
 MAX_POOL_CELLS = 512     # a real pool has thousands of blocks; draw the first ones
 MAX_QUEUE_IDS = 40       # free-queue ids shown before "…"
 FONT = "Helvetica"
@@ -51,8 +56,8 @@ def _colours(state: ViewState) -> dict[str, tuple[str, str]]:
 
 
 def _live(state: ViewState) -> list[str]:
-    """Requests a picture shows: running first, then waiting (in queue order)."""
-    return state.running + state.waiting
+    """Requests a picture shows: running first, then waiting, then swapped out (in queue order)."""
+    return state.running + state.waiting + state.swapped
 
 
 def _graph(name: str, title: str, rankdir: str) -> Digraph:
@@ -64,8 +69,9 @@ def _graph(name: str, title: str, rankdir: str) -> Digraph:
 
 
 def _title(state: ViewState, what: str) -> str:
+    swapped = f", {len(state.swapped)} swapped" if state.swapped else ""
     return (f"step {state.step} · {what} · {state.num_blocks} blocks of {state.block_size} tokens · "
-            f"{len(state.running)} running, {len(state.waiting)} waiting, {len(state.free_queue)} free")
+            f"{len(state.running)} running, {len(state.waiting)} waiting{swapped}, {len(state.free_queue)} free")
 
 
 # -- block tables ---------------------------------------------------------------
@@ -89,32 +95,48 @@ def tables_dot(state: ViewState) -> str:
         for i, block_id in enumerate(req.block_table):
             g.edge(f"{node[rid]}:b{i}:e", f"physical:p{block_id}:w", color=line)
     # waiting requests without blocks (new, or preempted) share one small box
-    no_blocks = [rid for rid in _live(state) if rid not in with_blocks]
+    no_blocks = [rid for rid in state.running + state.waiting if rid not in with_blocks]
     if no_blocks:
         names = "".join(f'<TD BGCOLOR="{colours[rid][0]}">{html.escape(rid)}</TD>' for rid in no_blocks)
         g.node("no_blocks", _html_table([f'<TR><TD BORDER="0"><I>waiting, no blocks:</I></TD>{names}</TR>'],
                                         spacing=2))
+    # swapped-out requests: their KV sits in the CPU pool, no device blocks
+    if state.swapped:
+        rows = [f'<TR><TD BGCOLOR="{colours[rid][0]}">{html.escape(rid)}</TD><TD>CPU '
+                f'{" ".join(map(str, state.requests[rid].cpu_block_table))}</TD></TR>' for rid in state.swapped]
+        g.node("swapped", _html_table(['<TR><TD COLSPAN="2" BORDER="0"><I>swapped out, KV in the CPU pool:</I>'
+                                       '</TD></TR>'] + rows))
     # keep the requests top to bottom in queue order (running first)
-    column = [node[rid] for rid in with_blocks] + (["no_blocks"] if no_blocks else [])
+    column = ([node[rid] for rid in with_blocks] + (["no_blocks"] if no_blocks else [])
+              + (["swapped"] if state.swapped else []))
     with g.subgraph() as same:
         same.attr(rank="same")
         for a, b in zip(column, column[1:]):
             same.edge(a, b, style="invis")
 
     # one column of the physical blocks in use, by id, with their reference counts
+    # (a block in the radix tree counts one reference for the tree: "cached")
     rows = ['<TR><TD COLSPAN="2"><B>physical blocks</B></TD></TR>']
+    kinds, cached = state.block_kinds(owners), state.cached_blocks()
     for block_id, ref in enumerate(state.ref_counts):
         if ref == 0 and block_id not in owners:
             continue
-        shared = ref > 1
-        fill = SHARED_FILL if shared else colours.get(owners.get(block_id, [""])[0], (FREE_FILL, ""))[0]
-        note = f"<B>ref {ref} · shared</B>" if shared else f"ref {ref}"
+        fill = _fill(kinds[block_id], owners.get(block_id), colours)
+        tree = " · cached" if block_id in cached else ""
+        note = f"<B>ref {ref} · shared{tree}</B>" if kinds[block_id] == "shared" else f"ref {ref}{tree}"
         rows.append(f'<TR><TD PORT="p{block_id}" BGCOLOR="{fill}"><B>#{block_id}</B></TD>'
                     f'<TD BGCOLOR="{fill}">{note}</TD></TR>')
     if len(rows) == 1:
         rows.append('<TR><TD COLSPAN="2"><I>none in use</I></TD></TR>')
     g.node("physical", _html_table(rows))
     return g.source
+
+
+def _fill(kind: str, holders: list[str] | None, colours: dict[str, tuple[str, str]]) -> str:
+    """A block's fill colour from its kind (`ViewState.block_kinds`)."""
+    if kind == "owned":
+        return colours[holders[0]][0]
+    return {"free": FREE_FILL, "shared": SHARED_FILL, "cached": CACHED_FILL}.get(kind, HELD_FILL)
 
 
 def _html_table(rows: list[str], spacing: int = 0) -> str:
@@ -130,16 +152,19 @@ def pool_dot(state: ViewState, columns: int | None = None) -> str:
     colours, owners = _colours(state), state.block_owners()
     columns = columns or (10 if state.num_blocks <= 100 else 16)
     shown = min(state.num_blocks, MAX_POOL_CELLS)
+    kinds, cached = state.block_kinds(owners), state.cached_blocks()
     cells = []
     for block_id in range(shown):
-        ref, holders = state.ref_counts[block_id], owners.get(block_id, [])
-        if ref == 0:
-            fill, who = FREE_FILL, '<FONT COLOR="#969696">free</FONT>'
-        elif ref > 1:
-            fill, who = SHARED_FILL, f"<B>shared ×{ref}</B>"
-        else:  # one holder; not a request when a cache lock holds it
-            fill = colours[holders[0]][0] if holders else "#eeeeee"
-            who = html.escape(holders[0]) if holders else "cache"
+        ref, holders, kind = state.ref_counts[block_id], owners.get(block_id, []), kinds[block_id]
+        fill = _fill(kind, holders, colours)
+        if kind == "free":
+            who = '<FONT COLOR="#969696">free</FONT>'
+        elif kind == "shared":
+            who = f"<B>shared ×{ref}</B>"
+        elif kind == "owned":   # one request; "+tree" when the prefix cache holds it too
+            who = html.escape(holders[0]) + ('<FONT POINT-SIZE="8"> +tree</FONT>' if block_id in cached else "")
+        else:
+            who = "cached" if kind == "cached" else f"held ×{ref}"
         outline = (f' BORDER="3" COLOR="{TOUCHED_LINE}"' if block_id in state.touched_blocks
                    else ' COLOR="#737373"')
         cells.append(f'<TD WIDTH="52" HEIGHT="40" BGCOLOR="{fill}"{outline}><B>#{block_id}</B><BR/>{who}</TD>')
@@ -150,8 +175,10 @@ def pool_dot(state: ViewState, columns: int | None = None) -> str:
 
     # legend: one swatch per live request, then the special states
     swatches = [(colours[rid][0], html.escape(rid), "") for rid in _live(state)]
-    swatches += [(SHARED_FILL, "shared", ""), (FREE_FILL, "free", ""),
-                 (FREE_FILL, "touched this step", f' BORDER="3" COLOR="{TOUCHED_LINE}"')]
+    swatches += [(SHARED_FILL, "shared", "")]
+    if state.prefix_caching:
+        swatches += [(CACHED_FILL, "cached, evictable", "")]
+    swatches += [(FREE_FILL, "free", ""), (FREE_FILL, "touched this step", f' BORDER="3" COLOR="{TOUCHED_LINE}"')]
     legend = "".join(f'<TD BGCOLOR="{fill}"{extra}>{text}</TD>' for fill, text, extra in swatches)
     g.node("legend", _html_table([f'<TR><TD BORDER="0"><B>legend</B></TD>{legend}</TR>'], spacing=4))
 
@@ -165,12 +192,28 @@ def pool_dot(state: ViewState, columns: int | None = None) -> str:
                                       f'<TD BORDER="0">→ <B>tail</B></TD></TR>'], spacing=2))
     g.edge("legend", "grid", style="invis")
     g.edge("grid", "free_queue", style="invis")
+    if state.num_cpu_blocks:
+        _cpu_pool(g, state, colours, columns)
     return g.source
 
 
+def _cpu_pool(g: Digraph, state: ViewState, colours: dict[str, tuple[str, str]], columns: int) -> None:
+    """The CPU swap pool under the free queue: each CPU block coloured by the swapped request it holds."""
+    holder = {b: rid for rid in state.swapped for b in state.requests[rid].cpu_block_table}
+    cells = [f'<TD WIDTH="40" BGCOLOR="{colours[holder[b]][0] if b in holder else FREE_FILL}">'
+             f'c{b}<BR/>{html.escape(holder.get(b, "")) or "&nbsp;"}</TD>'
+             for b in range(min(state.num_cpu_blocks, MAX_POOL_CELLS))]
+    rows = ["<TR>" + "".join(cells[i:i + columns]) + "</TR>" for i in range(0, len(cells), columns)]
+    title = (f'<TR><TD COLSPAN="{min(columns, len(cells))}" BORDER="0"><B>CPU swap pool</B>: '
+             f'{len(holder)}/{state.num_cpu_blocks} used</TD></TR>')
+    g.node("cpu_pool", _html_table([title] + rows, spacing=2))
+    g.edge("free_queue", "cpu_pool", style="invis")
+
+
 def radix_dot(state: ViewState) -> str:
-    """The radix prefix tree. Prefix caching is not in the engine yet, so there is none to draw."""
-    raise ValueError("this trace has no radix tree: prefix caching is not part of this engine yet")
+    """The radix prefix tree (drawn by `radix_dot.py`); ValueError when prefix caching was off."""
+    from nanoserve.viz.radix_dot import radix_tree_dot   # it builds on this module's helpers
+    return radix_tree_dot(state)
 
 
 BUILDERS = {"tables": tables_dot, "pool": pool_dot, "radix": radix_dot}
