@@ -120,6 +120,7 @@ def _fold_radix(state: ViewState, event: ev.Event) -> None:
                              tail.last_access, [tail.node_id])
         siblings = radix[tail.parent_id].children
         siblings[siblings.index(tail.node_id)] = head.node_id   # the head takes the tail's place
+        siblings.sort()                                         # children in creation order, like the engine
         radix[head.node_id] = head
         tail.parent_id, tail.text = head.node_id, event.tail_text
         tail.block_ids, tail.num_tokens = tail.block_ids[event.num_blocks:], tail.num_tokens - head.num_tokens

@@ -58,7 +58,7 @@ class RadixNodeView:
     num_tokens: int
     block_ids: list[int]              # the tree holds one reference on each
     last_access: int = 0              # the step it was last matched or extended
-    children: list[int] = field(default_factory=list)   # node ids, in insertion order
+    children: list[int] = field(default_factory=list)   # node ids, in creation order (= id order)
 
 
 def _root() -> dict[int, RadixNodeView]:

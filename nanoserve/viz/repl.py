@@ -1,10 +1,11 @@
-"""How the engine, a step's result and a request's output look in a Python REPL.
+"""How the engine, a step's result, a request's output and the radix cache look in a Python REPL.
 
 Students meet nanoserve by typing `engine.step()` at a prompt, so the objects
 they get back print as compact rich panels: the pool as a strip of block
-cells, each request's block table, and what the step did. A plain REPL shows
-`repr()`, so `to_text` renders the same panel into a string (with colours
-when the terminal has them).
+cells (free, one request's, shared, cached), each request's block table, what
+the step did, and the prefix cache as a tree. A plain REPL shows `repr()`, so
+`to_text` renders the same panel into a string (with colours when the
+terminal has them). Everything here reads plain snapshot data.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
+from rich.tree import Tree
 
 PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta",
            "bright_green", "bright_yellow", "bright_blue", "bright_red"]
@@ -35,16 +37,30 @@ def _colour(i: int) -> str:
     return PALETTE[i % len(PALETTE)]
 
 
-def render_pool(ref_counts: list[int], owners: dict[int, int], max_cells: int = 512) -> Text:
-    """One cell per block: '·' free, a coloured digit/letter per owning request, '2+' shared."""
+POOL_KEY = Text.assemble(("·", "dim"), " free  ", ("■", "cyan"), " a request's (colour)  ",
+                         ("▣", "cyan"), " a request's, also cached  ", ("■", "bold white on red"),
+                         " shared  ", ("□", "green"), " cached only (evictable)", style="dim")
+
+
+def render_pool(ref_counts: list[int], owners: dict[int, int], max_cells: int = 512,
+                cached: set[int] | frozenset = frozenset(), holders: dict[int, int] | None = None) -> Text:
+    """One cell per block: '·' free, '■' in its request's colour, '■' on red when several requests
+    share it, '□' when only the prefix cache holds it (evictable), '▣' a request's block the cache holds too.
+
+    owners: block -> index of a request holding it (its colour); cached: blocks in the radix tree;
+    holders: block -> how many block tables hold it (None: judge sharing by the ref count alone).
+    """
     text = Text()
     for block_id, ref in enumerate(ref_counts[:max_cells]):
+        tables = ref if holders is None else holders.get(block_id, 0)
         if ref == 0:
             text.append("·", style="dim")
-        elif ref > 1:
+        elif tables > 1:
             text.append("■", style="bold white on red")
+        elif tables == 0 and block_id in cached:
+            text.append("□", style="green")
         else:
-            text.append("■", style=_colour(owners.get(block_id, 0)))
+            text.append("▣" if block_id in cached else "■", style=_colour(owners.get(block_id, 0)))
     if len(ref_counts) > max_cells:
         text.append(f" … +{len(ref_counts) - max_cells} blocks", style="dim")
     return text
@@ -73,25 +89,68 @@ def render_engine(engine):
     s = engine.snapshot()
     pool = s["pool"]
     owners: dict[int, int] = {}
+    holders: dict[int, int] = {}
     table = Table(box=None, pad_edge=False, header_style="bold")
     for col in ("request", "status", "prompt+out", "computed", "block table"):
         table.add_column(col)
     for i, r in enumerate(s["requests"]):
         for b in r["block_table"]:
             owners[b] = i
+            holders[b] = holders.get(b, 0) + 1
         bt = " ".join(map(str, r["block_table"][:16])) + (" …" if len(r["block_table"]) > 16 else "")
+        if r.get("cpu_block_table"):
+            bt = "CPU " + " ".join(map(str, r["cpu_block_table"][:16]))
         table.add_row(Text(r["request_id"], style=_colour(i)), r["status"],
                       f"{r['num_prompt_tokens']}+{r['num_output_tokens']}", str(r["num_computed_tokens"]), f"[{bt}]")
     used = pool["num_blocks"] - len(pool["free_queue"])
+    swapped = f"  swapped {len(s['swapped'])}" if s.get("swapped") else ""
     head = Text.assemble(
         (f"{s['model']}", "bold"), f"  step {s['step']}  ",
         f"blocks {used}/{pool['num_blocks']} used (block_size {pool['block_size']})  ",
-        f"waiting {len(s['waiting'])}  running {len(s['running'])}",
+        f"waiting {len(s['waiting'])}  running {len(s['running'])}{swapped}",
     )
-    parts = [head, render_pool(pool["ref_counts"], owners)]
+    nodes = (s.get("radix") or {}).get("nodes") or []
+    cached = {b for n in nodes for b in n["block_ids"]}
+    parts = [head, render_pool(pool["ref_counts"], owners, cached=cached, holders=holders)]
+    if (s.get("radix") or {}).get("enabled"):
+        evictable = sum(len(n["block_ids"]) for n in nodes if n["lock_count"] == 0)
+        parts.append(Text(f"prefix cache: {len(nodes)} nodes, {len(cached)} blocks cached ({evictable} evictable)"
+                          f" · print(engine.radix) for the tree", style="dim"))
+    if s.get("cpu_pool"):
+        cpu = s["cpu_pool"]
+        parts.append(Text(f"CPU swap pool: {cpu['num_blocks'] - len(cpu['free_queue'])}/{cpu['num_blocks']} "
+                          "blocks used", style="dim"))
     if s["requests"]:
         parts.append(table)
+    parts.append(POOL_KEY)
     return Panel(Group(*parts), title="LLMEngine", title_align="left", border_style="blue")
+
+
+def render_radix(nodes: list[dict]):
+    """The radix prefix cache as a tree: one line per node, its text span, blocks, lock count, last use.
+
+    `nodes` are the cache's snapshot dicts (node_id, parent_id, text, num_tokens, block_ids,
+    lock_count, last_access), parents before children, the root left out.
+    """
+    num_blocks = sum(len(n["block_ids"]) for n in nodes)
+    evictable = sum(len(n["block_ids"]) for n in nodes if n["lock_count"] == 0)
+    tree = Tree(Text.assemble(("root", "bold"), (f"  {len(nodes)} nodes, {num_blocks} blocks cached, "
+                                                 f"{evictable} evictable", "dim")), guide_style="dim")
+    branch = {0: tree}
+    for n in nodes:
+        span = "".join(c if c.isprintable() else ("⏎" if c == "\n" else "·") for c in n["text"])
+        span = span if len(span) <= 40 else span[:39] + "…"
+        label = Text.assemble((repr(span), "bold" if n["lock_count"] else "green"),
+                              (f"  #{n['node_id']} · {n['num_tokens']} tokens · blocks "
+                               f"{' '.join(map(str, n['block_ids']))}", "dim"), "  ")
+        label.append(f"lock {n['lock_count']}" if n["lock_count"] else "unlocked, evictable",
+                     style="bold cyan" if n["lock_count"] else "green")
+        label.append(f"  last used step {n['last_access']}", style="dim")
+        parent = branch.get(n["parent_id"], tree)        # parents come first; an orphan hangs off the root
+        branch[n["node_id"]] = parent.add(label)
+    if not nodes:
+        tree.add(Text("(empty: nothing cached yet)", style="dim"))
+    return Panel(tree, title="RadixCache", title_align="left", border_style="green")
 
 
 def render_step_result(result):
