@@ -170,7 +170,13 @@ class KVManager:
     # -- release ----------------------------------------------------------------------------
 
     def release(self, seq: Sequence) -> None:
-        """Drop everything `seq` holds on the device: its cache locks and its blocks."""
+        """Drop everything `seq` holds on the device: its cache locks and its blocks.
+
+        Its filled blocks go into the prefix cache first (their KV is valid, whether it
+        finished, was aborted or preempted), so a later request, or its own recompute, hits them.
+        """
+        if seq.block_table:
+            self.cache_full_blocks(seq)
         if seq.cache_node is not None:
             self._relock(seq, None)
         if seq.block_table:

@@ -1,15 +1,19 @@
 """A Hypothesis state machine driving a real LLMEngine (tiny random Llama) through
-random add / step / abort / drain sequences on a pool small enough to preempt.
+random add / step / abort / fork / evict / drain sequences on a pool small enough to
+preempt, with the prefix cache on or off and recompute or swap preemption.
 
 After every rule `engine.check_invariants()` must hold and the engine's requests
 must match a model of the live ids. Finished outputs are checked for their
 finish reason and token counts, and greedy / seeded requests must produce the
 same tokens and log-probs (to float32 rounding) as the same request run alone
 on a roomy engine: preemption, chunking, block size and batch neighbours must
-not change outputs. Draining must return every block to the pool.
+not change outputs (nor the prefix cache, forks or swapping). Draining must leave
+only cached blocks in use, and clearing the cache must return every block to the pool.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, event, settings
@@ -33,13 +37,19 @@ LOGPROB_ATOL = 1e-4      # batching and chunking change float32 rounding, not mo
 POOLS = [(4, 24), (4, 12), (1, 40), (16, 6), (3, 17)]
 
 
-def small_engine(block_size, num_blocks, budget, max_num_seqs, chunked=True, max_model_len=None) -> LLMEngine:
+def small_engine(block_size, num_blocks, budget, max_num_seqs, chunked=True, max_model_len=None,
+                 **memory) -> LLMEngine:
+    """`memory`: enable_prefix_caching, preemption_mode, num_cpu_blocks, preemption_policy."""
     return LLMEngine(
         EngineConfig(model="tiny-llama", block_size=block_size, num_blocks=num_blocks,
                      max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                     enable_chunked_prefill=chunked, max_model_len=max_model_len),
+                     enable_chunked_prefill=chunked, max_model_len=max_model_len, **memory),
         loaded=LOADED,
     )
+
+
+# Prompts share these prefixes now and then, so the prefix cache has something to hit.
+PREFIXES = [list(range(1, 25)), [7, 8, 9] * 6, list(range(100, 112))]
 
 
 # -- reference outputs: the same request alone on a roomy engine ------------------------------
@@ -84,12 +94,18 @@ class EngineMachine(RuleBasedStateMachine):
         max_num_seqs=st.sampled_from([4, 1, 2, 4]),
         chunked=st.sampled_from([True, True, False]),
         max_model_len=st.sampled_from([None, None, 64]),
+        caching=st.booleans(),
+        swap=st.sampled_from([None, None, 0, 6, 40]),     # None: recompute; else swap with this many CPU blocks
+        policy=st.sampled_from(["newest", "priority", "shortest_remaining"]),
     )
-    def setup(self, pool, budget, max_num_seqs, chunked, max_model_len):
+    def setup(self, pool, budget, max_num_seqs, chunked, max_model_len, caching, swap, policy):
         if not chunked:
             max_model_len = None     # (an explicit one above the budget is rejected by the config)
         # An explicit max_model_len of 64 may exceed the pool: requests that outgrow it are failed.
-        self.engine = small_engine(*pool, budget, max_num_seqs, chunked, max_model_len)
+        memory = dict(enable_prefix_caching=caching, preemption_policy=policy)
+        if swap is not None:
+            memory.update(preemption_mode="swap", num_cpu_blocks=swap)
+        self.engine = small_engine(*pool, budget, max_num_seqs, chunked, max_model_len, **memory)
         self.max_model_len = self.engine.config.max_model_len
         self.pool_tokens = pool[0] * pool[1]
         self.live: dict[str, tuple[list[int], SamplingParams]] = {}   # id -> (prompt, params)
@@ -104,8 +120,11 @@ class EngineMachine(RuleBasedStateMachine):
         rid = out.request_id
         assert rid in self.live, f"output for unknown or finished request {rid}"
         prompt, params = self.live[rid]
-        comp = out.outputs[0]
+        comp = out.outputs[0]            # the request's own sequence; forks come after it
         assert out.prompt_token_ids == prompt
+        for fork in out.outputs[1:]:
+            assert len(fork.token_ids) <= params.max_tokens
+            assert not out.finished or fork.finish_reason in ("stop", "length", "abort")
         # Tokens only ever grow, preemption and recompute included.
         prev = self.tokens_seen.get(rid, [])
         assert comp.token_ids[: len(prev)] == prev, f"{rid}: tokens rewritten"
@@ -113,7 +132,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert len(comp.token_ids) <= params.max_tokens
         assert len(prompt) + len(comp.token_ids) <= self.max_model_len
         if not out.finished:
-            assert comp.finish_reason is None
+            assert any(c.finish_reason is None for c in out.outputs)
             return
         del self.live[rid]
         reason = comp.finish_reason
@@ -156,21 +175,33 @@ class EngineMachine(RuleBasedStateMachine):
                 event("the scheduler failed a request")
             self._check_output(out)
         assert result.stats.num_free_blocks == self.engine.pool.num_free_blocks
+        if any(isinstance(e, ev.PrefixMatched) and e.num_hit_tokens for e in result.events):
+            event("a prefix cache hit")
+        if any(isinstance(e, ev.CowCopied) for e in result.events):
+            event("a copy-on-write copy")
+        if any(isinstance(e, ev.SwappedIn) for e in result.events):
+            event("a swap in")
 
     # -- rules -------------------------------------------------------------------------
 
     @rule(
+        prefix=st.sampled_from([None, None, *range(len(PREFIXES))]),
         prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40),
         max_tokens=st.integers(1, 20),
         mode=st.sampled_from(["greedy", "seeded", "unseeded"]),
         temperature=st.sampled_from([0.7, 1.0, 1.5]),
         seed=st.integers(0, 2**31),
+        n=st.sampled_from([1, 1, 1, 2, 3]),
+        priority=st.integers(0, 2),
     )
-    def add_request(self, prompt, max_tokens, mode, temperature, seed):
+    def add_request(self, prefix, prompt, max_tokens, mode, temperature, seed, n, priority):
         if len(self.live) >= 6:          # (an early return, not a precondition: no filtered draws)
             return
+        if prefix is not None:
+            prompt = PREFIXES[prefix] + prompt[:8]
+        n = min(n, self.engine.config.max_num_seqs)
         params = SamplingParams(
-            max_tokens=max_tokens,
+            n=n, max_tokens=max_tokens,
             temperature=0.0 if mode == "greedy" else temperature,
             seed=seed if mode == "seeded" else None,
             logprobs=None if mode == "unseeded" else 0,   # 0: the chosen token's log-prob only
@@ -183,7 +214,7 @@ class EngineMachine(RuleBasedStateMachine):
                 self.engine.add_request(rid, prompt, params)
             assert self.engine.snapshot() == before
             return
-        self.engine.add_request(rid, prompt, params)
+        self.engine.add_request(rid, prompt, params, priority=priority)
         self.live[rid] = (list(prompt), params)
 
     @rule()
@@ -202,30 +233,68 @@ class EngineMachine(RuleBasedStateMachine):
                 self.engine.abort_request("no-such-request")
             return
         rid = data.draw(st.sampled_from(sorted(self.live)))
-        seq = self.engine.requests[rid]
-        was_running = seq.status is SequenceStatus.RUNNING
-        table = list(seq.block_table)
-        if not was_running:
-            assert table == [], f"{rid}: {seq.status.name} but holds blocks {table}"
-        free_before = self.engine.pool.num_free_blocks
+        seqs = self.engine.groups[rid].live
+        tables = {s.request_id: list(s.block_table) for s in seqs}
+        for s in seqs:
+            if s.status is not SequenceStatus.RUNNING:
+                assert s.block_table == [], f"{s.request_id}: {s.status.name} but holds blocks {s.block_table}"
+        refs_before = [b.ref_count for b in self.engine.pool.blocks]
         n_events = len(self.events)
         out = self.engine.abort_request(rid)
-        # All of its blocks come back in this one call (no prefix cache holds them yet).
-        assert self.engine.pool.num_free_blocks == free_before + len(table)
-        assert seq.block_table == []
-        assert all(self.engine.pool.blocks[b].ref_count == 0 for b in table)
+        # Each sequence drops every block it held in this one call (one BlocksFreed each);
+        # the prefix cache or a fork may still hold some of them.
+        for s in seqs:
+            assert s.block_table == [] and s.cpu_block_table == [] and s.cache_node is None
+        dropped = Counter(b for table in tables.values() for b in table)
+        for b, times in dropped.items():
+            assert self.engine.pool.blocks[b].ref_count == refs_before[b] - times
         freed = [e for e in self.events[n_events:] if isinstance(e, ev.BlocksFreed)]
-        if table:
-            assert len(freed) == 1 and freed[0].request_id == rid
-            assert sorted(freed[0].block_ids) == sorted(table)
-        else:
-            assert freed == []
-        assert out.finished and out.outputs[0].finish_reason == "abort"
+        assert sorted(e.request_id for e in freed) == sorted(r for r, t in tables.items() if t)
+        for e in freed:
+            assert sorted(e.block_ids) == sorted(tables[e.request_id])
+        assert out.finished and all(c.finish_reason is not None for c in out.outputs)
         prev = self.tokens_seen.pop(rid, [])
         assert out.outputs[0].token_ids[: len(prev)] == prev
         del self.live[rid]
-        with pytest.raises(KeyError):
+        with pytest.raises(KeyError, match="already finished"):
             self.engine.abort_request(rid)
+
+    @rule(data=st.data())
+    def fork(self, data):
+        """Fork a sequence at its current position; a bad target changes nothing."""
+        seq_ids = sorted(self.engine.requests)
+        forkable = [r for r in seq_ids if self.engine.requests[r].num_output_tokens
+                    and self.engine.requests[r].status is SequenceStatus.RUNNING]
+        target = data.draw(st.sampled_from(forkable * 4 + seq_ids + ["no-such-request"]))
+        seq = self.engine.requests.get(target)
+        before = self.engine.snapshot()
+        if seq is None:
+            with pytest.raises(KeyError):
+                self.engine.fork(target)
+        elif (seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens == 0
+              or self.engine.scheduler.seats_used >= self.engine.config.max_num_seqs):
+            with pytest.raises(ValueError):
+                self.engine.fork(target)
+        else:
+            child_id = self.engine.fork(target)
+            child = self.engine.requests[child_id]
+            assert child.block_table == seq.block_table and child.group_id == seq.group_id
+            assert child.output_token_ids == seq.output_token_ids
+            assert all(self.engine.pool.blocks[b].ref_count >= 2 for b in child.block_table)
+            event("a fork")
+            return
+        assert self.engine.snapshot() == before
+
+    @rule(n=st.integers(1, 8))
+    def evict(self, n):
+        """Evict cached blocks nobody uses (LRU leaves first), as a short pool would."""
+        radix = self.engine.radix
+        if radix is None:
+            assert self.engine.clear_prefix_cache() == 0
+            return
+        free, evictable = self.engine.pool.num_free_blocks, radix.num_evictable_blocks
+        freed = radix.evict(n)
+        assert freed >= min(n, evictable) and self.engine.pool.num_free_blocks == free + freed
 
     @rule(when=st.integers(0, 4))
     def drain(self, when):
@@ -243,6 +312,9 @@ class EngineMachine(RuleBasedStateMachine):
         assert not self.engine.has_unfinished_requests(), "engine did not drain"
         assert self.live == {}
         pool = self.engine.pool
+        cached = self.engine.radix.num_cached_blocks if self.engine.radix else 0
+        assert pool.num_used_blocks == cached       # only the prefix cache holds blocks now
+        self.engine.clear_prefix_cache()
         assert pool.num_used_blocks == 0
         assert sorted(pool.free_queue.ids()) == list(range(pool.num_blocks))
         assert self.engine.scheduler.running == [] and not self.engine.scheduler.waiting
@@ -252,7 +324,7 @@ class EngineMachine(RuleBasedStateMachine):
     @invariant()
     def engine_invariants(self):
         self.engine.check_invariants()
-        assert set(self.engine.requests) == set(self.live)
+        assert set(self.engine.groups) == set(self.live)
 
     def teardown(self):
         if hasattr(self, "engine"):
@@ -261,7 +333,7 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 EngineMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None,
+    max_examples=150, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestEngineMachine = EngineMachine.TestCase
@@ -271,7 +343,7 @@ TestEngineMachine = EngineMachine.TestCase
 
 
 def test_abort_running_request_frees_all_blocks_at_once():
-    engine = small_engine(4, 24, 16, 4)
+    engine = small_engine(4, 24, 16, 4, enable_prefix_caching=False)
     engine.add_request("a", list(range(1, 30)), SamplingParams(max_tokens=20, temperature=0))
     engine.add_request("b", list(range(40, 50)), SamplingParams(max_tokens=20, temperature=0))
     for _ in range(4):
@@ -294,7 +366,7 @@ def test_abort_running_request_frees_all_blocks_at_once():
 
 def test_small_pool_preempts_and_still_drains():
     """The machine's pool really does preempt: four long requests in 24 blocks of 4."""
-    engine = small_engine(4, 24, 16, 4)
+    engine = small_engine(4, 24, 16, 4, enable_prefix_caching=False)
     for i in range(4):
         engine.add_request(f"r{i}", [(7 * i + j) % VOCAB for j in range(24)],
                            SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
@@ -308,7 +380,7 @@ def test_small_pool_preempts_and_still_drains():
 
 def test_request_that_outgrows_the_pool_is_failed_and_frees_its_blocks():
     """max_model_len above the pool's capacity: the request fails with an error, nothing leaks."""
-    engine = small_engine(4, 8, 16, 4, max_model_len=64)           # the pool holds 32 tokens
+    engine = small_engine(4, 8, 16, 4, max_model_len=64, enable_prefix_caching=False)  # the pool holds 32 tokens
     engine.add_request("big", list(range(1, 21)), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     finished = {}
     for _ in range(200):
