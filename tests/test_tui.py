@@ -20,6 +20,7 @@ pytest.importorskip("textual")
 
 from nanoserve.events import EngineSynced, StepFinished, StepStarted
 from nanoserve.scenarios import SCENARIOS
+from memory_events import memory_trace
 from nanoserve.trace import fold_all, read_trace
 from nanoserve_tui.app import NanoserveApp, run_app
 from nanoserve_tui.screens import AddRequestScreen, HelpScreen, ScenarioPicker
@@ -27,6 +28,7 @@ from nanoserve_tui.source import LiveSource, ReplaySource, split_steps
 from nanoserve_tui.widgets.event_log import EventLog
 from nanoserve_tui.widgets.free_queue import FreeQueue
 from nanoserve_tui.widgets.pool import PoolGrid, describe_block, grid_layout
+from nanoserve_tui.widgets.radix import RadixTree
 from nanoserve_tui.widgets.requests import RequestList
 from nanoserve_tui.widgets.tables import BlockTables
 
@@ -73,7 +75,8 @@ def panels(app: NanoserveApp) -> dict[str, str]:
         "free": app.query_one(FreeQueue).text,
         "requests": app.query_one(RequestList).text,
         "events": app.query_one(EventLog).text,
-        "metrics": " | ".join(str(app.query_one(f"#{k}-label").render()) for k in ("tokens", "kv", "accept")),
+        "metrics": " | ".join(str(app.query_one(f"#{k}-label").render()) for k in ("tokens", "kv", "accept", "hit")),
+        "radix": app.query_one(RadixTree).text,
     }
 
 
@@ -185,19 +188,17 @@ async def test_replay_live_only_controls_notify():
 
 
 @run_async
-async def test_fork_needs_a_selection_then_notifies():
+async def test_request_selection_and_fork_in_a_replay():
     app = replay_app()
     async with app.run_test(size=WIDE) as pilot:
         app.source.goto(5)
         await pilot.pause()
-        await pilot.press("f")
-        assert "select a request first" in notices(app)
         await pilot.click("#requests", offset=(4, 2))      # inside the border: line 1, the first request
         assert app.query_one(RequestList).selected == "r0"
         await pilot.press("down")                          # the list has focus now: next request
         assert app.query_one(RequestList).selected == "r1"
         await pilot.press("f")
-        assert "fork arrives with copy-on-write (not in this engine yet)" in notices(app)
+        assert "fork needs a live engine" in notices(app)
 
 
 @run_async
@@ -319,6 +320,33 @@ async def test_live_abort_selected_request():
 
 
 @run_async
+async def test_live_fork_selected_request():
+    app = live_app()
+    async with app.run_test(size=WIDE) as pilot:
+        await wait_for(pilot, lambda: app.frame is not None)
+        app.query_one(RequestList).selected = "r1"
+        await pilot.press("f")                                    # still waiting: the engine says why not
+        await wait_for(pilot, lambda: "only a running request that has started generating" in notices(app))
+        for n in (1, 2, 3):
+            await pilot.press("n")
+            await wait_for(pilot, lambda: step_of(app) == n)
+        assert app.frame.state.requests["r1"].num_output_tokens > 0
+        await pilot.press("f")
+        await wait_for(pilot, lambda: "r1.1" in app.frame.state.requests)
+        state = app.frame.state
+        assert state.requests["r1.1"].block_table == state.requests["r1"].block_table
+        assert "r1.1" in state.running and "Forked" in app.query_one(EventLog).text
+        await wait_for(pilot, lambda: "r1.1 shares its blocks" in notices(app))
+        app.query_one(RequestList).selected = "r2"
+        await pilot.press("x")
+        await wait_for(pilot, lambda: "r2" in app.frame.state.finished)
+        await pilot.press("f")                                    # a finished request: a notice, no crash
+        await wait_for(pilot, lambda: "request 'r2' has already finished" in notices(app))
+        await pilot.press("n")
+        await wait_for(pilot, lambda: step_of(app) == 4)
+
+
+@run_async
 async def test_live_presets_restart_engine():
     app = live_app()
     async with app.run_test(size=WIDE) as pilot:
@@ -360,16 +388,17 @@ async def test_live_model_that_fails_to_load():
 # -- replay gives the same screens as the live run --------------------------------------
 
 
-@pytest.mark.parametrize("steps", [9])
 @run_async
-async def test_replay_matches_live_run(tmp_path, steps):
+async def test_replay_matches_live_run(tmp_path):
     recording = tmp_path / "live.jsonl"
     live = live_app("memory-pressure", record=recording)
     async with live.run_test(size=WIDE) as pilot:
         await wait_for(pilot, lambda: live.frame is not None)
-        for n in range(1, steps + 1):
+        for steps in range(1, 30):                                # up to the first preemption
             await pilot.press("n")
-            await wait_for(pilot, lambda: step_of(live) == n)
+            await wait_for(pilot, lambda: step_of(live) == steps)
+            if "Preempted" in live.query_one(EventLog).text:
+                break
         live.query_one(PoolGrid).selected = 3
         await pilot.pause()
         seen_live = panels(live)
@@ -382,6 +411,65 @@ async def test_replay_matches_live_run(tmp_path, steps):
     assert "Preempted" in seen_live["events"] or "preempted" in seen_live["tables"]
     for name in seen_live:
         assert seen_replay[name] == seen_live[name], name
+
+
+# -- memory mechanisms (a hand-written trace: tests/memory_events.py) ------------------------
+
+
+def memory_app() -> NanoserveApp:
+    return NanoserveApp(ReplaySource(memory_trace(), name="memory-synthetic"))
+
+
+@run_async
+async def test_radix_tree_panel_follows_the_trace():
+    app = memory_app()
+    async with app.run_test(size=WIDE) as pilot:
+        tree = app.query_one(RadixTree)
+        await pilot.pause()
+        assert "empty: nothing cached yet" in tree.text
+        app.source.goto(3)
+        await pilot.pause()
+        assert tree.text.splitlines() == [
+            "root 3 nodes, 4 blocks · hit 38%",
+            "  “You are a helpful bot.” lock 3 [0 1] @3",
+            "    “ Hi Hello x” lock 1 [2] @3",
+            "    “ Tell me” lock 2 [3] @3",
+        ]
+        new = [n for n in tree.root.children[0].children]
+        assert all("on #98c379" in str(n.label.style) for n in new)      # inserted this step
+        app.source.goto(5)
+        await pilot.pause()
+        lines = tree.text.splitlines()
+        assert lines[1] == "  “You are ” lock 2 [0] @5" and "evicted [2]" in lines[-1]
+        assert "on #e5c07b" in str(tree.root.children[0].label.style)    # hit this step
+        text = panels(app)
+        assert "SWAPPED (0)" in text["requests"] and "pruned" in text["requests"]
+        assert "cache hit 44%" in text["metrics"] and app.query_one("#hit-metric").display
+        assert not app.query_one("#accept-metric").display
+        assert "RadixSplit" in text["events"] and "node 1 cut after 1 blocks" in text["events"]
+
+
+@run_async
+async def test_swap_shows_in_queues_tables_and_cpu_strip():
+    app = memory_app()
+    async with app.run_test(size=WIDE) as pilot:
+        app.source.goto(4)
+        await pilot.pause()
+        text = panels(app)
+        assert "SWAPPED (1)" in text["requests"] and "KV 12 on CPU" in text["requests"]
+        assert "on CPU c0 c1 c2" in text["tables"] and "0→0*" in text["tables"]
+        assert str(app.query_one("#cpu-pool").render()).startswith("CPU swap 3/6")
+        assert "cached" in str(app.query_one("#pool-legend").render())
+        lines = text["pool"].splitlines()
+        assert lines[0].split()[:4] == ["0", "1", "2", "3"] and lines[1].split()[:4] == ["x3", "x3", "cache", "x3"]
+        info = describe_block(app.frame.state, 2).plain
+        assert "in radix node 2" in info and "unlocked: evictable" in info
+
+
+def test_memory_replay_frames_match_fold():
+    events = memory_trace()
+    source = ReplaySource(events)
+    assert source.frame(source.last).state == fold_all(events) and source.final_step == 6
 
 
 # -- screenshots ------------------------------------------------------------------------
@@ -398,6 +486,19 @@ def test_snapshot_wide(snap_compare):
 
 def test_snapshot_narrow(snap_compare):
     assert snap_compare(replay_app(), terminal_size=NARROW, run_before=_at_preemption)
+
+
+async def _at_memory_step(pilot) -> None:
+    pilot.app.source.goto(5)          # a split, a hit, an eviction, a pruned beam, a swap-in
+    await pilot.pause()
+
+
+def test_snapshot_memory_wide(snap_compare):
+    assert snap_compare(memory_app(), terminal_size=WIDE, run_before=_at_memory_step)
+
+
+def test_snapshot_memory_narrow(snap_compare):
+    assert snap_compare(memory_app(), terminal_size=NARROW, run_before=_at_memory_step)
 
 
 # -- bad input ---------------------------------------------------------------------------

@@ -135,6 +135,8 @@ class NanoserveApp(App[None]):
         self.query_one(BlockTables).state = state
         self.query_one(FreeQueue).state = state
         self.query_one(RequestList).state = state
+        self.query_one(RadixTree).state = state
+        self.query_one("#body").set_class(state.prefix_caching, "-radix")   # the tree panel gets room
         self.query_one(EventLog).show_events(frame.events)
         self.query_one(Metrics).frame = frame
         if frame.at_end and self.playing and self.source.mode == "replay":
@@ -223,10 +225,12 @@ class NanoserveApp(App[None]):
             self.notify(f"aborting {rid}")
 
     def action_fork(self) -> None:
+        if self.source.mode != "live":
+            self._try(self.source.fork, "")               # says why it does not apply
+            return
         rid = self._selected_request()
-        if rid is not None:
-            self.notify(f"fork {rid}: fork arrives with copy-on-write (not in this engine yet)",
-                        title="fork", severity="information")
+        if rid is not None and self._try(self.source.fork, rid):
+            self.notify(f"forking {rid} …")              # the engine's answer follows as its own notice
 
     def action_add(self) -> None:
         if self.source.mode != "live":

@@ -105,7 +105,7 @@ KEYS = [
     ("b / ←", "one step back (replay only; ← moves the block cursor while the pool grid has focus)"),
     ("a", "add a request: prompt, max_tokens, temperature (live only)"),
     ("x", "abort the selected request (live only)"),
-    ("f", "fork the selected request (arrives with copy-on-write)"),
+    ("f", "fork the selected running request (live only): the copy shares every block, copy-on-write"),
     ("p", "scenario presets (live: restart the engine with one; replay: start a live run of one)"),
     ("tab", "focus the next panel: in the pool grid arrows select a block, in the request list ↑/↓ "
             "select a request, elsewhere arrows scroll"),
@@ -114,18 +114,25 @@ KEYS = [
 ]
 PANELS = [
     ("KV block pool", "one cell per physical block: grey when free, a request's colour when it holds the "
-                      "block, white when shared (ref count > 1); underlined = allocated or freed this step. "
-                      "Select a block (click, or arrows) to see its ref count, owners and the token "
-                      "positions it holds for each."),
+                      "block, white when several requests' tables share it, slate when only the prefix cache "
+                      "holds it (cached: a hit can reuse it, eviction can free it); underlined = allocated, "
+                      "freed, copied or shared this step. With swapping on, a strip shows the CPU swap pool. "
+                      "Select a block (click, or arrows) to see its ref count, owners, cache node and the "
+                      "token positions it holds for each."),
     ("block tables", "per request, logical block → physical block; (3/4) marks a partly filled last block, "
-                     "where the next tokens' K/V go."),
-    ("free queue", "free blocks, head (handed out next) first; freed blocks join the tail."),
-    ("radix tree", "the prefix cache's tree (not in this engine yet; hidden under 130 columns)."),
-    ("requests", "running, waiting and finished: tokens generated of max_tokens, prompt tokens, tokens "
-                 "with K/V in the cache, and the newest text."),
+                     "where the next tokens' K/V go; * a block shared with another request; swapped-out "
+                     "requests list their CPU blocks."),
+    ("free queue", "free blocks, head (handed out next) first; freed and evicted blocks join the tail."),
+    ("radix tree", "the prefix cache: each node a span of whole blocks, a path from the root a cached prefix. "
+                   "\"lock N\": N live requests use it (it cannot be evicted), \"free\": evictable; [blocks]; "
+                   "@step of its last use. Yellow = hit this step, green = new, struck through = evicted. "
+                   "Hidden under 130 columns when the engine has no prefix cache."),
+    ("requests", "running, waiting, swapped out (KV in the CPU pool) and finished: tokens generated of "
+                 "max_tokens, prompt tokens, tokens with K/V in the cache, and the newest text."),
     ("events", "everything the engine decided this step, in order."),
     ("metrics", "tokens computed per step (the title: tokens per second of the latest step), KV pool "
-                "usage, and \"accepted\": the share of drafted tokens the target accepted (speculative decoding)."),
+                "usage, \"accepted\": the share of drafted tokens the target accepted (speculative decoding), "
+                "and \"cache hit\": prompt tokens served from the prefix cache / tokens looked up."),
 ]
 
 

@@ -7,7 +7,7 @@ replayed trace looks exactly like the live run that recorded it.
 
 * `LiveSource` runs an `LLMEngine` (inside a `ScenarioRunner`) on a Textual
   worker thread. The UI never touches the engine: it puts commands (step,
-  add, abort, restart) on a queue, the worker executes them one at a time and
+  add, abort, fork, restart) on a queue, the worker executes them one at a time and
   sends each command's events back with `call_from_thread`, where they are
   folded on the UI thread.
 * `ReplaySource` reads a JSONL trace, splits it into steps, and folds up to
@@ -131,6 +131,9 @@ class Source:
     def abort(self, request_id: str) -> None:
         raise Unsupported("abort needs a live engine; this is a replay of a recorded trace")
 
+    def fork(self, request_id: str) -> None:
+        raise Unsupported("fork needs a live engine; this is a replay of a recorded trace")
+
     def close(self) -> None:
         """Stop whatever the source runs (the live worker)."""
 
@@ -239,6 +242,10 @@ class LiveSource(Source):
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", (request_id,)))
 
+    def fork(self, request_id: str) -> None:
+        """Fork a running request (`engine.fork`): the child shares its blocks; the app hears how it went."""
+        self._commands.put(("fork", (request_id,)))
+
     def restart(self, scenario: str) -> None:
         """Start over on a fresh engine running `scenario` (the model stays loaded)."""
         self.scenario = get_scenario(scenario)
@@ -312,6 +319,10 @@ class LiveSource(Source):
             runner.engine.add_request(request_id, prompt, SamplingParams(**params))
         elif command == "abort":
             runner.engine.abort_request(*args)
+        elif command == "fork":
+            child = runner.engine.fork(*args)      # KeyError / ValueError for an unknown or finished request
+            self._to_ui(self._app.notify, f"{args[0]} forked: {child} shares its blocks until one of them "
+                                          f"writes into a shared block (copy-on-write)", title="fork")
         elif command == "restart":                          # a fresh engine; the loaded model stays
             for unsubscribe in self._unsubscribe:
                 unsubscribe()

@@ -22,6 +22,9 @@ COLOURS = {
     "BlocksAllocated": "#98c379", "BlocksFreed": "#d19a66", "Preempted": "bold #e06c75",
     "TokenSampled": "#9a9a9a", "RequestFinished": "#c678dd", "RequestAborted": "bold #e06c75",
     "DraftProposed": "#7fdbca", "DraftVerified": "#56b6c2", "KVTrimmed": "#d19a66",
+    "PrefixMatched": "bold #e5c07b", "RadixInserted": "#98c379", "RadixSplit": "#82aaff", "RadixLocked": "#9a9a9a",
+    "RadixEvicted": "#e06c75", "BlockDeduplicated": "#7fdbca", "Forked": "bold #c678dd", "CowCopied": "#c678dd",
+    "BeamPruned": "#d19a66", "SwappedOut": "bold #e06c75", "SwappedIn": "bold #98c379",
 }
 STYLES = {name: Style.parse(colour) for name, colour in COLOURS.items()}
 NAME_WIDTH = 16
@@ -52,6 +55,8 @@ def describe(e: ev.Event) -> str:
         case ev.BlocksFreed():
             return f"{e.request_id} -{_ids(e.block_ids)}, to the free queue {_ids(e.released)}"
         case ev.Preempted():
+            if e.mode == "swap":
+                return f"{e.request_id} (swap): its KV moves to the CPU pool"
             return f"{e.request_id} ({e.mode}): {e.num_tokens_lost} tokens of KV to compute again"
         case ev.TokenSampled():
             return f"{e.request_id} token {e.token_id} {printable(e.text)!r} logprob {e.logprob:.2f}"
@@ -66,6 +71,35 @@ def describe(e: ev.Event) -> str:
         case ev.KVTrimmed():
             return (f"{e.request_id} dropped KV of {e.num_tokens_dropped} rejected tokens, keeps "
                     f"{e.num_computed_tokens}, gives back {_ids(e.block_ids)}")
+        case ev.PrefixMatched():
+            if not e.num_hit_tokens:
+                return f"{e.request_id} miss: none of its {e.num_tokens} tokens cached"
+            return (f"{e.request_id} hit {e.num_hit_tokens}/{e.num_tokens} tokens, reuses {_ids(e.block_ids)}: "
+                    f"their prefill is skipped")
+        case ev.RadixInserted():
+            return (f"node {e.node_id} under {e.parent_id}: {printable(e.text)[:30]!r} {_ids(e.block_ids)} "
+                    f"from {e.request_id}")
+        case ev.RadixSplit():
+            return (f"node {e.node_id} cut after {e.num_blocks} blocks: head {e.new_node_id} "
+                    f"{printable(e.head_text)[:20]!r}, tail {printable(e.tail_text)[:20]!r}")
+        case ev.RadixLocked():
+            return f"{e.request_id} holds node {e.node_id}" if e.node_id else f"{e.request_id} holds no node"
+        case ev.RadixEvicted():
+            return f"node {e.node_id} (last used step {e.last_access}) -> free queue {_ids(e.block_ids)}"
+        case ev.BlockDeduplicated():
+            return (f"{e.request_id} logical {e.index}: block {e.dropped} equals cached {e.kept}, uses it"
+                    + (f"; {e.dropped} freed" if e.released else ""))
+        case ev.Forked():
+            return f"{e.parent_id} -> {e.request_id}, sharing {_ids(e.block_ids)}"
+        case ev.CowCopied():
+            return f"{e.request_id} logical {e.index}: shared block {e.src} copied to {e.dst} before writing"
+        case ev.BeamPruned():
+            return f"{e.request_id} dropped: no best candidate continues it"
+        case ev.SwappedOut():
+            return (f"{e.request_id} {_ids(e.block_ids)} -> CPU {_ids(e.cpu_block_ids)}, "
+                    f"to the free queue {_ids(e.released)}")
+        case ev.SwappedIn():
+            return f"{e.request_id} CPU {_ids(e.cpu_block_ids)} -> {_ids(e.block_ids)}"
     fields = [f for f in dataclasses.fields(e) if f.name not in ("step", "duration_s")]
     return " ".join(str(getattr(e, f.name)) for f in fields)
 

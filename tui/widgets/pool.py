@@ -1,12 +1,18 @@
 """The KV block pool panel: one cell per physical block, coloured by who holds it.
 
-A cell is free (grey), held by one request (that request's colour) or shared
-by several (white, ref count > 1). Blocks allocated or freed this step are
-underlined. Click a cell, or focus the grid and use the arrow keys, to see
-the block's ref count, its owners and which token positions it holds for each.
+A cell is free (grey), held by one request (that request's colour), shared
+by several requests (white; their block tables all point at it), or cached
+(slate): only the radix prefix cache holds it, so a prefix hit can reuse it
+or eviction can free it. Blocks allocated, freed, copied or shared this step
+are underlined. When swapping is on, a strip under the grid shows the CPU
+swap pool, each block in the colour of the swapped-out request it holds.
+Click a cell, or focus the grid and use the arrow keys, to see the block's
+ref count, its owners, the cache node holding it and which token positions
+it holds for each request.
 
-Everything is drawn from a `ViewState`; `grid_layout`, `grid_line` and `describe_block` are
-plain functions so tests and benchmarks can call them without an app.
+Everything is drawn from a `ViewState`; `grid_layout` and `grid_line` (and, in
+`block_info.py`, `describe_block`) are plain functions so tests and benchmarks
+can call them without an app.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from textual.strip import Strip
 from textual.widgets import Static
 
 from nanoserve.trace import ViewState
-from nanoserve_tui.palette import CURSOR, FREE, SHARED, TOUCHED, request_colours
+from nanoserve_tui.palette import CACHED, CURSOR, FREE, HELD, SHARED, TOUCHED, request_colours
+from nanoserve_tui.widgets.block_info import cpu_strip, describe_block, legend
 
 NUMBERED_MAX = 1000   # up to this many blocks a cell shows its id; above, one character per block
 
@@ -94,7 +101,7 @@ def grid_layout(num_blocks: int, block_size: int, width: int, height: int) -> Gr
 @lru_cache(maxsize=256)
 def _style(background: str, touched: bool, selected: bool) -> Style:
     """Cell styles are few; parse each once (a 4096-block grid asks 4096 times per frame)."""
-    fg = "#b0b0b0" if background == FREE else "#000000"
+    fg = "#b0b0b0" if background == FREE else "#ffffff" if background == CACHED else "#000000"
     style = Style.parse(f"{fg} on {background}")
     if touched:
         style += Style.parse(TOUCHED)
@@ -103,24 +110,24 @@ def _style(background: str, touched: bool, selected: bool) -> Style:
     return style
 
 
-def block_colour(state: ViewState, block_id: int, owners: dict[int, list[str]], colours: dict[str, str]) -> str:
-    ref = state.ref_counts[block_id]
-    if ref == 0:
-        return FREE
-    if ref > 1:
-        return SHARED
-    holder = owners.get(block_id)
-    return colours[holder[0]] if holder else "#888888"   # held, but not by a request we know
+KIND_COLOUR = {"free": FREE, "shared": SHARED, "cached": CACHED, "held": HELD}
 
 
-def _cell_lines(state: ViewState, b: int, owners: dict[int, list[str]], lines: int) -> list[str]:
+def block_colour(kind: str, holders: list[str] | None, colours: dict[str, str]) -> str:
+    """A cell's colour from its kind (`ViewState.block_kinds`): a request's own, or one of the special ones."""
+    return colours[holders[0]] if kind == "owned" else KIND_COLOUR[kind]
+
+
+def _cell_lines(state: ViewState, b: int, owners: dict[int, list[str]], kind: str, lines: int) -> list[str]:
     """The text lines of one cell: id, then (3 lines) the owner, then how full it is."""
     ref, bs = state.ref_counts[b], state.block_size
     holders = owners.get(b, [])
-    if ref == 0:
+    if kind == "free":
         owner, fill = "", ""
-    elif ref > 1:
+    elif kind == "shared":
         owner, fill = f"x{ref}", ""
+    elif kind == "cached":
+        owner, fill = "cache", ""
     elif holders:
         req = state.requests[holders[0]]
         i = req.block_table.index(b)
@@ -135,8 +142,10 @@ _GAP = Segment(" ")
 
 
 def grid_line(state: ViewState, layout: GridLayout, y: int, owners: dict[int, list[str]],
-              colours: dict[str, str], selected: int | None = None) -> Strip:
-    """Text line `y` of the grid (a grid row is `layout.row_height` lines)."""
+              colours: dict[str, str], selected: int | None = None, kinds: list[str] | None = None) -> Strip:
+    """Text line `y` of the grid (a grid row is `layout.row_height` lines); `kinds`: `state.block_kinds()`,
+    computed once per frame by the caller (or here when not given)."""
+    kinds = state.block_kinds(owners) if kinds is None else kinds
     row, line = divmod(y, layout.row_height)
     start = row * layout.cols
     blocks = range(start, min(state.num_blocks, start + layout.cols))
@@ -145,44 +154,16 @@ def grid_line(state: ViewState, layout: GridLayout, y: int, owners: dict[int, li
     segments = []
     inner, touched = layout.inner, state.touched_blocks
     for b in blocks:
-        style = _style(block_colour(state, b, owners, colours), b in touched, b == selected)
+        style = _style(block_colour(kinds[b], owners.get(b), colours), b in touched, b == selected)
         if layout.lines == 0:
             segments.append(Segment("•" if b in touched else " ", style))
         elif layout.lines == 1 and not layout.pad:
             segments.append(Segment(f"{b:>{inner + 1}}", style))
         else:
-            label = str(b) if line == 0 else _cell_lines(state, b, owners, layout.lines)[line][:inner]
+            label = str(b) if line == 0 else _cell_lines(state, b, owners, kinds[b], layout.lines)[line][:inner]
             segments.append(Segment(f" {label:^{inner}} ", style if line == 0 else style + _PLAIN))
             segments.append(_GAP)
     return Strip(segments)
-
-
-def token_span(state: ViewState, request_id: str, block_id: int) -> str:
-    """Which token positions `block_id` holds for one request, e.g. "logical 2, tokens 8-10 (3/4)"."""
-    req, bs = state.requests[request_id], state.block_size
-    i = req.block_table.index(block_id)
-    filled = max(0, min(bs, req.num_computed_tokens - i * bs))
-    if filled == 0:
-        return f"logical {i}, reserved (no KV yet, 0/{bs})"
-    return f"logical {i}, tokens {i * bs}-{i * bs + filled - 1} ({filled}/{bs})"
-
-
-def describe_block(state: ViewState, block_id: int) -> Text:
-    """A few lines about one block: ref count, owners, token positions."""
-    ref = state.ref_counts[block_id]
-    text = Text()
-    text.append(f"block {block_id}", "bold")
-    if ref == 0:
-        pos = state.free_queue.index(block_id) if block_id in state.free_queue else -1
-        text.append(f" · free · position {pos} in the free queue (0 = next allocated)")
-        return text
-    text.append(f" · ref count {ref}" + (" · shared" if ref > 1 else ""))
-    colours = request_colours(state)
-    for rid in state.block_owners().get(block_id, []):
-        text.append("\n  ")
-        text.append(f" {rid} ", Style.parse(f"#000000 on {colours[rid]}"))
-        text.append(" " + token_span(state, rid, block_id))
-    return text
 
 
 class PoolGrid(ScrollView, can_focus=True):
@@ -213,10 +194,12 @@ class PoolGrid(ScrollView, can_focus=True):
         self.layout_: GridLayout | None = None
         self._owners: dict[int, list[str]] = {}
         self._colours: dict[str, str] = {}
+        self._kinds: list[str] = []
 
     def watch_state(self, state: ViewState | None) -> None:
         if state is not None:   # once per step, not once per drawn row
             self._owners, self._colours = state.block_owners(), request_colours(state)
+            self._kinds = state.block_kinds(self._owners)
         self._relayout()
 
     def watch_selected(self, block_id: int | None) -> None:
@@ -246,7 +229,7 @@ class PoolGrid(ScrollView, can_focus=True):
         index = y + self.scroll_offset.y
         if index >= self.layout_.height:
             return Strip.blank(self.size.width, style)
-        strip = grid_line(self.state, self.layout_, index, self._owners, self._colours, self.selected)
+        strip = grid_line(self.state, self.layout_, index, self._owners, self._colours, self.selected, self._kinds)
         return strip.crop_extend(0, self.size.width, style).apply_style(style)
 
     @property
@@ -254,8 +237,8 @@ class PoolGrid(ScrollView, can_focus=True):
         """The whole grid as plain text (what tests compare)."""
         if self.state is None or self.layout_ is None:
             return ""
-        return "\n".join(grid_line(self.state, self.layout_, y, self._owners, self._colours).text.rstrip()
-                         for y in range(self.layout_.height))
+        return "\n".join(grid_line(self.state, self.layout_, y, self._owners, self._colours,
+                                   kinds=self._kinds).text.rstrip() for y in range(self.layout_.height))
 
     def on_click(self, event: events.Click) -> None:
         offset = event.get_content_offset(self)
@@ -276,14 +259,6 @@ class PoolGrid(ScrollView, can_focus=True):
             self.action_move(delta * self.layout_.cols)
 
 
-LEGEND = Text.assemble(
-    ("   ", Style.parse(f"on {FREE}")), " free  ",
-    ("   ", Style.parse(f"on {SHARED}")), " shared  ",
-    ("   ", Style.parse("on #61afef")), ("   ", Style.parse("on #98c379")), " one colour per request  ",
-    ("12", Style.parse("bold underline")), " touched this step",
-)
-
-
 class PoolPanel(Vertical):
     """Grid + legend + details of the selected block."""
 
@@ -291,13 +266,20 @@ class PoolPanel(Vertical):
 
     def compose(self) -> ComposeResult:
         yield PoolGrid(id="pool-grid")
-        yield Static(LEGEND, id="pool-legend")
+        yield Static(id="cpu-pool")
+        yield Static(legend(None), id="pool-legend")
         yield Static(Text("click a block, or tab + arrows, for details", style="dim"),
                      id="block-info")
 
     def watch_state(self, state: ViewState | None) -> None:
         grid = self.query_one(PoolGrid)
         grid.state = state
+        if state is not None:
+            self.query_one("#pool-legend", Static).update(legend(state), layout=False)   # fixed height: repaint only
+            cpu = self.query_one("#cpu-pool", Static)
+            cpu.display = state.num_cpu_blocks > 0
+            if cpu.display:
+                cpu.update(cpu_strip(state, request_colours(state), max(20, cpu.size.width or self.size.width)))
         self._show_block(grid.selected)
 
     @on(PoolGrid.BlockSelected)

@@ -1,20 +1,118 @@
 """The radix tree of the prefix cache, as a Textual `Tree`.
 
-The engine has no prefix cache yet, so the tree is only its root and a note.
-The widget stays so the tree fills in when `radix_cache.py` lands and its
-events reach `fold()`.
+One tree node per cache node: its text span (a path from the root spells a
+cached prefix), its lock count (live requests holding it or a node below it:
+it cannot be evicted while locked), its physical blocks and the step it was
+last used. Unlocked nodes are drawn in the "cached" colour of the pool grid:
+their blocks are the evictable ones. This step's hits and new nodes are
+highlighted; nodes evicted this step stay for one frame, struck through,
+under their former parent.
+
+Drawn from a `ViewState` only; `node_label` and `root_label` are plain
+functions so tests can call them without an app.
 """
 
 from __future__ import annotations
 
+from rich.style import Style
+from rich.text import Text
+from textual.reactive import reactive
 from textual.widgets import Tree
 
-NOT_YET = "prefix caching: not in this engine yet"
+from nanoserve.trace import ROOT, RadixNodeView, ViewState
+from nanoserve_tui.palette import EVICTED, HIT, NEW, printable
+
+SPAN = 22          # characters of a node's text shown
+MAX_NODES = 400    # a big run's tree is cut here ("… N more")
+OFF = "prefix caching is off"
+DIM, LOCKED = Style(dim=True), Style.parse("bold")
+UNLOCKED = Style.parse("#8787d7")   # the pool's "cached" hue, lighter to read as text: evictable
 
 
-class RadixTree(Tree[None]):
+def span(text: str) -> str:
+    """A node's text, quoted, one cell per character, cut to SPAN characters."""
+    shown = printable(text.replace("\n", "⏎"))
+    return "“" + (shown if len(shown) <= SPAN else shown[:SPAN - 1] + "…") + "”"
+
+
+def node_label(state: ViewState, node: RadixNodeView, lock: int) -> Text:
+    """`“You are a helpful”  lock 2  [0 1]  @5`, styled by lock and this step's marks."""
+    mark = HIT if node.node_id in state.hit_nodes else NEW if node.node_id in state.inserted_nodes else None
+    text = Text(span(node.text), Style.parse(mark) if mark else LOCKED if lock else UNLOCKED)
+    text.append(f" lock {lock}" if lock else " free", Style.parse("#56b6c2") if lock else DIM)
+    text.append(f" [{' '.join(map(str, node.block_ids))}] @{node.last_access}", DIM)
+    return text
+
+
+def evicted_label(node: RadixNodeView) -> Text:
+    return Text.assemble((span(node.text), Style.parse(EVICTED)),
+                         (f" evicted [{' '.join(map(str, node.block_ids))}]", Style.parse("#e06c75")))
+
+
+def root_label(state: ViewState) -> Text:
+    if not state.prefix_caching:
+        return Text("root", DIM)
+    nodes = state.radix_nodes()
+    rate = state.cache_hit_rate()
+    hit = "–" if rate is None else f"{rate:.0%}"
+    return Text.assemble(("root", "bold"), (f" {len(nodes)} nodes, {sum(len(n.block_ids) for n in nodes)} "
+                                            f"blocks · hit {hit}", DIM))
+
+
+def signature(state: ViewState, locks: dict[int, int]) -> tuple:
+    """Everything the tree shows; the tree is rebuilt only when this changes."""
+    return (state.prefix_caching, state.cache_hit_tokens, state.cache_lookup_tokens,
+            tuple((n.node_id, n.parent_id, n.text, tuple(n.block_ids), n.last_access, locks[n.node_id])
+                  for n in state.radix_nodes()),
+            frozenset(state.hit_nodes), frozenset(state.inserted_nodes), tuple(state.evicted_nodes))
+
+
+class RadixTree(Tree[int]):
+    """The cache's tree; node data is the cache node id."""
+
+    state: reactive[ViewState | None] = reactive(None, always_update=True)
+
     def __init__(self, **kwargs) -> None:
         super().__init__("root", **kwargs)
         self.show_root = True
+        self.guide_depth = 2
+        self._shown: tuple | None = None
         self.root.expand()
-        self.root.add_leaf(NOT_YET)
+
+    def watch_state(self, state: ViewState | None) -> None:
+        if state is None:
+            return
+        locks = state.lock_counts()
+        key = signature(state, locks)
+        if key == self._shown:
+            return
+        self._shown = key
+        self.clear()
+        self.root.set_label(root_label(state))
+        if not state.prefix_caching:
+            self.root.add_leaf(Text(OFF, DIM))
+            return
+        branch = {ROOT: self.root}
+        nodes = state.radix_nodes()
+        for node in nodes[:MAX_NODES]:
+            parent = branch.get(node.parent_id, self.root)
+            label = node_label(state, node, locks[node.node_id])
+            branch[node.node_id] = parent.add(label, data=node.node_id, expand=True, allow_expand=bool(node.children))
+        for node in state.evicted_nodes.values():
+            branch.get(node.parent_id, self.root).add_leaf(evicted_label(node), data=node.node_id)
+        if len(nodes) > MAX_NODES:
+            self.root.add_leaf(Text(f"… {len(nodes) - MAX_NODES} more nodes", DIM))
+        if not nodes and not state.evicted_nodes:
+            self.root.add_leaf(Text("empty: nothing cached yet", DIM))
+
+    @property
+    def text(self) -> str:
+        """Every node's label as plain text, indented by depth (what tests compare)."""
+        lines = []
+
+        def walk(node, depth):
+            lines.append("  " * depth + str(node.label))
+            for child in node.children:
+                walk(child, depth + 1)
+        walk(self.root, 0)
+        return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Request queues: running, waiting and finished, with progress and streaming text.
+"""Request queues: running, waiting, swapped out and finished, with progress and streaming text.
 
 Each request takes two lines: its colour and id, status, a bar of
 `num_output_tokens/max_tokens`, its prompt tokens and its tokens with K/V in
@@ -41,7 +41,8 @@ def request_lines(state: ViewState, rid: str, colour: str, width: int) -> tuple[
         Segment(f"{req.status.removeprefix('finished_'):<8} ", Style.parse(STATUS_STYLE.get(req.status, "none"))),
         Segment("━" * filled, Style.parse(colour)), Segment("━" * (bar - filled), EMPTY_BAR),
         Segment(f" {req.num_output_tokens}/{total}"),
-        Segment(f" · prompt {req.num_prompt_tokens} · KV {req.num_computed_tokens}", DIM),
+        Segment(f" · prompt {req.num_prompt_tokens} · KV {req.num_computed_tokens}"
+                + (" on CPU" if req.cpu_block_table else ""), DIM),
     ]).crop(0, width)
     room = max(8, width - 3)
     out = printable(req.output_text)
@@ -58,7 +59,10 @@ class QueueLayout:
         self.colours = request_colours(state)
         self.owners: list[str | None] = []          # per line: request id, or None for a header
         self.headers: dict[int, Strip] = {}
-        for name, ids in (("running", state.running), ("waiting", state.waiting), ("finished", state.finished)):
+        queues = [("running", state.running), ("waiting", state.waiting)]
+        if state.num_cpu_blocks or state.swapped:           # only engines that swap have this queue
+            queues.append(("swapped", state.swapped))
+        for name, ids in queues + [("finished", state.finished)]:
             self.headers[len(self.owners)] = Strip([Segment(f"{name.upper()} ({len(ids)})", BOLD)])
             self.owners.append(None)
             for rid in ids:
@@ -76,7 +80,7 @@ class QueueLayout:
 
 
 class RequestList(LinesView, can_focus=True):
-    """The three queues in one list; `selected` is the request abort and fork act on."""
+    """The queues in one list; `selected` is the request abort and fork act on."""
 
     BINDINGS = [
         Binding("up", "move(-1)", "previous request", show=False),

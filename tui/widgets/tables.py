@@ -3,7 +3,9 @@
 `r1  0→3  1→7  2→9(2/4)` (physical ids on the request's colour) says r1's
 tokens 0-3 live in block 3, tokens 4-7 in block 7, and block 9 holds 2 of its
 4 slots so far: the partly filled last block, where the next tokens go.
-Running requests come first, then waiting ones (which hold no blocks).
+Running requests come first, then waiting ones (which hold no blocks), then
+swapped-out ones (their KV sits in CPU blocks: `r2  on CPU c0 c1 c2`).
+Blocks that more than one request's table holds are marked `*` (shared).
 Drawn from a `ViewState` only.
 """
 
@@ -30,16 +32,18 @@ class TablesLayout:
 
     def __init__(self, state: ViewState, width: int) -> None:
         self.state, self.colours = state, request_colours(state)
-        live = state.running + state.waiting
+        live = state.running + state.waiting + state.swapped
+        owners = state.block_owners()
+        self.shared = {b for b, holders in owners.items() if len(holders) > 1}
         self.name_width = max((len(rid) for rid in live), default=0) + 2
         self.rows: list[tuple[str, int, int]] = []     # (request id, first entry, end entry) per line
         bs = state.block_size
         for rid in live:
             req = state.requests[rid]
             table, computed = req.block_table, req.num_computed_tokens
-            sizes = [3 + len(str(i)) + len(str(b)) + (0 if computed - i * bs >= bs else
-                                                      len(f"({max(0, computed - i * bs)}/{bs})"))
-                     for i, b in enumerate(table)]
+            sizes = [3 + len(str(i)) + len(str(b)) + (b in self.shared) + (
+                0 if computed - i * bs >= bs else len(f"({max(0, computed - i * bs)}/{bs})"))
+                for i, b in enumerate(table)]
             starts = breaks(sizes, width, self.name_width, self.name_width)
             ends = starts[1:] + [len(table)]
             self.rows.extend((rid, a, b) for a, b in zip(starts, ends))
@@ -55,12 +59,17 @@ class TablesLayout:
             segments = [Segment(f" {rid} ".ljust(self.name_width), chip)]
         else:
             segments = [Segment(" " * self.name_width)]
-        if not req.block_table:
+        if req.cpu_block_table:
+            segments.append(Segment("  on CPU " + " ".join(f"c{b}" for b in req.cpu_block_table), DIM))
+        elif not req.block_table:
             why = "preempted, waiting" if req.num_output_tokens else "waiting"
             segments.append(Segment(f"  no blocks ({why})", DIM))
         for i in range(start, end):
             filled = max(0, min(bs, req.num_computed_tokens - i * bs))
-            segments += [Segment(f"  {i}→", DIM), Segment(str(req.block_table[i]), chip)]
+            block = req.block_table[i]
+            segments += [Segment(f"  {i}→", DIM), Segment(str(block), chip)]
+            if block in self.shared:
+                segments.append(Segment("*", BOLD))
             if filled < bs:
                 segments.append(Segment(f"({filled}/{bs})", BOLD))
         return Strip(segments)

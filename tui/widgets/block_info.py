@@ -1,0 +1,72 @@
+"""The pool panel's words: one block's details, the colour key, the CPU swap strip.
+
+`describe_block` answers "what is in block 7?" (ref count, the requests whose
+tables hold it and which token positions, the radix node holding it);
+`legend` is the colour key under the grid; `cpu_strip` draws the CPU swap
+pool in one line. Plain functions of a `ViewState`, used by `pool.py`.
+"""
+
+from __future__ import annotations
+
+from rich.style import Style
+from rich.text import Text
+
+from nanoserve.trace import ViewState
+from nanoserve_tui.palette import CACHED, CPU, FREE, SHARED, request_colours
+
+
+def token_span(state: ViewState, request_id: str, block_id: int) -> str:
+    """Which token positions `block_id` holds for one request, e.g. "logical 2, tokens 8-10 (3/4)"."""
+    req, bs = state.requests[request_id], state.block_size
+    i = req.block_table.index(block_id)
+    filled = max(0, min(bs, req.num_computed_tokens - i * bs))
+    if filled == 0:
+        return f"logical {i}, reserved (no KV yet, 0/{bs})"
+    return f"logical {i}, tokens {i * bs}-{i * bs + filled - 1} ({filled}/{bs})"
+
+
+def describe_block(state: ViewState, block_id: int) -> Text:
+    """A few lines about one block: ref count, owners, token positions."""
+    ref = state.ref_counts[block_id]
+    text = Text()
+    text.append(f"block {block_id}", "bold")
+    if ref == 0:
+        pos = state.free_queue.index(block_id) if block_id in state.free_queue else -1
+        text.append(f" · free · position {pos} in the free queue (0 = next allocated)")
+        return text
+    owners = state.block_owners().get(block_id, [])
+    node = state.cached_blocks().get(block_id)
+    text.append(f" · ref count {ref}" + (" · shared" if len(owners) > 1 else ""))
+    if node is not None:
+        lock = state.lock_counts()[node]
+        text.append(f" · in radix node {node} (one ref), " + (f"locked by {lock}" if lock else
+                                                               "unlocked: evictable" if not owners else "unlocked"))
+    colours = request_colours(state)
+    for rid in owners:
+        text.append("\n  ")
+        text.append(f" {rid} ", Style.parse(f"#000000 on {colours[rid]}"))
+        text.append(" " + token_span(state, rid, block_id))
+    return text
+
+
+def legend(state: ViewState | None) -> Text:
+    """The colour key; "cached" only when the engine has a prefix cache."""
+    parts = [("   ", Style.parse(f"on {FREE}")), " free  ", ("   ", Style.parse(f"on {SHARED}")), " shared  "]
+    if state is not None and state.prefix_caching:
+        parts += [("   ", Style.parse(f"on {CACHED}")), " cached  "]
+    parts += [("   ", Style.parse("on #61afef")), ("   ", Style.parse("on #98c379")), " per request  ",
+              ("12", Style.parse("bold underline")), " touched this step"]
+    return Text.assemble(*parts)
+
+
+def cpu_strip(state: ViewState, colours: dict[str, str], width: int) -> Text:
+    """The CPU swap pool in one line: a cell per CPU block, in the colour of the swapped request holding it."""
+    holder = {b: rid for rid in state.swapped for b in state.requests[rid].cpu_block_table}
+    text = Text.assemble(("CPU swap ", "bold"), (f"{len(holder)}/{state.num_cpu_blocks} ", "dim"))
+    cell = 2 if text.cell_len + 2 * state.num_cpu_blocks <= width else 1
+    shown = max(0, min(state.num_cpu_blocks, (width - text.cell_len) // cell))
+    for b in range(shown):
+        text.append(" " * cell, Style.parse(f"on {colours[holder[b]] if b in holder else CPU}"))
+    if shown < state.num_cpu_blocks:
+        text.append("…", "dim")
+    return text
