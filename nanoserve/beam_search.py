@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.sampler import SampledToken
 from nanoserve.sequence import Sequence
 
 
@@ -87,3 +88,52 @@ def is_done(finished: list[Sequence], live: list[Sequence], width: int, length_p
 def ranked(seqs: list[Sequence], length_penalty: float) -> list[Sequence]:
     """Best first."""
     return sorted(seqs, key=lambda s: score(s, length_penalty), reverse=True)
+
+
+def step(engine, group, outputs: dict) -> None:
+    """Every live beam of `group` has its next-token scores: keep the best continuations.
+
+    The engine does the forking, appending and pruning; `outputs` gets the request's output.
+    """
+    live = group.live
+    if not live or any(s.beam_logprobs is None for s in live):
+        return   # a beam was preempted before computing: wait for it
+    params = group.params
+    end_ids = set(params.stop_token_ids)
+    if engine.eos_token_id is not None and not params.ignore_eos:
+        end_ids.add(engine.eos_token_id)
+    keep, ended = select(live, params.beam_width, end_ids)
+    group.forked = True
+    for s in live:
+        s.seats = 1
+    # Forks first, while every parent still has the state the candidates extend.
+    moves, used = [], set()
+    for c in keep + ended:
+        if c in keep and c.beam.request_id not in used:   # the first continuation: the beam itself
+            used.add(c.beam.request_id)
+            moves.append((c.beam, c))
+        else:                                              # another one, or an ended hypothesis: a fork
+            moves.append((engine._fork_seq(c.beam, group.seed), c))
+    for s in live:
+        if s.request_id not in used:
+            outputs[group.request_id] = engine._prune(s)
+    tokens = [(seq, _token(seq, c)) for seq, c in moves]
+    for seq, _ in moves:
+        seq.beam_logprobs = None
+    for seq, token in tokens:
+        outputs[group.request_id] = engine._append_tokens(seq, [token])
+    live = group.live
+    if live and is_done([s for s in group.seqs if s.is_finished], live, params.beam_width, params.length_penalty):
+        for s in live:   # no live beam can beat the finished ones any more
+            outputs[group.request_id] = engine._prune(s)
+
+
+def _token(seq: Sequence, c: Candidate) -> SampledToken:
+    """The chosen token with its log-prob (and the top log-probs, if the request asked)."""
+    top = None
+    if seq.params.logprobs is not None:
+        n = seq.params.logprobs
+        vals, ids = c.beam.beam_logprobs.topk(n) if n else (torch.empty(0), torch.empty(0))
+        top = dict(zip(ids.tolist(), vals.tolist()))
+        top[c.token_id] = c.logprob
+    return SampledToken(c.token_id, c.logprob, top)

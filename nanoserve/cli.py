@@ -40,10 +40,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens, 0 = all (default: %(default)s)")
     gen.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("-n", type=int, default=None,
+                     help="completions per prompt, forked from one prefill (default: 1, or every beam)")
+    gen.add_argument("--beam-width", type=int, default=0,
+                     help="beam search with this many beams (needs --temperature 0; default: off)")
     gen.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     gen.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: fill 256 MB)")
     gen.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step (default: %(default)s)")
     gen.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    gen.add_argument("--no-prefix-caching", action="store_true", help="turn the radix prefix cache off")
+    gen.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute",
+                     help="what happens to a preempted request's KV (default: %(default)s)")
     gen.add_argument("--speculative", choices=["ngram", "draft"], default=None,
                      help="speculative decoding: n-gram prompt lookup, or a draft model (default: off)")
     gen.add_argument("--num-speculative-tokens", "-k", type=int, default=4,
@@ -124,9 +131,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = EngineConfig(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks,
                           max_num_batched_tokens=args.max_batched_tokens, device=args.device,
                           speculative_method=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                          draft_model=args.draft_model, draft_num_layers=args.draft_layers)
+                          draft_model=args.draft_model, draft_num_layers=args.draft_layers,
+                          enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=args.stop)
+                            top_k=args.top_k, seed=args.seed, stop=args.stop, beam_width=args.beam_width,
+                            n=args.n if args.n is not None else max(args.beam_width, 1))
     engine = LLMEngine(config)
     prompts = args.prompts
     if args.chat:
@@ -136,28 +145,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                                         add_generation_prompt=True) for p in prompts]
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
-    stream = len(prompts) == 1
+    stream = len(prompts) == 1 and params.n == 1 and not params.use_beam_search
     t0, steps, generated = time.perf_counter(), 0, 0
     while engine.has_unfinished_requests():
         result = engine.step()
         steps += 1
         for out in result.outputs:
-            completion = out.outputs[0]
             if stream:
-                print(completion.delta, end="", flush=True)
+                print(out.outputs[0].delta, end="", flush=True)
                 if out.finished:
                     print()
             elif out.finished:
-                print(f"--- [{out.request_id}] {args.prompts[int(out.request_id)]!r}")
-                print(completion.text)
+                for completion in out.outputs:
+                    label = f"{out.request_id}" + (f".{completion.index}" if len(out.outputs) > 1 else "")
+                    score = f" logprob {completion.cumulative_logprob:.2f}" if params.use_beam_search else ""
+                    print(f"--- [{label}]{score} {args.prompts[int(out.request_id)]!r}")
+                    print(completion.text)
             if out.finished:
-                generated += len(completion.token_ids)
-                if completion.error:
-                    print(f"nanoserve: request {out.request_id} failed: {completion.error}", file=sys.stderr)
+                for completion in out.outputs:
+                    generated += len(completion.token_ids)
+                    if completion.error:
+                        print(f"nanoserve: request {out.request_id} failed: {completion.error}", file=sys.stderr)
     if args.stats:
         elapsed = time.perf_counter() - t0
         print(f"nanoserve: {steps} steps, {generated} tokens in {elapsed:.2f} s "
               f"({generated / elapsed:.1f} tok/s)", file=sys.stderr)
+        cache = engine.prefix_cache_stats()
+        if cache["num_hit_tokens"]:
+            print(f"nanoserve: prefix cache reused {cache['num_hit_tokens']}/{cache['num_lookup_tokens']} prompt "
+                  f"tokens ({cache['hit_rate']:.0%})", file=sys.stderr)
         spec = engine.spec_stats()
         if spec["num_drafted"]:
             print(f"nanoserve: speculative decoding accepted {spec['num_accepted']}/{spec['num_drafted']} drafted "

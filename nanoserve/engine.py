@@ -29,7 +29,7 @@ import torch
 
 import copy
 
-from nanoserve import beam_search, events as ev
+from nanoserve import beam_search, engine_state, events as ev
 from nanoserve.block_pool import BlockPool
 from nanoserve.config import EngineConfig
 from nanoserve.detokenizer import IncrementalDetokenizer
@@ -314,7 +314,7 @@ class LLMEngine:
         for seq, r in beams:
             seq.beam_logprobs = beam_search.next_logprobs(logits[r], seq, self.eos_token_id)
         for group_id in dict.fromkeys(seq.group_id for seq, _ in beams):
-            self._beam_step(self.groups[group_id], outputs)
+            beam_search.step(self, self.groups[group_id], outputs)
         return drafted, accepted
 
     def _sample(self, plain: list[tuple[Sequence, int]], logits: torch.Tensor,
@@ -334,49 +334,6 @@ class LLMEngine:
         sampled = self.sampler(logits[[r for _, r in pairs]], rows)
         for (seq, _), token in zip(pairs, sampled):
             outputs[seq.group_id] = self._append_tokens(seq, [token])
-
-    def _beam_step(self, group: Request, outputs: dict[str, RequestOutput]) -> None:
-        """Every live beam has its next-token scores: keep the best continuations (beam_search.py)."""
-        live = group.live
-        if not live or any(s.beam_logprobs is None for s in live):
-            return   # a beam was preempted before computing: wait for it
-        params = group.params
-        end_ids = set(params.stop_token_ids)
-        if self.eos_token_id is not None and not params.ignore_eos:
-            end_ids.add(self.eos_token_id)
-        keep, ended = beam_search.select(live, params.beam_width, end_ids)
-        group.forked = True
-        for s in live:
-            s.seats = 1
-        # Forks first, while every parent still has the state the candidates extend.
-        moves, used = [], set()
-        for c in keep + ended:
-            continues_itself = c in keep and c.beam.request_id not in used
-            used.add(c.beam.request_id) if continues_itself else None
-            seq = c.beam if continues_itself else self._fork_seq(c.beam, group.seed)
-            moves.append((seq, c))
-        for s in live:
-            if s.request_id not in used:
-                outputs[group.request_id] = self._prune(s)
-        tokens = [(seq, self._beam_token(seq, c)) for seq, c in moves]
-        for seq, _ in moves:
-            seq.beam_logprobs = None
-        for seq, token in tokens:
-            outputs[group.request_id] = self._append_tokens(seq, [token])
-        live = group.live
-        if live and beam_search.is_done([s for s in group.seqs if s.is_finished], live, params.beam_width,
-                                        params.length_penalty):
-            for s in live:   # no live beam can beat the finished ones any more
-                outputs[group.request_id] = self._prune(s)
-
-    def _beam_token(self, seq: Sequence, c: beam_search.Candidate) -> SampledToken:
-        top = None
-        if seq.params.logprobs is not None:
-            n = seq.params.logprobs
-            vals, ids = c.beam.beam_logprobs.topk(n) if n else (torch.empty(0), torch.empty(0))
-            top = dict(zip(ids.tolist(), vals.tolist()))
-            top[c.token_id] = c.logprob
-        return SampledToken(c.token_id, c.logprob, top)
 
     def _prune(self, seq: Sequence) -> RequestOutput:
         """Drop a beam: free its blocks, forget it (it is no completion of the request)."""
@@ -503,42 +460,11 @@ class LLMEngine:
 
     def snapshot(self) -> dict:
         """The engine's state as plain data: pool, block tables, queues, radix tree, CPU pool."""
-        def view(seq: Sequence) -> dict:
-            return {
-                "request_id": seq.request_id, "status": seq.status.value, "prompt": seq.prompt or "",
-                "num_prompt_tokens": seq.num_prompt_tokens, "output_text": seq.output_text,
-                "num_output_tokens": seq.num_output_tokens, "num_computed_tokens": seq.num_computed_tokens,
-                "block_table": list(seq.block_table), "max_tokens": seq.params.max_tokens,
-                "cache_node": seq.cache_node.node_id if seq.cache_node is not None else 0,
-                "cpu_block_table": list(seq.cpu_block_table),
-            }
-        return {
-            "step": self.step_count,
-            "model": self.config.model,
-            "pool": self.pool.snapshot(),
-            "waiting": [s.request_id for s in self.scheduler.waiting],
-            "running": [s.request_id for s in self.scheduler.running],
-            "swapped": [s.request_id for s in self.scheduler.swapped],
-            "requests": [view(s) for s in self.requests.values()],
-            "radix": {"enabled": self.radix is not None, "nodes": self.radix.snapshot() if self.radix else []},
-            "cpu_pool": self.cpu_pool.snapshot() if self.cpu_pool else None,
-        }
+        return engine_state.snapshot(self)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any bookkeeping invariant is broken."""
-        self.scheduler.check_invariants()
-        if self.proposer:
-            self.proposer.check_invariants()
-        queues = self.scheduler.running + list(self.scheduler.waiting) + list(self.scheduler.swapped)
-        live = {s.request_id for s in queues}
-        assert live == set(self.requests), f"queues {sorted(live)} != sequences {sorted(self.requests)}"
-        groups = {s.group_id for s in self.requests.values()}
-        assert groups == set(self.groups), f"sequences' requests {sorted(groups)} != requests {sorted(self.groups)}"
-        if not self.requests:   # nothing runs: the only blocks in use are the prefix cache's
-            cached = self.radix.num_cached_blocks if self.radix else 0
-            assert self.pool.num_used_blocks == cached, \
-                f"{self.pool.num_used_blocks - cached} blocks leaked with no requests"
-            assert self.cpu_pool is None or self.cpu_pool.num_used_blocks == 0, "CPU blocks leaked"
+        engine_state.check_invariants(self)
 
     # -- prefix cache --------------------------------------------------------------------
 
@@ -547,6 +473,12 @@ class LLMEngine:
         if self.tokenizer is None:
             return " ".join(map(str, tokens))
         return self.tokenizer.decode(tokens)
+
+    def prefix_cache_stats(self) -> dict:
+        """Over the engine's life: tokens looked up at admission, tokens a hit skipped, and their ratio."""
+        looked, hit = self.kv.num_lookup_tokens, self.kv.num_hit_tokens
+        return {"num_lookup_tokens": looked, "num_hit_tokens": hit, "hit_rate": hit / looked if looked else None,
+                "num_cached_blocks": self.radix.num_cached_blocks if self.radix else 0}
 
     def clear_prefix_cache(self) -> int:
         """Evict every cached block nobody is using; returns how many went back to the free queue."""

@@ -39,6 +39,8 @@ class KVManager:
         self.cache = cache            # None: prefix caching is off
         self.cpu_pool = cpu_pool      # None: no swap space (preemption by recompute only)
         self.emit = emit
+        self.num_lookup_tokens = 0    # prefix cache: tokens looked up at admission ...
+        self.num_hit_tokens = 0       # ... and tokens whose prefill a hit skipped
         self.begin_step(0)
 
     # -- room ----------------------------------------------------------------------------
@@ -118,6 +120,8 @@ class KVManager:
         if self.cache is None:
             return
         assert not seq.block_table and seq.num_computed_tokens == 0
+        self.num_lookup_tokens += seq.num_tokens
+        self.num_hit_tokens += len(blocks) * self.pool.block_size
         self.emit(ev.PrefixMatched(self.step, seq.request_id, seq.num_tokens,
                                    len(blocks) * self.pool.block_size, tuple(blocks)))
         if not blocks:

@@ -70,10 +70,25 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     ),
     Scenario(
         "shared-system-prompt",
-        "Many requests share one system prompt (the workload a prefix cache exists for).",
+        "Requests share one system prompt: the radix tree keeps its blocks, later requests skip its prefill.",
         dict(block_size=8, num_blocks=96, max_num_batched_tokens=64, max_num_seqs=4),
         [Arrival(i, f"q{i}", SYSTEM + q, dict(max_tokens=8))
          for i, q in enumerate(["What is 2+2?", "Name a colour.", "Say hello.", "Count to 3.", "Pick a fruit."])],
+    ),
+    Scenario(
+        "parallel-sampling",
+        "n=3 and a beam search fork one prompt: shared blocks (ref > 1), copy-on-write, pruned beams.",
+        dict(block_size=4, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=8),
+        [Arrival(0, "sample", "Once upon a time", dict(n=3, max_tokens=10, temperature=1.0, seed=1)),
+         Arrival(1, "beam", "The best answer is", dict(beam_width=3, n=3, temperature=0, max_tokens=8,
+                                                       min_tokens=8))],
+    ),
+    Scenario(
+        "swap-preemption",
+        "A small pool with swap space: victims' KV moves to the CPU pool and back instead of being recomputed.",
+        dict(block_size=4, num_blocks=20, max_num_batched_tokens=32, max_num_seqs=6, preemption_mode="swap",
+             num_cpu_blocks=16, enable_prefix_caching=False),
+        [Arrival(0, f"r{i}", TEXT[: 10 + 4 * i], dict(max_tokens=16)) for i in range(5)],
     ),
     Scenario(
         "speculative-decoding",

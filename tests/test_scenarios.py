@@ -26,7 +26,12 @@ def shows_mechanism(name: str, events: list) -> bool:
         decode_steps = {e.step for e in events if isinstance(e, ev.ChunkScheduled) and not e.is_prefill}
         return len(steps) > 1 and bool(steps & decode_steps)
     if name == "shared-system-prompt":
-        return sum(isinstance(e, ev.RequestFinished) for e in events) == 5
+        hits = [e for e in events if isinstance(e, ev.PrefixMatched) and e.num_hit_tokens]
+        return sum(isinstance(e, ev.RequestFinished) for e in events) == 5 and len(hits) >= 3
+    if name == "parallel-sampling":
+        return all(k in kinds for k in ("Forked", "CowCopied", "BeamPruned"))
+    if name == "swap-preemption":
+        return "SwappedOut" in kinds and "SwappedIn" in kinds
     if name == "speculative-decoding":
         return any(isinstance(e, ev.DraftVerified) and e.num_accepted > 0 for e in events) and "KVTrimmed" in kinds
     raise AssertionError(f"no check for scenario {name}")

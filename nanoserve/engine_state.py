@@ -1,0 +1,51 @@
+"""What an engine looks like from outside, and the checks that its bookkeeping is right.
+
+`snapshot()` is the plain-data state every viewer can start from (the TUI's
+`EngineSynced` event is built from it); `check_invariants()` is what the tests
+call after every step. Both read the engine and change nothing.
+"""
+
+from __future__ import annotations
+
+from nanoserve.sequence import Sequence
+
+
+def snapshot(engine) -> dict:
+    """`engine.snapshot()`: pool, block tables, queues, radix tree and CPU pool as plain data."""
+    def view(seq: Sequence) -> dict:
+        return {
+            "request_id": seq.request_id, "status": seq.status.value, "prompt": seq.prompt or "",
+            "num_prompt_tokens": seq.num_prompt_tokens, "output_text": seq.output_text,
+            "num_output_tokens": seq.num_output_tokens, "num_computed_tokens": seq.num_computed_tokens,
+            "block_table": list(seq.block_table), "max_tokens": seq.params.max_tokens,
+            "cache_node": seq.cache_node.node_id if seq.cache_node is not None else 0,
+            "cpu_block_table": list(seq.cpu_block_table),
+        }
+    return {
+        "step": engine.step_count,
+        "model": engine.config.model,
+        "pool": engine.pool.snapshot(),
+        "waiting": [s.request_id for s in engine.scheduler.waiting],
+        "running": [s.request_id for s in engine.scheduler.running],
+        "swapped": [s.request_id for s in engine.scheduler.swapped],
+        "requests": [view(s) for s in engine.requests.values()],
+        "radix": {"enabled": engine.radix is not None, "nodes": engine.radix.snapshot() if engine.radix else []},
+        "cpu_pool": engine.cpu_pool.snapshot() if engine.cpu_pool else None,
+    }
+
+
+def check_invariants(engine) -> None:
+    """`engine.check_invariants()`: raise AssertionError if any bookkeeping invariant is broken."""
+    engine.scheduler.check_invariants()
+    if engine.proposer:
+        engine.proposer.check_invariants()
+    queues = engine.scheduler.running + list(engine.scheduler.waiting) + list(engine.scheduler.swapped)
+    live = {s.request_id for s in queues}
+    assert live == set(engine.requests), f"queues {sorted(live)} != sequences {sorted(engine.requests)}"
+    groups = {s.group_id for s in engine.requests.values()}
+    assert groups == set(engine.groups), f"sequences' requests {sorted(groups)} != requests {sorted(engine.groups)}"
+    if not engine.requests:   # nothing runs: the only blocks in use are the prefix cache's
+        cached = engine.radix.num_cached_blocks if engine.radix else 0
+        assert engine.pool.num_used_blocks == cached, \
+            f"{engine.pool.num_used_blocks - cached} blocks leaked with no requests"
+        assert engine.cpu_pool is None or engine.cpu_pool.num_used_blocks == 0, "CPU blocks leaked"
