@@ -466,6 +466,29 @@ async def test_swap_shows_in_queues_tables_and_cpu_strip():
         assert "in radix node 2" in info and "unlocked: evictable" in info
 
 
+@run_async
+async def test_radix_tree_is_cut_for_big_caches():
+    from textual.app import App
+
+    from nanoserve.trace import RadixNodeView, ViewState
+    from nanoserve_tui.widgets.radix import MAX_NODES
+
+    class One(App):
+        def compose(self):
+            yield RadixTree()
+
+    state = ViewState(1, "m", 8, 4, [0] * 8, list(range(8)), prefix_caching=True)
+    for i in range(1, MAX_NODES + 31):
+        state.radix[i] = RadixNodeView(i, 0, f"span {i}", 4, [], i)
+        state.radix[0].children.append(i)
+    app = One()
+    async with app.run_test(size=WIDE) as pilot:
+        app.query_one(RadixTree).state = state
+        await pilot.pause()
+        lines = app.query_one(RadixTree).text.splitlines()
+        assert len(lines) == 1 + MAX_NODES + 1 and lines[-1].strip() == "… 30 more nodes"
+
+
 def test_memory_replay_frames_match_fold():
     events = memory_trace()
     source = ReplaySource(events)

@@ -23,7 +23,7 @@ from nanoserve.trace import ROOT, RadixNodeView, ViewState
 from nanoserve_tui.palette import EVICTED, HIT, NEW, printable
 
 SPAN = 22          # characters of a node's text shown
-MAX_NODES = 400    # a big run's tree is cut here ("… N more")
+MAX_NODES = 200    # a big run's tree is cut here ("… N more"): rebuilding 200 nodes costs ~6 ms
 OFF = "prefix caching is off"
 DIM, LOCKED = Style(dim=True), Style.parse("bold")
 UNLOCKED = Style.parse("#8787d7")   # the pool's "cached" hue, lighter to read as text: evictable

@@ -11,6 +11,8 @@ Drawn from a `ViewState` only.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from rich.segment import Segment
 from rich.style import Style
 from textual.reactive import reactive
@@ -23,6 +25,16 @@ from nanoserve_tui.widgets.lines import LinesView, breaks
 DIM, BOLD = Style(dim=True), Style(bold=True)
 
 
+def shared_blocks(state: ViewState, live: list[str]) -> set[int]:
+    """Blocks in more than one live request's table. Only blocks with ref count > 1 can be, so
+    most steps of a big run without sharing cost one pass over the ref counts."""
+    multi = {b for b, ref in enumerate(state.ref_counts) if ref > 1}
+    if not multi:
+        return set()
+    counts = Counter(b for rid in live for b in state.requests[rid].block_table if b in multi)
+    return {b for b, n in counts.items() if n > 1}
+
+
 class TablesLayout:
     """Which request and which of its entries go on each line, from widths alone.
 
@@ -33,8 +45,7 @@ class TablesLayout:
     def __init__(self, state: ViewState, width: int) -> None:
         self.state, self.colours = state, request_colours(state)
         live = state.running + state.waiting + state.swapped
-        owners = state.block_owners()
-        self.shared = {b for b, holders in owners.items() if len(holders) > 1}
+        self.shared = shared_blocks(state, live)
         self.name_width = max((len(rid) for rid in live), default=0) + 2
         self.rows: list[tuple[str, int, int]] = []     # (request id, first entry, end entry) per line
         bs = state.block_size
