@@ -17,6 +17,9 @@ from nanoserve.events import BlocksAllocated, ChunkScheduled, RequestAdmitted, R
 
 console = Console(markup=False, highlight=False)  # plain text: "[i // 4]" is not markup
 BS = 4  # block_size: tiny on purpose, so blocks fill up after a few tokens
+# The prefix cache (on by default) keeps finished requests' blocks for reuse; lesson 4 is about
+# it. Here it is off, so a finished request's blocks go straight back to the free queue.
+NO_CACHE = dict(enable_prefix_caching=False)
 
 
 def section(title: str, text: str) -> None:
@@ -47,7 +50,7 @@ does not get one contiguous region; it gets a *block table*: a list of physical 
 ids, one per {BS} tokens. Token i lives in block table[i // {BS}], at offset i % {BS}.
 Two requests decode side by side, so their tables interleave in the pool.
 """)
-config = dict(model="tiny-llama", block_size=BS, num_blocks=16, max_num_batched_tokens=32)
+config = dict(model="tiny-llama", block_size=BS, num_blocks=16, max_num_batched_tokens=32, **NO_CACHE)
 engine = LLMEngine(EngineConfig(**config))
 engines.append(engine)
 engine.add_request("A", "Hello", greedy(8))    # 5 prompt tokens
@@ -161,7 +164,7 @@ assert len(LONG) == 40
 
 def run_chunk_demo(**overrides):
     """D starts decoding, then P arrives; returns the engine, P's chunks and the token ids."""
-    eng = LLMEngine(EngineConfig(model="tiny-llama", block_size=BS, num_blocks=32, **overrides))
+    eng = LLMEngine(EngineConfig(model="tiny-llama", block_size=BS, num_blocks=32, **NO_CACHE, **overrides))
     engines.append(eng)
     eng.add_request("D", "Hi!", greedy(10))
     eng.step()                                   # D's prefill and first token
