@@ -2,7 +2,8 @@
 
 For every scenario: record it on tiny-llama, replay the trace headless, stop
 at the first step where the scenario's mechanism shows (a preemption, a
-prefill chunk beside a decode, an accepted draft, ...), and save the app's
+prefill chunk beside a decode, an accepted draft, a prefix hit, a
+copy-on-write, a swap, ...), and save the app's
 own SVG screenshot as `tui-<scenario>.svg`; plus `tui-100x30.svg`, the
 memory-pressure screen at the small size.
 """
@@ -36,8 +37,12 @@ def showcase_step(name: str, events: list) -> int:
                      and e.is_prefill and e.step in decode_steps)
     if name == "speculative-decoding":
         return first(lambda e: isinstance(e, ev.DraftVerified) and e.num_accepted > 0)
-    if name == "shared-system-prompt":
-        return first(lambda e: isinstance(e, ev.StepStarted) and e.num_running >= 3)
+    if name == "shared-system-prompt":      # a later request reuses the system prompt's cached blocks
+        return first(lambda e: isinstance(e, ev.PrefixMatched) and e.num_hit_tokens > 0 and e.step > 1)
+    if name == "parallel-sampling":         # a sample writes into a shared block: copy-on-write
+        return first(lambda e: isinstance(e, ev.CowCopied))
+    if name == "swap-preemption":           # a victim's KV moves to the CPU pool
+        return first(lambda e: isinstance(e, ev.SwappedOut))
     # continuous-batching: the step in which a request is admitted after another finished
     finished = first(lambda e: isinstance(e, ev.RequestFinished))
     return first(lambda e: isinstance(e, ev.RequestAdmitted) and e.step > finished)

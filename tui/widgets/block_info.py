@@ -63,10 +63,13 @@ def cpu_strip(state: ViewState, colours: dict[str, str], width: int) -> Text:
     """The CPU swap pool in one line: a cell per CPU block, in the colour of the swapped request holding it."""
     holder = {b: rid for rid in state.swapped for b in state.requests[rid].cpu_block_table}
     text = Text.assemble(("CPU swap ", "bold"), (f"{len(holder)}/{state.num_cpu_blocks} ", "dim"))
-    cell = 2 if text.cell_len + 2 * state.num_cpu_blocks <= width else 1
-    shown = max(0, min(state.num_cpu_blocks, (width - text.cell_len) // cell))
+    room = width - text.cell_len
+    # the roomiest look that fits: 2-wide cells with gaps, without gaps, then 1 wide (and "…")
+    cell, gap = next(((c, g) for c, g in ((2, 1), (2, 0)) if (c + g) * state.num_cpu_blocks <= room), (1, 0))
+    shown = max(0, min(state.num_cpu_blocks, room // (cell + gap)))
     for b in range(shown):
         text.append(" " * cell, Style.parse(f"on {colours[holder[b]] if b in holder else CPU}"))
+        text.append(" " * gap)
     if shown < state.num_cpu_blocks:
         text.append("…", "dim")
     return text

@@ -276,11 +276,21 @@ class PoolPanel(Vertical):
         grid.state = state
         if state is not None:
             self.query_one("#pool-legend", Static).update(legend(state), layout=False)   # fixed height: repaint only
-            cpu = self.query_one("#cpu-pool", Static)
-            cpu.display = state.num_cpu_blocks > 0
-            if cpu.display:
-                cpu.update(cpu_strip(state, request_colours(state), max(20, cpu.size.width or self.size.width)))
+            self._show_cpu()
         self._show_block(grid.selected)
+
+    def on_resize(self) -> None:
+        self._show_cpu()
+
+    def _show_cpu(self) -> None:
+        """The CPU swap strip, as wide as the panel; hidden when the engine does not swap."""
+        if self.state is None:
+            return
+        cpu = self.query_one("#cpu-pool", Static)
+        cpu.display = self.state.num_cpu_blocks > 0
+        if cpu.display:
+            colours = request_colours(self.state)
+            cpu.update(cpu_strip(self.state, colours, max(20, self.scrollable_content_region.width)))
 
     @on(PoolGrid.BlockSelected)
     def _selected(self, message: PoolGrid.BlockSelected) -> None:
