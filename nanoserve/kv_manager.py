@@ -148,7 +148,8 @@ class KVManager:
         """Put `seq`'s filled, computed blocks in the tree (no-op when nothing new filled)."""
         if self.cache is None:
             return
-        num_full = seq.num_computed_tokens // self.pool.block_size
+        # (A request that stopped inside an accepted speculative run has KV past its last kept token.)
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.pool.block_size
         if num_full <= _depth_blocks(seq.cache_node):
             return
         node, duplicates = self.cache.insert(seq.request_id, seq.token_ids(0, num_full * self.pool.block_size),

@@ -310,3 +310,39 @@ def test_beam_search_matches_hf(width, tiny_llama, tiny_llama_dir):
     assert pruned > 0, "beams should have been pruned along the way"
     engine.clear_prefix_cache()
     assert engine.pool.num_used_blocks == 0
+
+
+def test_a_request_stopping_inside_an_accepted_draft_run_caches_only_its_tokens(tiny_llama):
+    """Spec decoding accepts several tokens at once; a stop token among them ends the request
+    with KV computed past its last kept token. Only the kept tokens may enter the cache."""
+    # The "draft" is the whole target (both layers): greedy accepts every drafted token.
+    engine = make_engine(tiny_llama, block_size=2, num_blocks=256, speculative_method="draft",
+                         num_speculative_tokens=6, draft_num_layers=tiny_llama.model.num_layers)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12] * 4
+    engine.add_request("probe", prompt, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    events = run_to_end_events(engine)
+    tokens = [e.token_id for e in events if isinstance(e, ev.TokenSampled)]
+    # A token emitted inside a step that accepted drafts, at least 2 accepted tokens before the
+    # run's end (so the KV computed past it reaches into the next block), and new to the output.
+    emitted, stop_index = 0, None
+    for step in sorted({e.step for e in events}):
+        n_tokens = sum(1 for e in events if e.step == step and isinstance(e, ev.TokenSampled))
+        accepted = sum(e.num_accepted for e in events if e.step == step and isinstance(e, ev.DraftVerified))
+        for j in range(max(0, accepted - 2)):
+            if tokens[emitted + j] not in tokens[: emitted + j]:
+                stop_index = emitted + j
+                break
+        if stop_index is not None:
+            break
+        emitted += n_tokens
+    assert stop_index is not None, "the probe run never accepted 3 drafts in one step"
+    stop_at = tokens[stop_index]
+    engine.clear_prefix_cache()
+    engine.add_request("r", prompt, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True,
+                                                   stop_token_ids=[stop_at]))
+    out = run_to_end(engine)["r"].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == tokens[: stop_index + 1]
+    final = prompt + out.token_ids
+    for node in engine.radix.nodes.values():
+        path = [t for n in reversed(node.path()) for t in n.tokens]
+        assert final[: len(path)] == path
