@@ -118,8 +118,12 @@ def test_export_corrupt_trace(capsys, tmp_path):
     assert_one_clear_line(err, "corrupt.jsonl:1", "NoSuchEvent")
 
 
-def test_export_radix_and_bad_step(capsys, trace):
+def test_export_radix_and_bad_step(capsys, trace, tmp_path):
     code, _, err = run(capsys, "export", "--trace", str(trace), "--what", "radix", "--format", "dot")
+    assert code == 0 and trace.with_name("pressure-radix-end.dot").read_text().startswith("digraph")
+    no_cache = tmp_path / "swap.jsonl"          # this scenario runs with prefix caching off
+    record("swap-preemption", no_cache)
+    code, _, err = run(capsys, "export", "--trace", str(no_cache), "--what", "radix", "--format", "dot")
     assert code == 2
     assert_one_clear_line(err, "no radix tree")
     code, _, err = run(capsys, "export", "--trace", str(trace), "--step", "9999", "--format", "dot")
