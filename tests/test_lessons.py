@@ -9,11 +9,22 @@ from pathlib import Path
 
 import pytest
 
-LESSONS = sorted((Path(__file__).resolve().parent.parent / "lessons").glob("*.py"))
+ROOT = Path(__file__).resolve().parent.parent
+LESSONS = sorted((ROOT / "lessons").glob("*.py"))
 
 
 def test_there_are_lessons():
     assert LESSONS, "no lessons/*.py found"
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=[p.name for p in LESSONS])
+def test_lesson_has_a_docs_page_in_the_nav(lesson: Path):
+    """Each lesson is included whole by a page under docs/lessons/, and that page is in mkdocs.yml's nav."""
+    include = f'--8<-- "lessons/{lesson.name}"'
+    pages = [p for p in sorted((ROOT / "docs" / "lessons").glob("*.md")) if include in p.read_text()]
+    assert pages, f"no docs/lessons/*.md includes {lesson.name}"
+    nav = (ROOT / "mkdocs.yml").read_text()
+    assert f"lessons/{pages[0].name}" in nav, f"{pages[0].name} is not in mkdocs.yml's nav"
 
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=[p.name for p in LESSONS])
