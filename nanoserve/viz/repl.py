@@ -167,12 +167,14 @@ def render_step_result(result):
         head.append(f"  drafts {st.num_accepted}/{st.num_drafted} accepted", style="bold yellow")
     lines = [head]
     for out in result.outputs:
-        c = out.outputs[0]
-        line = Text(f"  {out.request_id}: ", style="bold")
-        line.append(repr(c.delta) if c.delta else f"+token {c.token_ids[-1] if c.token_ids else '-'}", style="cyan")
-        if c.finish_reason:
-            line.append(f"  finished: {c.finish_reason}" + (f" ({c.error})" if c.error else ""), style="magenta")
-        lines.append(line)
+        for c in out.outputs:        # several with n > 1, forks or beam search
+            name = out.request_id + (f" #{c.index}" if len(out.outputs) > 1 else "")
+            line = Text(f"  {name}: ", style="bold")
+            line.append(repr(c.delta) if c.delta else f"+token {c.token_ids[-1] if c.token_ids else '-'}",
+                        style="cyan")
+            if c.finish_reason:
+                line.append(f"  finished: {c.finish_reason}" + (f" ({c.error})" if c.error else ""), style="magenta")
+            lines.append(line)
     kinds: dict[str, int] = {}
     for e in result.events:
         kinds[type(e).__name__] = kinds.get(type(e).__name__, 0) + 1
