@@ -7,7 +7,8 @@ leave, new ones join, and one step is one model forward over a *mixed* batch.
 1. **Decodes** of running sequences, in admission order: 1 token each.
 2. **Prefill chunks** of running sequences that have not finished their
    prompt yet (chunked prefill: a long prompt spreads over several steps).
-3. **Swap-in** of swapped sequences, oldest first, when their blocks fit.
+3. **Swap-in** of swapped sequences, oldest first, when their blocks fit
+   (not in a step that had to preempt).
 4. **Admission** of waiting sequences, first come first served, while the
    budget, `max_num_seqs` and the blocks allow (and nobody is swapped out:
    they were running first). A waiting sequence starts from its longest
@@ -144,8 +145,10 @@ class Scheduler:
                 self._add_chunk(out, seq, num_new, scheduled, draft)
                 budget -= num_new
 
-        # Pass 3: swapped sequences come back first (they were running before anyone waiting).
-        while self.swapped and budget > 0:
+        # Pass 3: swapped sequences come back first (they were running before anyone waiting),
+        # but not in a step that just preempted: memory is short, and what came back would only
+        # be swapped out again (vLLM's scheduler waits the same way).
+        while self.swapped and budget > 0 and not out.preempted:
             seq = self.swapped[0]
             num_new = self._chunk_size(seq, budget)
             need = len(seq.cpu_block_table) + self.pool.blocks_needed(len(seq.cpu_block_table),

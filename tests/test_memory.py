@@ -346,3 +346,24 @@ def test_a_request_stopping_inside_an_accepted_draft_run_caches_only_its_tokens(
     for node in engine.radix.nodes.values():
         path = [t for n in reversed(node.path()) for t in n.tokens]
         assert final[: len(path)] == path
+
+
+def test_copy_on_write_with_the_triton_block_copy_kernel(tiny_llama):
+    """The Triton backend copies shared blocks with its own kernel (interpreted on CPU): the forks
+    read the same K/V as with torch, so their log-probs agree (tokens alone barely depend on it)."""
+    pytest.importorskip("triton")
+    outs = {}
+    for backend in ("torch", "triton"):
+        engine = make_engine(tiny_llama, block_size=4, num_blocks=32, attention_backend=backend)
+        engine.add_request("p", list(range(3, 9)), SamplingParams(n=2, max_tokens=4, seed=3, logprobs=0,
+                                                                  ignore_eos=True))
+        events = []
+        engine.subscribe(events.append)
+        out = run_to_end(engine)["p"]
+        assert any(isinstance(e, ev.CowCopied) for e in events)
+        outs[backend] = out.outputs
+    for torch_c, triton_c in zip(outs["torch"], outs["triton"]):
+        assert torch_c.token_ids == triton_c.token_ids
+        got = [lp[t] for lp, t in zip(triton_c.logprobs, triton_c.token_ids)]
+        want = [lp[t] for lp, t in zip(torch_c.logprobs, torch_c.token_ids)]
+        assert got == pytest.approx(want, abs=1e-4)
