@@ -101,8 +101,11 @@ class ViewState:
         owners: dict[int, list[str]] = {}
         for rid, req in self.requests.items():
             for block_id in req.block_table:
-                owners.setdefault(block_id, []).append(rid)
-        return dict(sorted(owners.items()))
+                if block_id in owners:
+                    owners[block_id].append(rid)
+                else:
+                    owners[block_id] = [rid]
+        return owners
 
     # -- the radix tree --
     def radix_nodes(self) -> list[RadixNodeView]:
@@ -150,11 +153,13 @@ class ViewState:
         """
         owners = self.block_owners() if owners is None else owners
         evictable = self.evictable_blocks() if self.prefix_caching else set()
-        kinds = []
-        for block_id, ref in enumerate(self.ref_counts):
-            holders = len(owners.get(block_id, ()))
-            kinds.append("free" if ref == 0 else "shared" if holders > 1 else "owned" if holders else
-                         "cached" if block_id in evictable else "held")
+        # Most blocks are free or held by one request: start from the ref counts, then fix up.
+        kinds = ["free" if ref == 0 else "held" for ref in self.ref_counts]
+        for block_id, holders in owners.items():
+            kinds[block_id] = "shared" if len(holders) > 1 else "owned"
+        for block_id in evictable:
+            if kinds[block_id] == "held":
+                kinds[block_id] = "cached"
         return kinds
 
     def cache_hit_rate(self) -> float | None:

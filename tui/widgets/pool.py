@@ -275,7 +275,9 @@ class PoolPanel(Vertical):
         grid = self.query_one(PoolGrid)
         grid.state = state
         if state is not None:
-            self.query_one("#pool-legend", Static).update(legend(state), layout=False)   # fixed height: repaint only
+            if state.prefix_caching != getattr(self, "_legend_for", None):   # it changes only with the engine
+                self._legend_for = state.prefix_caching
+                self.query_one("#pool-legend", Static).update(legend(state), layout=False)   # fixed height
             self._show_cpu()
         self._show_block(grid.selected)
 
