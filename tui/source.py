@@ -260,6 +260,10 @@ class LiveSource(Source):
         if stepped:
             self._pending_steps = max(0, self._pending_steps - 1)
         self._done = done
+        if events and self._state is not None:
+            # Frames already posted must never change under the widgets drawing them (they draw
+            # lazily, after later deliveries): fold into a copy, as ReplaySource does.
+            self._state = copy.deepcopy(self._state)
         for event in events:
             if isinstance(event, EngineSynced):
                 self._acceptance = ()                 # a fresh engine: fresh metrics

@@ -49,13 +49,9 @@ class TablesLayout:
         self.name_width = max((len(rid) for rid in live), default=0) + 2
         self.rows: list[tuple[str, int, int]] = []     # (request id, first entry, end entry) per line
         bs = state.block_size
-        # A live source keeps folding into the same state after this layout is built, and lines
-        # are drawn later: copy what the lines show, so rows and lines always agree.
-        self.reqs = {rid: (list(state.requests[rid].block_table), state.requests[rid].num_computed_tokens,
-                           list(state.requests[rid].cpu_block_table), state.requests[rid].num_output_tokens)
-                     for rid in live}
         for rid in live:
-            table, computed = self.reqs[rid][0], self.reqs[rid][1]
+            req = state.requests[rid]
+            table, computed = req.block_table, req.num_computed_tokens
             sizes = [3 + len(str(i)) + len(str(b)) + (b in self.shared) + (
                 0 if computed - i * bs >= bs else len(f"({max(0, computed - i * bs)}/{bs})"))
                 for i, b in enumerate(table)]
@@ -68,21 +64,20 @@ class TablesLayout:
         if not self.rows:
             return Strip([Segment("no request holds blocks", DIM)])
         rid, start, end = self.rows[index]
-        table, computed, cpu_table, num_output = self.reqs[rid]
-        bs = self.state.block_size
+        req, bs = self.state.requests[rid], self.state.block_size
         chip = Style.parse(f"bold #000000 on {self.colours[rid]}")
         if start == 0:
             segments = [Segment(f" {rid} ".ljust(self.name_width), chip)]
         else:
             segments = [Segment(" " * self.name_width)]
-        if cpu_table:
-            segments.append(Segment("  on CPU " + " ".join(f"c{b}" for b in cpu_table), DIM))
-        elif not table:
-            why = "preempted, waiting" if num_output else "waiting"
+        if req.cpu_block_table:
+            segments.append(Segment("  on CPU " + " ".join(f"c{b}" for b in req.cpu_block_table), DIM))
+        elif not req.block_table:
+            why = "preempted, waiting" if req.num_output_tokens else "waiting"
             segments.append(Segment(f"  no blocks ({why})", DIM))
         for i in range(start, end):
-            filled = max(0, min(bs, computed - i * bs))
-            block = table[i]
+            filled = max(0, min(bs, req.num_computed_tokens - i * bs))
+            block = req.block_table[i]
             segments += [Segment(f"  {i}→", DIM), Segment(str(block), chip)]
             if block in self.shared:
                 segments.append(Segment("*", BOLD))
