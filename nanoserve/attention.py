@@ -93,3 +93,26 @@ def _triton_paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, 
             q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start, meta.prefill_query_len,
             meta.prefill_context_len, scale, max_query_len=max(c.num_query for c in meta.prefills), out=out)
     return out
+
+
+def prepare_backend(config) -> str:
+    """`config` is an EngineConfig. Returns "torch" or "triton"."""
+
+    """Pick the attention backend; Triton on a CPU runs under its interpreter (set before import)."""
+    backend = config.resolved_backend()
+    if backend == "triton":
+        import importlib.util
+        import os
+
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("attention_backend='triton' needs triton: pip install triton")
+        if not config.device.startswith("cuda"):
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+            import triton.language as tl
+
+            # The interpreter must be on before triton is first imported (transformers imports it),
+            # or triton's own helpers stay compiled-only.
+            if type(tl.zeros).__name__ != "InterpretedFunction":
+                raise ValueError("attention_backend='triton' on CPU runs under the Triton interpreter: "
+                                 "start Python with TRITON_INTERPRET=1 in the environment")
+    return backend

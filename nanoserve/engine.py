@@ -29,7 +29,8 @@ import torch
 
 import copy
 
-from nanoserve import beam_search, engine_state, events as ev
+from nanoserve import beam_search, engine_state, events as ev, spec_decode
+from nanoserve.attention import prepare_backend
 from nanoserve.block_pool import BlockPool
 from nanoserve.config import EngineConfig
 from nanoserve.detokenizer import IncrementalDetokenizer
@@ -40,34 +41,13 @@ from nanoserve.radix_cache import RadixCache
 from nanoserve.request import Request
 from nanoserve.runner import ModelRunner, RunInput, kv_bytes_per_block
 from nanoserve.sampler import SampledToken, Sampler, SamplingRow
-from nanoserve.spec_decode import Drafts, build_proposer, sampling_rows, verify
+from nanoserve.spec_decode import Drafts, build_proposer
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence, SequenceStatus
 from nanoserve.trace import EventBus, synced_event
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def prepare_backend(config: EngineConfig) -> str:
-    """Pick the attention backend; Triton on a CPU runs under its interpreter (set before import)."""
-    backend = config.resolved_backend()
-    if backend == "triton":
-        import importlib.util
-        import os
-
-        if importlib.util.find_spec("triton") is None:
-            raise ValueError("attention_backend='triton' needs triton: pip install triton")
-        if not config.device.startswith("cuda"):
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-            import triton.language as tl
-
-            # The interpreter must be on before triton is first imported (transformers imports it),
-            # or triton's own helpers stay compiled-only.
-            if type(tl.zeros).__name__ != "InterpretedFunction":
-                raise ValueError("attention_backend='triton' on CPU runs under the Triton interpreter: "
-                                 "start Python with TRITON_INTERPRET=1 in the environment")
-    return backend
 
 
 class LLMEngine:
@@ -220,14 +200,7 @@ class LLMEngine:
         child_id = group.fork_id()
         while child_id in self.requests or child_id in self.groups:   # a user's request may have this id
             child_id = group.fork_id()
-        child = Sequence(
-            child_id, parent.prompt, parent.prompt_token_ids, parent.params, arrival_time=parent.arrival_time,
-            generator=torch.Generator().manual_seed(seed), status=SequenceStatus.RUNNING,
-            output_token_ids=list(parent.output_token_ids), output_text=parent.output_text, cumulative_logprob=parent.cumulative_logprob,
-            logprobs=list(parent.logprobs) if parent.logprobs is not None else None,
-            first_token_time=parent.first_token_time, group_id=parent.group_id,
-            index=int(child_id.rsplit(".", 1)[1]), priority=parent.priority,
-        )
+        child = parent.fork(child_id, torch.Generator().manual_seed(seed))
         self.kv.fork(parent, child)
         self.scheduler.running.append(child)
         group.seqs.append(child)
@@ -249,7 +222,7 @@ class LLMEngine:
         self.scheduler.step = self.step_count
         self._deltas = {}
         self._emit(ev.StepStarted(self.step_count, len(self.scheduler.waiting), len(self.scheduler.running)))
-        drafts = self._propose() if self.proposer else Drafts()
+        drafts = spec_decode.propose(self) if self.proposer else Drafts()
         # Token counts when the drafts were made: what a rollback returns the draft cache to.
         drafted_at = {rid: self.requests[rid].num_tokens for rid in drafts.tokens}
         plan = self.scheduler.schedule(drafts.tokens)
@@ -305,7 +278,7 @@ class LLMEngine:
             self._sample(plain, logits, outputs)
         drafted = accepted = 0
         for c, r in spec:
-            tokens = self._verify(c, logits[r : r + 1 + len(c.draft_token_ids)], drafts)
+            tokens = spec_decode.verify_chunk(self, c, logits[r : r + 1 + len(c.draft_token_ids)], drafts)
             drafted += len(c.draft_token_ids)
             accepted += len(tokens) - 1
             outputs[c.seq.group_id] = self._append_tokens(c.seq, tokens)
@@ -325,7 +298,7 @@ class LLMEngine:
         for seq, r in plain:
             pairs.append((seq, r))
             group = self.groups[seq.group_id]
-            if group.needs_fork(seq):
+            if group.needs_fork:
                 group.forked, seq.seats = True, 1
                 pairs += [(self._fork_seq(seq, (group.seed * 1_000_003 + i) % 2**62), r)
                           for i in range(1, group.params.n)]
@@ -352,39 +325,6 @@ class LLMEngine:
             "acceptance_rate": t["accepted"] / t["drafted"] if t["drafted"] else None,
             "tokens_per_forward": t["tokens"] / t["forwards"] if t["forwards"] else None,
         }
-
-    def _propose(self) -> Drafts:
-        """Ask the proposer for drafts for every running request that is decoding."""
-        k, max_len = self.config.num_speculative_tokens, self.config.max_model_len
-        seqs = [s for s in self.scheduler.running   # beams are scored together, one token per step
-                if s.num_uncomputed_tokens == 1 and not s.params.use_beam_search]
-        # Never draft past max_tokens or max_model_len: one step emits up to k + 1 tokens.
-        limits = {s.request_id: max(0, min(k, s.params.max_tokens - s.num_output_tokens - 1,
-                                           max_len - s.num_tokens - 1)) for s in seqs}
-        drafts = self.proposer.propose(seqs, limits)
-        for rid, tokens in drafts.tokens.items():
-            self._emit(ev.DraftProposed(self.step_count, rid, self.proposer.method, tuple(tokens)))
-        return drafts
-
-    def _verify(self, chunk, logits: torch.Tensor, drafts: Drafts) -> list[SampledToken]:
-        """Exact acceptance of a chunk's drafts; roll back the KV of the rejected ones."""
-        seq, draft = chunk.seq, chunk.draft_token_ids
-        n = len(draft)
-        rows = sampling_rows(seq, draft, self.eos_token_id, n + 1)
-        q = drafts.q.get(seq.request_id)
-        tokens, accepted = verify(self.sampler.probs(logits, rows), draft, q[:n] if q is not None else None,
-                                  seq.params.greedy, seq.generator)
-        num_tokens_before = seq.num_tokens
-        seq.num_drafted += n
-        seq.num_accepted += accepted
-        # The last real token and the accepted drafts have valid KV; the rejected positions do not.
-        seq.num_computed_tokens += accepted
-        freed = self.scheduler.trim(seq)
-        self.proposer.accepted(seq, num_tokens_before, accepted)
-        self._emit(ev.DraftVerified(self.step_count, seq.request_id, n, accepted, accepted if accepted < n else -1,
-                                    tokens[-1], accepted == n))
-        self._emit(ev.KVTrimmed(self.step_count, seq.request_id, seq.num_computed_tokens, n - accepted, freed))
-        return self.sampler.report(logits[: len(tokens)], tokens, rows[: len(tokens)])
 
     def _append_tokens(self, seq: Sequence, tokens: list[SampledToken]) -> RequestOutput:
         """Postprocess this step's tokens (one, or several with speculation) until one finishes the sequence."""

@@ -40,7 +40,8 @@ class Request:
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
 
-    def needs_fork(self, seq: Sequence) -> bool:
+    @property
+    def needs_fork(self) -> bool:
         """Parallel sampling: the prompt's sequence is about to sample its first token."""
         return self.params.n > 1 and not self.params.use_beam_search and not self.forked
 

@@ -99,27 +99,28 @@ class ModelRunner:
             k[dst] = k[src]            # advanced indexing reads all of src before writing dst
             v[dst] = v[src]
 
-    @torch.inference_mode()
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, CPU block): copy each device block's KV to its CPU block."""
-        if not pairs:
-            return
-        gpu = self._tensor([g for g, _ in pairs])
-        cpu = torch.tensor([c for _, c in pairs])
-        for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
-            ck[cpu] = k[gpu].cpu()
-            cv[cpu] = v[gpu].cpu()
+        self._move(pairs, self.kv_caches, self.cpu_caches)
 
-    @torch.inference_mode()
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(CPU block, device block): copy each CPU block's KV back into its (fresh) device block."""
+        self._move(pairs, self.cpu_caches, self.kv_caches)
+
+    @torch.inference_mode()
+    def _move(self, pairs: list[tuple[int, int]], src_caches, dst_caches) -> None:
+        """For every layer's K and V: dst_cache[dst] = src_cache[src], across devices."""
         if not pairs:
             return
-        cpu = torch.tensor([c for c, _ in pairs])
-        gpu = self._tensor([g for _, g in pairs])
-        for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
-            k[gpu] = ck[cpu].to(self.device, non_blocking=True)
-            v[gpu] = cv[cpu].to(self.device, non_blocking=True)
+        src_device, dst_device = src_caches[0][0].device, dst_caches[0][0].device
+        src = torch.tensor([s for s, _ in pairs], device=src_device)
+        dst = torch.tensor([d for _, d in pairs], device=dst_device)
+        # Host -> device from pinned memory may be asynchronous (the stream orders it before the
+        # forward); device -> host must finish before the CPU copy is read, so it blocks.
+        non_blocking = dst_device.type == "cuda"
+        for src_kv, dst_kv in zip(src_caches, dst_caches):
+            for src_cache, dst_cache in zip(src_kv, dst_kv):
+                dst_cache[dst] = src_cache[src].to(dst_device, non_blocking=non_blocking)
 
     def prepare(self, inputs: list[RunInput]) -> Batch:
         bs = self.block_size

@@ -281,10 +281,6 @@ class Scheduler:
         for chunk in out.chunks:
             chunk.seq.num_computed_tokens += chunk.num_real_tokens
 
-    def trim(self, seq: Sequence) -> tuple[int, ...]:
-        """Free the blocks past the sequence's computed tokens (KV of rejected drafts)."""
-        return self.kv.trim(seq)
-
     def cache_blocks(self) -> None:
         """After a step: running sequences' newly filled blocks go into the prefix cache."""
         for seq in self.running:

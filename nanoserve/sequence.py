@@ -151,3 +151,15 @@ class Sequence:
         self.status = new
         if new.is_finished:
             self.finish_time = time.monotonic()
+
+    def fork(self, child_id: str, generator: torch.Generator) -> Sequence:
+        """A running copy at the same position: same tokens, text and log-probs, its own id and RNG.
+        (Blocks are shared by the KV manager; the copy starts with none.)"""
+        return Sequence(
+            child_id, self.prompt, self.prompt_token_ids, self.params, arrival_time=self.arrival_time,
+            generator=generator, status=SequenceStatus.RUNNING, output_token_ids=list(self.output_token_ids),
+            output_text=self.output_text, cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            first_token_time=self.first_token_time, group_id=self.group_id,
+            index=int(child_id.rsplit(".", 1)[1]), priority=self.priority,
+        )

@@ -28,8 +28,10 @@ Two proposers share one interface, `propose(seqs, limits) -> Drafts`:
                         vocabulary, or the target's first few layers) with its
                         own block pool and paged KV cache, sampling k tokens
 
-The engine schedules drafts, verifies them and rolls back the KV written for
-rejected positions; this module owns proposing and the acceptance rule.
+The engine schedules the drafts and runs the forward; this module owns
+proposing, the acceptance rule, and (at its end) the engine's two calls into it:
+`propose` before scheduling, and `verify_chunk` after the forward, which also
+rolls back the KV written for rejected positions.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from torch import nn
 
 from nanoserve.block_pool import BlockPool
 from nanoserve.runner import ModelRunner, RunInput
-from nanoserve.sampler import SamplingRow, draw, probs
+from nanoserve import events as ev
+from nanoserve.sampler import SampledToken, SamplingRow, draw, probs
 from nanoserve.sequence import Sequence
 
 
@@ -251,3 +254,41 @@ def build_proposer(config, loaded, dtype: torch.dtype):
                              f"tokens, the target {target.config.vocab_size}: they must share a tokenizer")
     return DraftModelProposer(draft, k, config.num_blocks, config.block_size, dtype,
                               torch.device(config.device), loaded.eos_token_id, config.resolved_backend())
+
+
+# -- the engine's side: propose before scheduling, verify after the forward ----------------
+
+def propose(engine) -> Drafts:
+    """The engine's step, before scheduling: drafts for every running request that is decoding."""
+    k, max_len = engine.config.num_speculative_tokens, engine.config.max_model_len
+    seqs = [s for s in engine.scheduler.running   # beams are scored together, one token per step
+            if s.num_uncomputed_tokens == 1 and not s.params.use_beam_search]
+    # Never draft past max_tokens or max_model_len: one step emits up to k + 1 tokens.
+    limits = {s.request_id: max(0, min(k, s.params.max_tokens - s.num_output_tokens - 1,
+                                       max_len - s.num_tokens - 1)) for s in seqs}
+    drafts = engine.proposer.propose(seqs, limits)
+    for rid, tokens in drafts.tokens.items():
+        engine._emit(ev.DraftProposed(engine.step_count, rid, engine.proposer.method, tuple(tokens)))
+    return drafts
+
+
+def verify_chunk(engine, chunk, logits: torch.Tensor, drafts: Drafts) -> list[SampledToken]:
+    """The engine's step, after the forward: exact acceptance of a chunk's drafts; the KV of the
+    rejected ones is rolled back (target and draft caches) and the tokens come back to be appended."""
+    seq, draft = chunk.seq, chunk.draft_token_ids
+    n = len(draft)
+    rows = sampling_rows(seq, draft, engine.eos_token_id, n + 1)
+    q = drafts.q.get(seq.request_id)
+    tokens, accepted = verify(engine.sampler.probs(logits, rows), draft, q[:n] if q is not None else None,
+                              seq.params.greedy, seq.generator)
+    num_tokens_before = seq.num_tokens
+    seq.num_drafted += n
+    seq.num_accepted += accepted
+    # The last real token and the accepted drafts have valid KV; the rejected positions do not.
+    seq.num_computed_tokens += accepted
+    freed = engine.kv.trim(seq)
+    engine.proposer.accepted(seq, num_tokens_before, accepted)
+    engine._emit(ev.DraftVerified(engine.step_count, seq.request_id, n, accepted,
+                                  accepted if accepted < n else -1, tokens[-1], accepted == n))
+    engine._emit(ev.KVTrimmed(engine.step_count, seq.request_id, seq.num_computed_tokens, n - accepted, freed))
+    return engine.sampler.report(logits[: len(tokens)], tokens, rows[: len(tokens)])

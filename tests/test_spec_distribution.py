@@ -168,6 +168,6 @@ def test_engine_speculation_matches_exact_joint(small_vocab_model, name, propose
 def test_engine_with_seed_000_residual_fails_the_same_check(small_vocab_model, monkeypatch):
     params = SETTINGS["t1"]
     exact = exact_joint(small_vocab_model, params)
-    monkeypatch.setattr("nanoserve.engine.verify", seed_000_verify)
+    monkeypatch.setattr("nanoserve.spec_decode.verify", seed_000_verify)
     observed, _ = sampled_joint(small_vocab_model, params)
     assert tv(observed, exact) > TV_BOUND
