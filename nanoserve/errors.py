@@ -1,0 +1,24 @@
+"""The errors nanoserve raises on purpose, so callers can tell bad input from bugs.
+
+`FieldError` is a bad value for one named setting: an `EngineConfig` or
+`SamplingParams` field, or a request's prompt. It is a `ValueError`, so
+existing `except ValueError` code keeps working, and it carries the field's
+name so the command line can say which *flag* was wrong:
+
+    >>> e = FieldError("block_size", "must be at least 1, got 0")
+    >>> str(e), e.field, e.text
+    ('block_size must be at least 1, got 0', 'block_size', 'must be at least 1, got 0')
+
+`cli.py` maps `field` to its flag (`--block-size must be at least 1, got 0`).
+"""
+
+from __future__ import annotations
+
+
+class FieldError(ValueError):
+    """A bad value for the setting `field`; the message reads "<field> <text>"."""
+
+    def __init__(self, field: str, text: str) -> None:
+        super().__init__(f"{field} {text}")
+        self.field = field   # the dataclass field (or "prompt"), e.g. "block_size"
+        self.text = text     # what is wrong with it, e.g. "must be at least 1, got 0"
