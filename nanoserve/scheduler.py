@@ -85,6 +85,7 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) device blocks
     swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, CPU block) copies
     swap_in: list[tuple[int, int]] = field(default_factory=list)    # (CPU block, device block) copies
+    moved: bool = False   # set by the engine once the runner has carried out copies and swaps
 
     @property
     def num_tokens(self) -> int:
@@ -153,10 +154,9 @@ class Scheduler:
             num_new = self._chunk_size(seq, budget)
             need = len(seq.cpu_block_table) + self.pool.blocks_needed(len(seq.cpu_block_table),
                                                                        seq.num_computed_tokens + num_new)
-            if (not num_new and seq.num_uncomputed_tokens) or need > self.kv.num_available_blocks \
-                    or self.seats_used + seq.seats > self.config.max_num_seqs:
+            if (not num_new and seq.num_uncomputed_tokens) or not self._make_room(seq, need, None, scheduled, out):
                 break
-            self.swapped.popleft()
+            self.swapped.remove(seq)      # (idle beams _make_room swapped out joined the queue's end)
             self.kv.swap_in(seq)
             seq.set_status(SequenceStatus.RUNNING)
             self.running.append(seq)
@@ -173,18 +173,18 @@ class Scheduler:
                 self._fail(seq, out, f"needs {seq.num_tokens} tokens of KV but the whole pool holds "
                                      f"{self.pool.num_blocks * self.pool.block_size}")
                 continue
-            if self.seats_used + seq.seats > self.config.max_num_seqs:
-                break
             node, cached = self.kv.match(seq)          # the longest cached prefix (no blocks change yet)
             num_cached = len(cached) * self.pool.block_size
             num_new = self._chunk_size(seq, budget, num_cached)
             if not num_new:
                 break                                  # the whole prompt must wait for a step with room
             need = self.pool.blocks_needed(len(cached), num_cached + num_new)
-            if need > self.kv.num_available_blocks - self.kv.evictable_in_path(node) \
-                    and not self._preempt_idle(seq, need, node, scheduled, out):
-                break                                  # admission only when the blocks are there
-            self.waiting.popleft()
+            if not self._make_room(seq, need, node, scheduled, out):
+                break                                  # admission only when the seats and blocks are there
+            if out.preempted and self.kv.cache is not None:   # preempted beams' blocks joined the cache:
+                node, cached = self.kv.match(seq)            # match again (same or longer prefix)
+                num_new = self._chunk_size(seq, budget, len(cached) * self.pool.block_size)
+            self.waiting.remove(seq)   # not popleft(): beams _make_room preempted went to the front
             seq.set_status(SequenceStatus.RUNNING)
             self.running.append(seq)
             self.emit(ev.RequestAdmitted(self.step, seq.request_id))
@@ -202,13 +202,26 @@ class Scheduler:
             return budget if self.config.enable_chunked_prefill else 0
         return num_new
 
-    def _preempt_idle(self, seq: Sequence, need: int, node, scheduled: set[str], out: SchedulerOutput) -> bool:
-        """Beam search only: beams that wait for a preempted sibling hold blocks and compute nothing.
-        Preempt them (newest first) so the sibling can come back; True once `need` blocks are there."""
-        idle = [s for s in self.running if s.num_uncomputed_tokens == 0 and s.request_id not in scheduled]
-        while idle and need > self.kv.num_available_blocks - self.kv.evictable_in_path(node):
-            self._preempt(idle.pop(), out)
-        return need <= self.kv.num_available_blocks - self.kv.evictable_in_path(node)
+    def _make_room(self, seq: Sequence, need: int, node, scheduled: set[str], out: SchedulerOutput) -> bool:
+        """Are there seats for `seq` and `need` blocks (beyond what admitting `node`'s path frees)?
+
+        If not, preempt *stuck* beams, newest first: running beams that computed their scores and
+        wait, holding seats and blocks, for a sibling that is not running. Each was preempted
+        because memory was short; without this, two beam searches could wait on each other's
+        seats forever. A beam of `seq`'s own request is never preempted for it (that would
+        only swap which sibling waits), nor one whose siblings all run (it waits one step).
+        """
+        def short() -> bool:
+            return (self.seats_used + seq.seats > self.config.max_num_seqs or
+                    need > self.kv.num_available_blocks - self.kv.evictable_in_path(node))
+        if not short():
+            return True
+        stuck_groups = {s.group_id for s in (*self.waiting, *self.swapped)} - {seq.group_id}
+        stuck = [s for s in self.running if s.num_uncomputed_tokens == 0 and s.group_id in stuck_groups
+                 and s.request_id not in scheduled]
+        while stuck and short():
+            self._preempt(stuck.pop(), out)
+        return not short()
 
     def _reserve(self, seq: Sequence, num_new: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         """Get blocks for `num_new` more tokens of a running `seq`, preempting others if needed.
@@ -265,6 +278,17 @@ class Scheduler:
         seq.set_status(SequenceStatus.WAITING)
         self.emit(ev.Preempted(self.step, seq.request_id, "recompute", lost))
         self.kv.release(seq)
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+
+    def drop_kv(self, seq: Sequence) -> None:
+        """A failed step left `seq`'s KV unwritten (its block copies never ran): send it back to
+        the front of the queue to recompute, keeping nothing of that KV (not even in the cache)."""
+        lost = seq.num_computed_tokens
+        (self.running if seq.status is SequenceStatus.RUNNING else self.swapped).remove(seq)
+        seq.set_status(SequenceStatus.WAITING)
+        self.emit(ev.Preempted(self.step, seq.request_id, "recompute", lost))
+        self.kv.release(seq, keep_kv=False)
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
 
