@@ -123,20 +123,22 @@ class EngineConfig:
 
     def _check_memory(self, num_blocks: int, num_cpu_blocks: int, bytes_per_block: int, draft_bytes: int) -> None:
         """Refuse pools the machine cannot hold (KV tensors plus about 100 bytes of bookkeeping per block)."""
+        device_kv = num_blocks * (bytes_per_block + draft_bytes)              # on `device`
+        host = num_cpu_blocks * bytes_per_block + (2 * num_blocks + num_cpu_blocks) * _BOOKKEEPING_BYTES
+        pools = f"{num_blocks} blocks of {self.block_size} tokens ({_size(bytes_per_block)} each)"
+        if num_cpu_blocks:
+            pools += f" and {num_cpu_blocks} CPU blocks for swapping"
         field = "num_blocks" if self.num_blocks is not None else "kv_cache_memory_mb"
         cpu_field = "num_cpu_blocks" if self.num_cpu_blocks is not None else field
-        device_kv = num_blocks * (bytes_per_block + draft_bytes)
-        host = (2 * num_blocks + num_cpu_blocks) * _BOOKKEEPING_BYTES + num_cpu_blocks * bytes_per_block
-        on_cpu = not self.device.startswith("cuda")
-        checks = [(field, device_kv + (host if on_cpu else 0), self.device)]
-        if not on_cpu:
-            checks.append((cpu_field, host, "cpu"))
+        if self.device.startswith("cuda"):
+            checks = [(field, device_kv, self.device), (cpu_field, host, "cpu")]
+        else:   # one memory for both: blame the larger part
+            checks = [(cpu_field if host > device_kv else field, device_kv + host, "cpu")]
         for name, need, device in checks:
             have = v.available_memory(device)
             if have is not None and need > have:
-                raise FieldError(name, f"asks for {_size(need)} of KV cache and bookkeeping on {device} "
-                                       f"({num_blocks} blocks of {self.block_size} tokens, {_size(bytes_per_block)} "
-                                       f"each), but only {_size(have)} is free")
+                raise FieldError(name, f"asks for {_size(need)} on {device} for the KV cache and its bookkeeping "
+                                       f"({pools}), but only {_size(have)} is free")
 
 
 _BOOKKEEPING_BYTES = 100   # a Block object and its place in the pool's lists

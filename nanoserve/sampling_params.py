@@ -24,7 +24,8 @@ class SamplingParams:
     min_p: float = 0.0              # drop tokens whose probability is below min_p * p(most likely)
     max_tokens: int = 16            # generate at most this many tokens
     min_tokens: int = 0             # EOS and stop_token_ids are masked until this many are generated
-    stop: list[str] = field(default_factory=list)          # stop strings; never part of the text
+    stop: list[str] = field(default_factory=list)          # stop strings; never part of the text (one that
+                                    # is complete before min_tokens is ordinary text: it stops nothing)
     stop_token_ids: list[int] = field(default_factory=list)  # extra token ids that end the request
     ignore_eos: bool = False        # keep going past the model's EOS token
     presence_penalty: float = 0.0   # subtract this from logits of tokens already generated
