@@ -48,7 +48,8 @@ from collections.abc import Callable, Sequence as Seq
 
 import torch
 
-from nanoserve import beam_search, engine_state, events as ev, intake, spec_decode, step_rollback
+from nanoserve import engine_state, events as ev, intake, spec_decode, step_rollback
+from nanoserve import validation as v
 from nanoserve.attention import prepare_backend
 from nanoserve.block_pool import BlockPool
 from nanoserve.config import EngineConfig
@@ -152,6 +153,7 @@ class LLMEngine:
         Takes a request id, or one sequence's id ("r1.2") to stop just that fork.
         Raises KeyError for an unknown id.
         """
+        v.text("request_id", request_id)
         if request_id in self.groups:
             seqs = self.groups[request_id].live
         elif request_id in self.requests:
@@ -179,7 +181,7 @@ class LLMEngine:
         Raises KeyError for an unknown or finished request, ValueError when the
         sequence cannot be forked now; the engine is unchanged then.
         """
-        seq = self.requests.get(request_id)
+        seq = self.requests.get(v.text("request_id", request_id))
         if seq is None:
             raise KeyError(self._unknown(request_id))
         if seq.params.use_beam_search:
@@ -366,7 +368,9 @@ class LLMEngine:
             self._emit(ev.RequestFinished(self.step_count, seq.request_id, seq.status.finish_reason,
                                           seq.num_output_tokens, seq.error or ""))
         group = self.groups[seq.group_id]
-        if group.finished:
+        # The request ends when the engine has closed its last sequence (not when the last one's
+        # status says finished: the scheduler may fail two forks of a request in one step).
+        if not any(s.request_id in self.requests for s in group.seqs):
             del self.groups[group.request_id]
             self._finished_ids.add(group.request_id)
         return group.output(self._deltas)

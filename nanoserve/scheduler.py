@@ -29,7 +29,11 @@ victim that is not already in this step's batch, chosen by
 With `preemption_mode="recompute"` the victim's blocks are freed and it waits
 at the front of the queue to recompute its KV; with "swap" its KV is copied to
 the CPU pool and back later (falling back to recompute when the CPU pool is
-full). Waiting sequences never preempt anyone. A sequence that could not fit
+full). Waiting sequences never preempt a sequence that is making progress;
+the one exception is a *stuck* beam: a running beam that has its next-token
+scores and waits, holding a seat and blocks, for a sibling that was preempted.
+Admission may preempt those (never for a sibling of its own), or two beam
+searches could wait on each other forever. A sequence that could not fit
 even in an empty pool is failed with an error instead of retried forever.
 
 The scheduler moves sequences between queues; `kv_manager.py` does the block
@@ -173,6 +177,8 @@ class Scheduler:
                 self._fail(seq, out, f"needs {seq.num_tokens} tokens of KV but the whole pool holds "
                                      f"{self.pool.num_blocks * self.pool.block_size}")
                 continue
+            if not self._make_room(seq, 0, None, scheduled, out):
+                break                                  # no seat
             node, cached = self.kv.match(seq)          # the longest cached prefix (no blocks change yet)
             num_cached = len(cached) * self.pool.block_size
             num_new = self._chunk_size(seq, budget, num_cached)
@@ -180,7 +186,7 @@ class Scheduler:
                 break                                  # the whole prompt must wait for a step with room
             need = self.pool.blocks_needed(len(cached), num_cached + num_new)
             if not self._make_room(seq, need, node, scheduled, out):
-                break                                  # admission only when the seats and blocks are there
+                break                                  # admission only when the blocks are there
             if out.preempted and self.kv.cache is not None:   # preempted beams' blocks joined the cache:
                 node, cached = self.kv.match(seq)            # match again (same or longer prefix)
                 num_new = self._chunk_size(seq, budget, len(cached) * self.pool.block_size)
@@ -230,8 +236,9 @@ class Scheduler:
         """
         while self.kv.blocks_to_write(seq, num_new) > self.kv.num_available_blocks:
             victim = self._victim(scheduled)
-            if victim is seq and self.kv.num_available_blocks + len(seq.block_table) >= self.pool.num_blocks:
-                # Nobody else holds a block and it still does not fit: it never will.
+            if victim is seq and self.pool.blocks_needed(0, seq.num_computed_tokens + num_new) > self.pool.num_blocks:
+                # It would not fit even alone in the pool: it never will. (Otherwise it waits
+                # for room like any victim; blocks it shares with a fork do not count against it.)
                 self.running.remove(seq)
                 self._fail(seq, out, f"needs more than the {self.pool.num_blocks} blocks of the pool")
                 return False

@@ -269,11 +269,13 @@ def build_proposer(config, loaded, dtype: torch.dtype):
 def propose(engine) -> Drafts:
     """The engine's step, before scheduling: drafts for every running request that is decoding."""
     k, max_len = engine.config.num_speculative_tokens, engine.config.max_model_len
+    pool_tokens = engine.pool.num_blocks * engine.pool.block_size
     seqs = [s for s in engine.scheduler.running   # beams are scored together, one token per step
             if s.num_uncomputed_tokens == 1 and not s.params.use_beam_search]
-    # Never draft past max_tokens or max_model_len: one step emits up to k + 1 tokens.
+    # Never draft past max_tokens or max_model_len: one step emits up to k + 1 tokens. Nor past
+    # what the whole pool holds: the drafts' KV must fit with the request's own.
     limits = {s.request_id: max(0, min(k, s.params.max_tokens - s.num_output_tokens - 1,
-                                       max_len - s.num_tokens - 1)) for s in seqs}
+                                       max_len - s.num_tokens - 1, pool_tokens - s.num_tokens)) for s in seqs}
     drafts = engine.proposer.propose(seqs, limits)
     for rid, tokens in drafts.tokens.items():
         engine._emit(ev.DraftProposed(engine.step_count, rid, engine.proposer.method, tuple(tokens)))

@@ -472,3 +472,52 @@ def test_the_engine_still_works_after_every_bad_input(tiny_llama):
     with pytest.raises(KeyError):
         engine.fork("bad")
     assert set(drive(engine, watcher)) == {"a"}
+
+
+def test_the_docs_quote_the_real_messages():
+    """docs/concepts/step.md quotes two refusals; they must be what the code says."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "concepts" / "step.md").read_text()
+    for kwargs in (dict(max_tokens=2.5), dict(stop=[5])):
+        with pytest.raises(FieldError) as info:
+            SamplingParams(**kwargs)
+        assert f"`{info.value}`" in " ".join(page.split()), str(info.value)
+
+
+# -- found by benchmarks/fuzz_engine.py ------------------------------------------------------------------
+
+
+def test_two_forks_failed_in_one_step_close_their_request_once(tiny_llama):
+    """Regression: when the scheduler failed a request and its fork in the same step, closing the
+    first removed the request and closing the second raised KeyError. Here a 48-token prompt fills
+    the 12-block pool; after its first token it is forked, and the next step fails both (the 49th
+    token's KV can never fit): r in its decode, r.1 when it is readmitted."""
+    engine = make_engine(tiny_llama, block_size=4, num_blocks=12, max_model_len=64, enable_prefix_caching=False)
+    watcher = FoldWatcher(engine)
+    engine.add_request("r", list(range(1, 49)), greedy(20))
+    engine.step()
+    engine.fork("r")
+    result = engine.step()
+    failed = [e.request_id for e in result.events if isinstance(e, ev.RequestFinished)]
+    assert failed == ["r", "r.1"]
+    engine.check_invariants()
+    watcher.check(engine)
+    out = result.outputs[-1]
+    assert out.finished and all("pool" in c.error for c in out.outputs)
+
+
+def test_drafts_never_run_past_the_pool(tiny_llama):
+    """Regression: drafts were capped by max_model_len (64) but not by the pool (48 tokens): a
+    request and its fork drafting near the end of the pool were failed with "needs more than the
+    12 blocks of the pool" while their tokens still fitted."""
+    engine = make_engine(tiny_llama, block_size=4, num_blocks=12, max_model_len=64, enable_prefix_caching=False,
+                         speculative_method="ngram", num_speculative_tokens=3)
+    watcher = FoldWatcher(engine)
+    engine.add_request("r", [1, 2, 3, 4, 5] * 8, greedy(20))     # repetitive: the n-gram proposer drafts
+    for _ in range(3):
+        engine.step()
+    engine.fork("r")
+    finished = drive(engine, watcher)
+    for comp in finished["r"].outputs:
+        assert comp.finish_reason == "abort" and 40 + len(comp.token_ids) > 48, (len(comp.token_ids), comp.error)
