@@ -46,29 +46,30 @@ def main() -> int:
     from hypothesis import HealthCheck, Phase, settings
     from hypothesis.stateful import run_state_machine_as_test
 
+    import machine_reference as counts
     import test_engine_stateful as machine
 
     phases = [Phase.generate] + ([] if args.no_shrink else [Phase.shrink])
     config = settings(max_examples=args.batch, stateful_step_count=args.steps, deadline=None, database=None,
                       derandomize=False, suppress_health_check=list(HealthCheck), phases=phases)
     t0, examples = time.perf_counter(), 0
-    while machine.STATS["operations"] < args.ops or len(machine.CONFIGS) < args.min_configs:
+    while counts.STATS["operations"] < args.ops or len(counts.CONFIGS) < args.min_configs:
         seed = args.seed + examples // args.batch
         hypothesis.core.global_force_seed = seed      # what pytest's --hypothesis-seed sets: reproducible
         try:
             run_state_machine_as_test(machine.EngineMachine, settings=config)
         except BaseException as exc:   # noqa: BLE001 -- print the (shrunk) failing sequence of operations
             traceback.print_exception(exc)
-            print(f"\nFAILED in the batch with seed {seed}, after {machine.STATS['operations']} operations: "
+            print(f"\nFAILED in the batch with seed {seed}, after {counts.STATS['operations']} operations: "
                   f"{type(exc).__name__}: {exc}")
             return 1
         examples += args.batch
-        print(f"  {machine.STATS['operations']:>6} operations, {len(machine.CONFIGS):>3} configurations, "
+        print(f"  {counts.STATS['operations']:>6} operations, {len(counts.CONFIGS):>3} configurations, "
               f"{examples} examples, {time.perf_counter() - t0:.0f} s", flush=True)
 
-    stats = machine.STATS
+    stats = counts.STATS
     print(f"\n{stats['operations']} operations (each followed by check_invariants() and fold == snapshot) in "
-          f"{examples} examples over {len(machine.CONFIGS)} engine configurations, "
+          f"{examples} examples over {len(counts.CONFIGS)} engine configurations, "
           f"{time.perf_counter() - t0:.0f} s, no failure")
     print(f"{stats['outputs equal to the mechanisms-off engine']} finished greedy/seeded requests equal to the "
           "same request alone on an engine with every mechanism off")

@@ -44,8 +44,8 @@ def check_invariants(engine) -> None:
         for rid, st in getattr(engine.proposer, "states", {}).items():   # a draft model's own KV
             seq = engine.requests.get(rid)
             assert seq is not None, f"draft KV kept for {rid}, which is not an unfinished sequence"
-            assert st.num_computed < seq.num_tokens, \
-                f"draft KV of {rid} covers {st.num_computed} of {seq.num_tokens} tokens: the next proposal has nothing to feed"
+            assert st.num_computed < seq.num_tokens, (f"draft KV of {rid} covers {st.num_computed} of its "
+                                                      f"{seq.num_tokens} tokens: a proposal would have nothing to feed")
     queues = engine.scheduler.running + list(engine.scheduler.waiting) + list(engine.scheduler.swapped)
     live = {s.request_id for s in queues}
     assert live == set(engine.requests), f"queues {sorted(live)} != sequences {sorted(engine.requests)}"

@@ -29,11 +29,12 @@ victim that is not already in this step's batch, chosen by
 With `preemption_mode="recompute"` the victim's blocks are freed and it waits
 at the front of the queue to recompute its KV; with "swap" its KV is copied to
 the CPU pool and back later (falling back to recompute when the CPU pool is
-full). Waiting sequences never preempt a sequence that is making progress;
-the one exception is a *stuck* beam: a running beam that has its next-token
-scores and waits, holding a seat and blocks, for a sibling that was preempted.
-Admission may preempt those (never for a sibling of its own), or two beam
-searches could wait on each other forever. A sequence that could not fit
+full). Waiting sequences never preempt a sequence that is making progress.
+A *stuck* beam makes none: a running beam that has its next-token scores and
+waits, holding a seat and blocks, for a sibling that was preempted. Stuck
+beams (of other requests) are the first victims, for running and waiting
+sequences alike, or a beam search could hold its blocks while the others
+preempt each other, or two beam searches wait on each other, forever. A sequence that could not fit
 even in an empty pool is failed with an error instead of retried forever.
 
 The scheduler moves sequences between queues; `kv_manager.py` does the block
@@ -212,8 +213,8 @@ class Scheduler:
         """Are there seats for `seq` and `need` blocks (beyond what admitting `node`'s path frees)?
 
         If not, preempt *stuck* beams, newest first: running beams that computed their scores and
-        wait, holding seats and blocks, for a sibling that is not running. Each was preempted
-        because memory was short; without this, two beam searches could wait on each other's
+        wait, holding seats and blocks, for a sibling that is not running (it was preempted
+        because memory was short). Without this, two beam searches could wait on each other's
         seats forever. A beam of `seq`'s own request is never preempted for it (that would
         only swap which sibling waits), nor one whose siblings all run (it waits one step).
         """
@@ -222,12 +223,17 @@ class Scheduler:
                     need > self.kv.num_available_blocks - self.kv.evictable_in_path(node))
         if not short():
             return True
-        stuck_groups = {s.group_id for s in (*self.waiting, *self.swapped)} - {seq.group_id}
-        stuck = [s for s in self.running if s.num_uncomputed_tokens == 0 and s.group_id in stuck_groups
-                 and s.request_id not in scheduled]
+        stuck = self._stuck_beams(scheduled, seq.group_id)
         while stuck and short():
             self._preempt(stuck.pop(), out)
         return not short()
+
+    def _stuck_beams(self, scheduled: set[str], other_than: str) -> list[Sequence]:
+        """Running beams (of requests other than `other_than`) that have their scores and wait for a
+        sibling that is not running: they hold seats and blocks and compute nothing. Oldest first."""
+        waiting_for = {s.group_id for s in (*self.waiting, *self.swapped)} - {other_than}
+        return [s for s in self.running if s.num_uncomputed_tokens == 0 and s.group_id in waiting_for
+                and s.request_id not in scheduled]
 
     def _reserve(self, seq: Sequence, num_new: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         """Get blocks for `num_new` more tokens of a running `seq`, preempting others if needed.
@@ -235,7 +241,7 @@ class Scheduler:
         Returns False when `seq` itself had to be preempted (or failed).
         """
         while self.kv.blocks_to_write(seq, num_new) > self.kv.num_available_blocks:
-            victim = self._victim(scheduled)
+            victim = self._victim(seq, scheduled)
             if victim is seq and self.pool.blocks_needed(0, seq.num_computed_tokens + num_new) > self.pool.num_blocks:
                 # It would not fit even alone in the pool: it never will. (Otherwise it waits
                 # for room like any victim; blocks it shares with a fork do not count against it.)
@@ -248,8 +254,12 @@ class Scheduler:
         self.kv.grow(seq, num_new)
         return True
 
-    def _victim(self, scheduled: set[str]) -> Sequence:
-        """The running sequence to preempt, by `preemption_policy` (never one already in this batch)."""
+    def _victim(self, seq: Sequence, scheduled: set[str]) -> Sequence:
+        """The running sequence to preempt for `seq`: a stuck beam of another request first (it
+        makes no progress anyway), else one by `preemption_policy`; never one already in this batch."""
+        stuck = self._stuck_beams(scheduled, seq.group_id)
+        if stuck:
+            return stuck[-1]
         candidates = [(i, s) for i, s in enumerate(self.running) if s.request_id not in scheduled]
         policy = self.config.preemption_policy
         if policy == "priority":

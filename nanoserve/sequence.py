@@ -9,7 +9,7 @@ and where it is in its life:
        ▲                  │
        └───preempt────────┘            (any unfinished state) ──abort──▶ FINISHED_ABORTED
     RUNNING ──swap out──▶ SWAPPED ──swap in──▶ RUNNING
-                          SWAPPED ──(a step failed before its swap-out copy ran)──▶ WAITING
+                          SWAPPED ──(a failed step never ran the copy)──▶ WAITING
 
 Preemption by recompute sends a RUNNING sequence back to WAITING with its
 blocks freed and `num_computed_tokens = 0`; its generated tokens are kept and
