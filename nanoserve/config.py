@@ -125,7 +125,7 @@ class EngineConfig:
         """Refuse pools the machine cannot hold (KV tensors plus about 100 bytes of bookkeeping per block)."""
         device_kv = num_blocks * (bytes_per_block + draft_bytes)              # on `device`
         host = num_cpu_blocks * bytes_per_block + (2 * num_blocks + num_cpu_blocks) * _BOOKKEEPING_BYTES
-        pools = f"{num_blocks} blocks of {self.block_size} tokens ({_size(bytes_per_block)} each)"
+        pools = f"{num_blocks} blocks of {self.block_size} tokens, {_size(bytes_per_block)} each"
         if num_cpu_blocks:
             pools += f" and {num_cpu_blocks} CPU blocks for swapping"
         field = "num_blocks" if self.num_blocks is not None else "kv_cache_memory_mb"
@@ -138,7 +138,7 @@ class EngineConfig:
             have = v.available_memory(device)
             if have is not None and need > have:
                 raise FieldError(name, f"asks for {_size(need)} on {device} for the KV cache and its bookkeeping "
-                                       f"({pools}), but only {_size(have)} is free")
+                                       f"({pools}); only {_size(have)} is free")
 
 
 _BOOKKEEPING_BYTES = 100   # a Block object and its place in the pool's lists

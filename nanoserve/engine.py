@@ -18,13 +18,14 @@ A step is all or nothing, by construction rather than by luck:
 
 * *plan* is bookkeeping the scheduler does every step (the state machine
   tests check it after every operation); it allocates blocks but computes
-  nothing.
+  nothing. (Raising there would be a bookkeeping bug: nothing undoes it.)
 * *compute* changes no bookkeeping at all: it only writes KV into the blocks
   the plan gave and advances the requests' RNGs. If it raises (out of memory,
-  a kernel error, Ctrl-C), `step_rollback.py` undoes the plan (RNGs restored,
-  uncomputed blocks given back, draft caches dropped) and `step()` raises
-  `StepFailed` naming the requests and the cause; they keep their tokens and
-  the next step runs them again.
+  a kernel error, Ctrl-C; the draft model's forward counts too),
+  `step_rollback.py` undoes the plan (RNGs restored, uncomputed blocks given
+  back, draft caches dropped) and `step()` raises `StepFailed` naming the
+  requests and the cause; they keep their tokens and the next step runs them
+  again.
 * *commit* is per request: if one request's logits are not a distribution
   (NaN) or its postprocessing raises, that request alone is finished with
   finish_reason "abort" and an `error`, its blocks released; the others go on.
@@ -52,16 +53,16 @@ from nanoserve import engine_state, events as ev, intake, spec_decode, step_roll
 from nanoserve import validation as v
 from nanoserve.attention import prepare_backend
 from nanoserve.block_pool import BlockPool
+from nanoserve.choose import Choice, choose
+from nanoserve.commit import commit
 from nanoserve.config import EngineConfig
 from nanoserve.detokenizer import IncrementalDetokenizer
+from nanoserve.errors import SubscriberError
 from nanoserve.models.loader import LoadedModel, load_model
 from nanoserve.kv_manager import KVManager
 from nanoserve.outputs import RequestOutput, StepResult, StepStats
 from nanoserve.radix_cache import RadixCache
 from nanoserve.request import Request
-from nanoserve.choose import Choice, choose
-from nanoserve.commit import commit
-from nanoserve.errors import SubscriberError
 from nanoserve.runner import ModelRunner, RunInput, kv_bytes_per_block
 from nanoserve.sampler import SampledToken, Sampler
 from nanoserve.spec_decode import Drafts, build_proposer
