@@ -65,8 +65,9 @@ class Timer:
         return timed
 
 
-def instrument(engine: LLMEngine, timer: Timer) -> list[list[tuple[float, float]]]:
-    """Wrap the engine's parts; returns the list that collects (layer, attention) times of each step."""
+def instrument(engine: LLMEngine, timer: Timer):
+    """Wrap the engine's parts; returns the list that collects (layer, attention) times of each step,
+    and the layer hooks' handles (the model may be shared: remove them after the run)."""
     engine.scheduler.schedule = timer.wrap("schedule", engine.scheduler.schedule)
     runner = engine.runner
     runner.prepare = timer.wrap("prepare", runner.prepare)
@@ -95,17 +96,18 @@ def instrument(engine: LLMEngine, timer: Timer) -> list[list[tuple[float, float]
         # (layer total, its attention): the attention call this layer just made is the last one
         per_layer[-1].append((time.perf_counter() - starts[idx], attn_calls[-1] if attn_calls else 0.0))
 
+    handles = []
     for i, layer in enumerate(layers):
-        layer.register_forward_pre_hook(lambda m, a, i=i: pre(m, a, i))
-        layer.register_forward_hook(lambda m, a, o, i=i: post(m, a, o, i))
-    return per_layer
+        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: pre(m, a, i)))
+        handles.append(layer.register_forward_hook(lambda m, a, o, i=i: post(m, a, o, i)))
+    return per_layer, handles
 
 
 def run(loaded, reqs, config: dict, steps: int, events_on: bool) -> list[dict]:
     """Step the workload; one record per step: phase times (s), token counts, per-layer times."""
     engine = LLMEngine(EngineConfig(**config), loaded=loaded)
     timer = Timer()
-    per_layer = instrument(engine, timer)
+    per_layer, handles = instrument(engine, timer)
     if events_on:
         state = {"view": None}
         engine.subscribe(lambda e: state.__setitem__("view", fold(state["view"], e)))
@@ -129,6 +131,8 @@ def run(loaded, reqs, config: dict, steps: int, events_on: bool) -> list[dict]:
         rec["postprocess"] = total - sum(rec[p] for p in PHASES)
         records.append({"phases": rec, "total": total, "prefill": result.stats.num_prefill_tokens,
                         "decode": result.stats.num_decode_tokens, "layers": layers})
+    for h in handles:
+        h.remove()
     return records
 
 
@@ -221,7 +225,7 @@ def main() -> None:
     for kv in args.set:
         key, value = kv.split("=", 1)
         config[key] = json.loads(value) if value[:1] in "0123456789-tfn[{\"" else value
-    print(f"model {args.model}, {args.dtype}, torch threads {torch.get_num_threads()}, config {config}")
+    print(f"model {args.model}, {args.dtype}, torch threads: {torch.get_num_threads()}, config {config}")
     run(loaded, reqs[:4], config, 3, events_on=False)          # warm-up
     off = summarise(run(loaded, reqs, config, args.steps, events_on=False), args.num_requests)
     on = summarise(run(loaded, reqs, config, args.steps, events_on=True), args.num_requests)
@@ -238,7 +242,7 @@ def main() -> None:
             print(f"  {kind:24s} events off {ms_off:7.2f} ms ({100 * sh_off:4.1f} %)   "
                   f"events on {ms_on:7.2f} ms ({100 * sh_on:4.1f} %)")
     if not args.no_plot:
-        plot(off, on, Path(args.out), f"{args.model}, {args.dtype}, {torch.get_num_threads()} threads, "
+        plot(off, on, Path(args.out), f"{args.model}, {args.dtype}, torch threads: {torch.get_num_threads()}, "
              f"{config.get('fast_paths', True) and 'fast paths' or 'plain path'}, batch of {args.num_requests}")
 
 

@@ -48,7 +48,9 @@ def with_fp32_matmuls(module: nn.Module) -> nn.Module:
     """A copy of the module tree with every nn.Linear replaced by an Fp32Linear; other parameters shared."""
     if isinstance(module, nn.Linear):
         return Fp32Linear(module)
-    clone = copy.copy(module)     # shallow: the same parameter and buffer tensors
-    clone._modules = {name: None if child is None else with_fp32_matmuls(child)
-                      for name, child in module._modules.items()}
+    clone = copy.copy(module)
+    # Its own dicts (parameters, buffers, hooks, children), holding the same tensors.
+    clone.__dict__.update({k: copy.copy(v) for k, v in vars(module).items() if isinstance(v, dict)})
+    for name, child in module._modules.items():
+        clone._modules[name] = None if child is None else with_fp32_matmuls(child)
     return clone
