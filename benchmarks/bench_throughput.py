@@ -22,7 +22,9 @@ once. The systems:
 
 Every system runs `--repeat` times, interleaved, and the script prints the
 median output tokens/s with the spread (min-max), and the ratios of nanoserve's
-median to the others'. Only useful tokens count. It also prints how many
+median to the others', by wall clock and by CPU time of the process (with one
+thread per system on a machine that other work shares, CPU time is the fairer
+measure: a system that waits for a core does not count the wait). Only useful tokens count. It also prints how many
 requests came out with exactly nanoserve's greedy tokens (float rounding differs
 between implementations, so a near-tie can flip a token and the rest of that
 request with it; identical weights and a correct engine keep most of them equal).
@@ -68,14 +70,24 @@ def workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
     return reqs
 
 
-# -- the systems: each returns (seconds, output token ids per request) ----------------------
+# -- the systems: each returns (Span, output token ids per request) ------------------------
+
+
+class Span:
+    """Wall-clock seconds and CPU seconds (all threads of this process) of one run."""
+
+    def __init__(self) -> None:
+        self.t0, self.c0 = time.perf_counter(), time.process_time()
+
+    def stop(self) -> tuple[float, float]:
+        return time.perf_counter() - self.t0, time.process_time() - self.c0
 
 
 @torch.inference_mode()
 def hf_batched(hf, reqs, batch_size: int, pad_id: int = 0):
     """Padded static batches of `batch_size` (left padding, so every row ends at its last prompt token)."""
     outs = []
-    t0 = time.perf_counter()
+    span = Span()
     for i in range(0, len(reqs), batch_size):
         batch = reqs[i : i + batch_size]
         width = max(len(p) for p, _ in batch)
@@ -85,13 +97,13 @@ def hf_batched(hf, reqs, batch_size: int, pad_id: int = 0):
         gen = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                           eos_token_id=None, pad_token_id=pad_id)
         outs += [gen[j, width : width + n].tolist() for j, (_, n) in enumerate(batch)]
-    return time.perf_counter() - t0, outs
+    return span.stop(), outs
 
 
 def nanoserve_run(loaded, reqs, config: dict):
-    """All requests at once, stepped until done; returns (seconds, outputs, steps)."""
+    """All requests at once, stepped until done; returns ((wall, cpu) seconds, outputs, steps)."""
     engine = LLMEngine(EngineConfig(**config), loaded=loaded)
-    t0 = time.perf_counter()
+    span = Span()
     for i, (prompt, n) in enumerate(reqs):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     outs, steps = {}, 0
@@ -100,7 +112,7 @@ def nanoserve_run(loaded, reqs, config: dict):
             if out.finished:
                 outs[out.request_id] = out.outputs[0].token_ids
         steps += 1
-    return time.perf_counter() - t0, [outs[str(i)] for i in range(len(reqs))], steps
+    return span.stop(), [outs[str(i)] for i in range(len(reqs))], steps
 
 
 def find_vllm_python(arg: str | None) -> str | None:
@@ -129,7 +141,7 @@ def vllm_preload(python: str) -> str:
 
 
 def vllm_run(python: str, model_dir: str, dtype: str, reqs, threads: int, repeat: int):
-    """Run the workload `repeat` times in one vLLM process; returns ([seconds...], outputs, info)."""
+    """Run the workload `repeat` times in one vLLM process; returns ([(wall, cpu)...], outputs, info)."""
     job = {"model": model_dir, "dtype": dtype, "threads": threads, "repeat": repeat,
            "prompts": [p for p, _ in reqs], "max_tokens": [n for _, n in reqs]}
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), LD_PRELOAD=vllm_preload(python))
@@ -139,7 +151,7 @@ def vllm_run(python: str, model_dir: str, dtype: str, reqs, threads: int, repeat
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
             res = json.loads(line)
-            return res["seconds"], res["token_ids"], res
+            return list(zip(res["seconds"], res["cpu_seconds"])), res["token_ids"], res
     tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-15:])
     raise RuntimeError(f"vLLM worker failed (exit {proc.returncode}):\n{tail}")
 
@@ -157,10 +169,12 @@ def same_outputs(a: list[list[int]], b: list[list[int]]) -> str:
     return f"{same}/{len(a)} identical, {100 * statistics.mean(prefix):.0f}% of tokens before a first difference"
 
 
-def summary(name: str, secs: list[float], useful: int) -> str:
-    rates = [useful / s for s in secs]
-    med = statistics.median(rates)
-    return f"  {name:34s} {statistics.median(secs):8.2f} s  {med:8.1f} tok/s  (spread {min(rates):.1f}-{max(rates):.1f}, n={len(rates)})"
+def summary(name: str, spans: list[tuple[float, float]], useful: int) -> str:
+    wall = [useful / w for w, _ in spans]
+    cpu = [useful / c for _, c in spans]
+    return (f"  {name:30s} {statistics.median(w for w, _ in spans):8.1f} s {statistics.median(wall):7.1f} tok/s "
+            f"(spread {min(wall):.1f}-{max(wall):.1f}) | CPU {statistics.median(c for _, c in spans):8.1f} s "
+            f"{statistics.median(cpu):7.1f} tok/CPU-s  n={len(spans)}")
 
 
 def run_dtype(dtype: str, args, vllm_python: str | None) -> dict[str, list[float]]:
@@ -195,43 +209,48 @@ def run_dtype(dtype: str, args, vllm_python: str | None) -> dict[str, list[float
     outputs: dict[str, list[list[int]]] = {}
     vllm_info = None
     for r in range(args.repeat):
-        secs, outs, steps = nanoserve_run(loaded, reqs, config)
-        times.setdefault("nanoserve", []).append(secs)
+        span, outs, steps = nanoserve_run(loaded, reqs, config)
+        times.setdefault("nanoserve", []).append(span)
         outputs["nanoserve"] = outs
-        print(f"  [{r + 1}/{args.repeat}] nanoserve {secs:.2f} s ({steps} steps)", flush=True)
+        print(f"  [{r + 1}/{args.repeat}] nanoserve {span[0]:.1f} s, CPU {span[1]:.1f} s ({steps} steps)", flush=True)
         if args.plain:   # the same engine with its speed paths off: what they are worth, in this run
-            secs, outs, _ = nanoserve_run(loaded, reqs, dict(config, fast_paths=False))
-            times.setdefault("nanoserve, plain path", []).append(secs)
+            span, outs, _ = nanoserve_run(loaded, reqs, dict(config, fast_paths=False))
+            times.setdefault("nanoserve, plain path", []).append(span)
             outputs["nanoserve, plain path"] = outs
-            print(f"  [{r + 1}/{args.repeat}] nanoserve, plain path {secs:.2f} s", flush=True)
+            print(f"  [{r + 1}/{args.repeat}] nanoserve, plain path {span[0]:.1f} s, CPU {span[1]:.1f} s", flush=True)
         if not args.skip_hf:
             for b in args.batch_sizes:
                 name = f"HF generate, static batch {b}"
-                secs, outs = hf_batched(hf, reqs, b)
-                times.setdefault(name, []).append(secs)
+                span, outs = hf_batched(hf, reqs, b)
+                times.setdefault(name, []).append(span)
                 outputs[name] = outs
-                print(f"  [{r + 1}/{args.repeat}] {name} {secs:.2f} s", flush=True)
+                print(f"  [{r + 1}/{args.repeat}] {name} {span[0]:.1f} s, CPU {span[1]:.1f} s", flush=True)
             if args.hf_single:
-                secs, outs = hf_batched(hf, reqs, 1)
-                times.setdefault("HF generate, one at a time", []).append(secs)
+                span, outs = hf_batched(hf, reqs, 1)
+                times.setdefault("HF generate, one at a time", []).append(span)
         if vllm_python and r == 0:   # one vLLM process runs all its repeats (startup is ~1 min)
-            secs, outs, vllm_info = vllm_run(vllm_python, loaded.path, dtype, reqs, torch.get_num_threads(),
-                                             args.repeat)
-            times["vLLM CPU"] = secs
+            spans, outs, vllm_info = vllm_run(vllm_python, loaded.path, dtype, reqs, torch.get_num_threads(),
+                                              args.repeat)
+            times["vLLM CPU"] = spans
             outputs["vLLM CPU"] = outs
-            print(f"  vLLM CPU {vllm_info['version']} runs: {', '.join(f'{s:.2f} s' for s in secs)}", flush=True)
+            print(f"  vLLM CPU {vllm_info['version']} runs: "
+                  f"{', '.join(f'{w:.1f} s, CPU {c:.1f} s' for w, c in spans)}", flush=True)
 
-    print(f"\n  {dtype} results (output tokens/s; median of {args.repeat}):")
-    for name, secs in times.items():
-        print(summary(name, secs, useful))
+    print(f"\n  {dtype} results (output tokens per second of wall clock, and per CPU-second of the process;"
+          f" median of {args.repeat}):")
+    for name, spans in times.items():
+        print(summary(name, spans, useful))
     if vllm_info:
         print(f"  vLLM settings: block {vllm_info['block_size']}, budget {vllm_info['max_num_batched_tokens']} "
               f"tokens/step, {vllm_info['max_num_seqs']} seats, LD_PRELOAD={vllm_info['ld_preload']}")
-    base = statistics.median(times["nanoserve"])
-    print(f"  nanoserve is (tokens/s ratio):")
-    for name, secs in times.items():
+    base_wall = statistics.median(w for w, _ in times["nanoserve"])
+    base_cpu = statistics.median(c for _, c in times["nanoserve"])
+    print("  nanoserve is (ratio of tokens/s; by wall clock | by CPU time, the fairer one when other work shares"
+          " the machine and every system runs one thread):")
+    for name, spans in times.items():
         if name != "nanoserve":
-            print(f"    {statistics.median(secs) / base:5.2f}x  {name}")
+            print(f"    {statistics.median(w for w, _ in spans) / base_wall:5.2f}x | "
+                  f"{statistics.median(c for _, c in spans) / base_cpu:5.2f}x  {name}")
     for name, outs in outputs.items():
         if name != "nanoserve":
             print(f"  greedy outputs vs {name}: {same_outputs(outputs['nanoserve'], outs)}")

@@ -7,7 +7,7 @@ line from its stdout:
 
     stdin : {"model": dir, "dtype": "float32", "threads": 2, "prompts": [[ids...]...],
              "max_tokens": [n...], "repeat": r, "engine_args": {...}}
-    stdout: {"seconds": [s, ...], "output_tokens": n, "token_ids": [[...]...], "version": "0.32.0", ...}
+    stdout: {"seconds": [s, ...], "cpu_seconds": [s, ...], "output_tokens": n, "token_ids": [[...]...], "version": "0.32.0", ...}
 
 The prompts go in as token ids and every request generates exactly its
 `max_tokens` (greedy, EOS ignored), so vLLM does the same work as nanoserve.
@@ -41,16 +41,18 @@ def main() -> None:
 
     llm.generate(prompts[:2], [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)] * 2,
                  use_tqdm=False)   # warm-up: first calls allocate and pick kernels
-    seconds = []
+    seconds, cpu_seconds = [], []
     for _ in range(job.get("repeat", 1)):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds.append(time.perf_counter() - t0)
+        cpu_seconds.append(time.process_time() - c0)   # all threads of this process
 
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
     cfg = llm.llm_engine.vllm_config
     print(json.dumps({
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
         "output_tokens": sum(len(t) for t in token_ids),
         "token_ids": token_ids,
         "version": vllm.__version__,

@@ -32,8 +32,10 @@ and the tests check both give the same tokens):
 
 * the torch backend attends decodes in groups of similar length
   (kernels/torch_backend.py);
-* a bf16 model on a CPU without bf16 units runs its matmuls and attention in
-  float32 on the bf16 values (models/fp32_matmuls.py), ~10x faster there.
+* on a CPU, the model's linear layers run from oneDNN-packed weights, and a
+  bf16 model on a CPU without bf16 units runs its matmuls and attention in
+  float32 on the bf16 values, ~10x faster there (models/cpu_linear.py). The
+  runner then holds a view of the model; the loaded model is not changed.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) ->
 
 
 def half_matmuls_need_fp32(dtype: torch.dtype, device: torch.device) -> bool:
-    """A bf16 model on a CPU whose bf16 matmuls would run in software (see models/fp32_matmuls.py)."""
+    """A bf16 model on a CPU whose bf16 matmuls would run in software (see models/cpu_linear.py)."""
     from nanoserve.kernels.torch_backend import cpu_has_bf16_units
     return dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_bf16_units()
 
@@ -83,13 +85,16 @@ class ModelRunner:
         self.device = device
         self.backend = backend          # attention kernels: "torch" or "triton"
         self.fast_paths = fast_paths
-        fp32_compute = fast_paths and half_matmuls_need_fp32(dtype, device)
         self.attn: AttentionBackend = make_backend(backend, fast_paths)
         self.model = model
-        if fp32_compute:
-            from nanoserve.models.fp32_matmuls import with_fp32_matmuls
-            self.model = with_fp32_matmuls(model)     # a view; the loaded model stays as it is
-            self.attn.compute_dtype = torch.float32
+        if fast_paths and device.type == "cpu":
+            from nanoserve.models.cpu_linear import can_pack, cpu_linear_view
+            upcast = half_matmuls_need_fp32(dtype, device)      # bf16 values, float32 math
+            pack = can_pack() and (upcast or dtype == torch.float32)
+            if upcast or pack:
+                self.model = cpu_linear_view(model, upcast, pack)   # a view; the loaded model stays as it is
+            if upcast:
+                self.attn.compute_dtype = torch.float32
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
         # One (k_cache, v_cache) pair per layer.
         self.kv_caches = [

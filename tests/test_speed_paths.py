@@ -3,10 +3,10 @@
 Greedy parity with Hugging Face for both settings is in test_parity.py; here:
 
 * each attention backend builds only the tensors its own kernels read;
-* bf16 on a CPU without bf16 units: matmuls run in float32 on the bf16 values
-  (models/fp32_matmuls.py) in a view of the model, leaving the shared loaded
-  model as it was, and the logits agree with the plain bf16 path within bf16
-  rounding;
+* the CPU linear view (models/cpu_linear.py): oneDNN-packed weights give
+  float32 results equal to nn.Linear's up to summation order; bf16 on a CPU
+  without bf16 units multiplies in float32 on the bf16 values; the shared
+  loaded model stays as it was, and the logits agree with the plain path;
 * a bad value for the switch is one clear error naming the field.
 """
 
@@ -21,7 +21,7 @@ from nanoserve import EngineConfig
 from nanoserve.attention import BatchLayout, PrefillChunk
 from nanoserve.kernels import torch_backend
 from nanoserve.kernels.torch_backend import TorchBackend, TorchMetadata
-from nanoserve.models.fp32_matmuls import Fp32Linear, with_fp32_matmuls
+from nanoserve.models.cpu_linear import CpuLinear, can_pack, cpu_linear_view
 from nanoserve.runner import RunInput
 
 
@@ -52,19 +52,37 @@ def test_triton_backend_builds_only_triton_tensors():
     assert not hasattr(meta, "decode_groups") and not hasattr(meta, "prefills")   # no torch masks
 
 
-def test_fp32_matmuls_is_a_view_that_leaves_the_model_alone():
+@pytest.mark.parametrize("pack", [False, True])
+def test_cpu_linear_view_upcasts_bf16_and_leaves_the_model_alone(pack):
+    if pack and not can_pack():
+        pytest.skip("torch built without oneDNN")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 4))).bfloat16()
-    view = with_fp32_matmuls(model)
-    assert isinstance(view[0], Fp32Linear) and isinstance(view[2][1], Fp32Linear)
+    view = cpu_linear_view(model, upcast=True, pack=pack)
+    assert isinstance(view[0], CpuLinear) and isinstance(view[2][1], CpuLinear)
+    assert view[0].packed is pack
     assert isinstance(model[0], nn.Linear) and model[0].weight.dtype == torch.bfloat16       # untouched
     assert view[2][0].weight is model[2][0].weight                          # other parameters shared
-    assert torch.equal(view[0].weight, model[0].weight.float())          # exact copies of bf16 values
+    if not pack:
+        assert torch.equal(view[0].weight, model[0].weight.float())     # exact copies of bf16 values
     x = torch.randn(5, 8).bfloat16()
     got, want = view(x), model(x)
     assert got.dtype == torch.bfloat16
-    # Same products, float32 sums: only the rounding of the sums' order may differ.
+    # Same products, float32 sums: only the order of the additions (and the bf16 rounding) may differ.
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_packed_linear_matches_nn_linear_in_float32():
+    if not can_pack():
+        pytest.skip("torch built without oneDNN")
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96)
+    packed = CpuLinear(linear, upcast=False, pack=True)
+    for rows in (1, 7, 32, 300):                      # packed for 32 rows; any count works
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+    x3 = torch.randn(2, 5, 64)                        # leading axes are kept
+    torch.testing.assert_close(packed(x3), linear(x3), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("has_units", [False, True])
@@ -76,8 +94,10 @@ def test_bf16_engine_on_a_cpu_without_bf16_units(tiny_llama_dir, monkeypatch, ha
     fast = make_engine(loaded, dtype="bfloat16", block_size=4, num_blocks=64)
     plain = make_engine(loaded, dtype="bfloat16", block_size=4, num_blocks=64, fast_paths=False)
     # Only a CPU without bf16 units gets the float32 view; the loaded model stays bf16 either way.
-    assert any(isinstance(m, Fp32Linear) for m in fast.runner.model.modules()) is (not has_units)
-    assert not any(isinstance(m, Fp32Linear) for m in plain.runner.model.modules())
+    upcast = [m.upcast for m in fast.runner.model.modules() if isinstance(m, CpuLinear)]
+    assert (upcast and all(upcast)) if not has_units else not upcast
+    assert fast.runner.attn.compute_dtype == (None if has_units else torch.float32)
+    assert not any(isinstance(m, CpuLinear) for m in plain.runner.model.modules())
     assert all(m.weight.dtype == torch.bfloat16 for m in loaded.model.modules() if isinstance(m, nn.Linear))
     prompts = [[5, 9, 200, 31, 7, 7, 100], [3, 1, 4, 1, 5], [42]]
     inputs = [RunInput(p, 0, [2 * i, 2 * i + 1]) for i, p in enumerate(prompts)]   # blocks of 4 tokens
@@ -95,7 +115,7 @@ def test_fast_paths_must_be_a_bool():
 def test_fp32_view_has_its_own_hooks():
     """A hook on the view (e.g. benchmarks/profile_step.py's timers) does not fire on the shared original."""
     model = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4)).bfloat16()
-    view = with_fp32_matmuls(model)
+    view = cpu_linear_view(model, upcast=True, pack=False)
     calls = []
     view[0].register_forward_hook(lambda *a: calls.append(1))
     model(torch.randn(2, 4).bfloat16())
