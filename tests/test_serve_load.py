@@ -18,7 +18,7 @@ from nanoserve.trace import read_trace
 
 NUM_CLIENTS, HANG_UP_EVERY = 64, 4
 # A pool that cannot hold everyone (preemption happens) and a budget that chunks prefills.
-CONFIG = dict(block_size=4, num_blocks=160, max_num_seqs=16, max_num_batched_tokens=48)
+CONFIG = dict(block_size=4, num_blocks=64, max_num_seqs=16, max_num_batched_tokens=48)
 TOPICS = ["paged attention", "a KV cache", "continuous batching", "a radix tree", "preemption", "beam search",
           "speculative decoding", "a block table"]
 
