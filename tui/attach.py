@@ -124,6 +124,7 @@ class AttachSource(Source):
         self._dirty = False
         self._clients: dict | None = None
         self._stop = threading.Event()
+        self._response = None                  # the open /events response (closed to stop the worker)
         self._app: App | None = None
 
     # -- UI thread ---------------------------------------------------------------------
@@ -164,6 +165,12 @@ class AttachSource(Source):
 
     def close(self) -> None:
         self._stop.set()
+        response = self._response
+        if response is not None:        # unblock the worker's read (an idle server sends only heartbeats)
+            try:
+                response.close()
+            except Exception:  # noqa: BLE001 -- it is going away either way
+                pass
 
     # -- worker thread -----------------------------------------------------------------
 
@@ -179,25 +186,35 @@ class AttachSource(Source):
                         if response.status_code != 200:
                             response.read()
                             raise ConnectionError(_http_error(response))
+                        self._response = response
                         self._to_ui(self._app.post_message, SourceStatus("ready", f"attached to {self.url}"))
                         if not connected_once:
                             self._to_ui(self._app.notify, f"watching {self.url}: {READ_ONLY}", title="attached")
                         connected_once = True
                         self._read(response.iter_lines())
-            except (httpx.HTTPError, ConnectionError, ValueError) as exc:
+                        if not self._stop.is_set():
+                            raise ConnectionError("the server ended the stream")
+            except Exception as exc:  # noqa: BLE001 -- network errors, a closed stream, a bad line
+                if self._stop.is_set():
+                    return
                 if not connected_once:
                     self._to_ui(self._app.post_message,
                                 SourceStatus("error", f"could not attach to {self.url}: {exc}"))
                     return
-                if not self._stop.is_set():
-                    self._to_ui(self._app.notify, f"lost {self.url} ({exc}); reconnecting …", severity="warning")
+                self._to_ui(self._app.notify, f"lost {self.url} ({exc}); reconnecting …", severity="warning")
+            finally:
+                self._response = None
             if self._stop.wait(RETRY_S):
                 return
 
     def _read(self, lines: Iterable[str]) -> None:
-        for kind, data, event_id in sse_messages(lines):
-            if self._stop.is_set():
-                return
+        def until_stopped():                   # checked on every line, heartbeats included
+            for line in lines:
+                if self._stop.is_set():
+                    return
+                yield line
+
+        for kind, data, event_id in sse_messages(until_stopped()):
             if kind == "clients":
                 with self._lock:
                     self._clients = json.loads(data)
