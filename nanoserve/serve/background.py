@@ -19,11 +19,26 @@ import time
 import uvicorn
 
 
+class Uvicorn(uvicorn.Server):
+    """uvicorn's server, ending the app's /events streams when shutdown begins.
+
+    uvicorn waits (up to timeout_graceful_shutdown) for open connections before it
+    runs the app's shutdown; an endless event stream would hold it for the whole
+    timeout. Requests still generating finish normally: the engine loop stops last.
+    """
+
+    async def shutdown(self, sockets=None) -> None:
+        server = getattr(getattr(self.config.app, "state", None), "server", None)
+        if server is not None:
+            server.hub.close_all()
+        await super().shutdown(sockets)
+
+
 class BackgroundServer:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, start_timeout: float = 60.0) -> None:
         self.app, self.host, self.port = app, host, port
         self.start_timeout = start_timeout
-        self._server: uvicorn.Server | None = None
+        self._server: Uvicorn | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -36,7 +51,7 @@ class BackgroundServer:
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
-        self._server = uvicorn.Server(config)
+        self._server = Uvicorn(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="nanoserve-uvicorn", daemon=True)
         self._thread.start()

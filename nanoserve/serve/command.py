@@ -83,6 +83,7 @@ def run_serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from nanoserve.serve.app import build_app
+        from nanoserve.serve.background import Uvicorn
     except ImportError as exc:
         raise RuntimeError(f"`nanoserve serve` needs {exc.name}: pip install fastapi uvicorn prometheus-client "
                            "(they come with `pip install nanoserve`)") from None
@@ -112,5 +113,5 @@ def run_serve(args: argparse.Namespace) -> int:
     say(f"watch it: nanoserve tui --attach {url}" + (" --api-key ..." if api_key else ""))
     if args.record:
         say(f"recording every event to {args.record}")
-    uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3)).run(sockets=[sock])
+    Uvicorn(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10)).run(sockets=[sock])
     return 0

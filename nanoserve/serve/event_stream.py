@@ -44,8 +44,9 @@ class Watcher:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self.batches: asyncio.Queue[list[str]] = asyncio.Queue(MAX_BATCHES)
+        self.batches: asyncio.Queue[list[str] | None] = asyncio.Queue(MAX_BATCHES)   # None: the end
         self.lagging = False
+        self.closed = False
         self._buffer: list[Event] = []
         self.unsubscribe = None
 
@@ -62,8 +63,15 @@ class Watcher:
         except RuntimeError:                      # the event loop is closed
             pass
 
+    def close(self) -> None:                      # asyncio thread: the server is shutting down
+        self.closed = True
+        try:
+            self.batches.put_nowait(None)         # wakes the stream at once
+        except asyncio.QueueFull:                 # it is busy anyway: it sees `closed` at its next turn
+            pass
+
     def _offer(self, lines: list[str]) -> None:   # asyncio thread
-        if self.lagging:
+        if self.lagging or self.closed:
             return
         try:
             self.batches.put_nowait(lines)
@@ -77,6 +85,7 @@ class EventHub:
     def __init__(self, engine_loop: EngineLoop) -> None:
         self.engine_loop = engine_loop
         self.watchers: list[Watcher] = []        # engine thread only
+        self.open: set[Watcher] = set()          # asyncio thread: streams to end at shutdown
         engine_loop.on_step(self._flush)
 
     def _flush(self) -> None:
@@ -92,9 +101,17 @@ class EventHub:
             w.flush()
 
         await asyncio.wrap_future(self.engine_loop.call(subscribe))
+        self.open.add(w)
         return w
 
+    def close_all(self) -> None:
+        """End every /events stream (asyncio thread): a server cannot shut down while they run."""
+        for w in list(self.open):
+            w.close()
+
     def unwatch(self, w: Watcher) -> None:
+        self.open.discard(w)
+
         def unsubscribe(engine) -> None:
             if w.unsubscribe:
                 w.unsubscribe()
@@ -112,11 +129,13 @@ async def event_stream(hub: EventHub, w: Watcher, book: ClientBook, client_key: 
     get: asyncio.Future | None = None      # one pending get, kept across timeouts: no batch is ever lost
     batch = 0
     try:
-        while True:
+        while not w.closed:
             get = get or asyncio.ensure_future(w.batches.get())
             done, _ = await asyncio.wait({get}, timeout=wait)
             if done:
                 lines, get = get.result(), None
+                if lines is None or w.closed:      # the server is shutting down
+                    return
                 batch += 1             # the last event of a batch carries an id: a consistent point to draw
                 yield "".join(f"data: {line}\n\n" for line in lines[:-1]) + f"id: {batch}\ndata: {lines[-1]}\n\n"
                 last_write = time.monotonic()

@@ -1,0 +1,114 @@
+"""The serving docs cannot drift: the page's curl and openai examples run against a live server, the
+architecture picture names only code that exists and is drawn from its script as it is, and the CLI's
+`serve` command reports bad flags in one line."""
+
+from __future__ import annotations
+
+import html
+import importlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from serve_helpers import running_server, save_chat_model
+
+from nanoserve.cli import main
+from nanoserve.models.loader import load_model
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "serve.md"
+EXAMPLES = ROOT / "docs" / "examples"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    loaded = load_model(save_chat_model(tmp_path_factory.mktemp("chat-llama")))
+    with running_server(loaded, api_key="docs-key") as (url, srv):
+        yield url, loaded.name
+
+
+def example_env(url: str, model: str) -> dict:
+    return {**os.environ, "NANOSERVE_URL": url, "NANOSERVE_MODEL": model, "NANOSERVE_API_KEY": "docs-key",
+            "OMP_NUM_THREADS": "1"}
+
+
+def test_the_page_includes_both_examples_and_is_in_the_nav():
+    text = PAGE.read_text()
+    for name in ("serve_curl.sh", "serve_openai.py"):
+        assert f'--8<-- "docs/examples/{name}"' in text
+    assert "serve.md" in (ROOT / "mkdocs.yml").read_text()
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="the curl example needs curl")
+def test_curl_example_runs(served):
+    url, model = served
+    proc = subprocess.run(["bash", str(EXAMPLES / "serve_curl.sh")], capture_output=True, text=True,
+                          env=example_env(url, model), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert '"object":"list"' in out and '"text_completion"' in out
+    assert '"chat.completion.chunk"' in out and "data: [DONE]" in out
+    assert 'nanoserve_requests{state="running"}' in out
+
+
+def test_openai_example_runs(served):
+    url, model = served
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "serve_openai.py")], capture_output=True, text=True,
+                          env=example_env(url, model), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("chatcmpl-") and lines[-2].startswith("0 ") and lines[-1].startswith("1 ")
+
+
+def load_picture_script():
+    spec = importlib.util.spec_from_file_location("make_serving_pictures", ROOT / "docs/img/make_serving_pictures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_architecture_picture_names_real_code_and_is_current():
+    pictures = load_picture_script()
+    for ref in pictures.refs():
+        module, _, path = ref.partition(":")
+        obj = importlib.import_module(module)
+        for part in path.split("."):
+            obj = getattr(obj, part)                     # AttributeError: the picture names code that is gone
+    svg = html.unescape(pictures.OUT.read_text())      # (Graphviz writes "-" as &#45;)
+    for _, label, _ in pictures.CLIENTS + pictures.API + pictures.LOOP + pictures.QUEUES:
+        for line in label.split("\\n"):                  # every box's text is in the committed picture
+            assert line in svg, line
+
+
+def run_cli(capsys, *argv):
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr()
+
+
+def test_serve_help_and_bad_flags(capsys):
+    code, out = run_cli(capsys, "serve", "--help")
+    assert code == 0
+    for flag in ("--model", "--host", "--port", "--api-key", "--max-waiting", "--record", "--step-delay",
+                 "--block-size", "--num-blocks"):
+        assert flag in out.out
+    for argv, words in [(["--port", "70000"], "--port"), (["--max-waiting", "0"], "--max-waiting"),
+                        (["--step-delay", "-1"], "--step-delay")]:
+        code, out = run_cli(capsys, "serve", *argv)
+        lines = out.err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("nanoserve: error:") and words in lines[0]
+
+
+def test_serve_on_a_port_in_use_is_one_line(capsys):
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        code, out = run_cli(capsys, "serve", "--port", str(busy.getsockname()[1]))
+    assert code == 2 and "cannot listen on 127.0.0.1" in out.err and "Traceback" not in out.err
