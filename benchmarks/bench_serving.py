@@ -45,8 +45,8 @@ PROMPTS = [
 
 @dataclass
 class Result:
-    ttft: float | None = None                  # seconds to the first chunk with text
-    itl: list[float] = field(default_factory=list)   # gaps between chunks with text
+    ttft: float | None = None                  # seconds to the first chunk with text (or the end, if none)
+    itl: list[float] = field(default_factory=list)   # gaps between chunks
     e2e: float | None = None
     tokens: int = 0
     error: str | None = None
@@ -109,7 +109,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
                 if chunk.get("usage"):
                     res.tokens = chunk["usage"]["completion_tokens"]
                 choices = chunk.get("choices") or []
-                if choices and choices[0].get("text"):
+                if choices and (choices[0].get("text") or choices[0].get("finish_reason")):
                     now = time.perf_counter()
                     if last is None:
                         res.ttft = now - t0
@@ -145,6 +145,9 @@ def pct(values: list[float], q: float) -> float:
 
 
 def summarize(results: list[Result], wall: float) -> dict:
+    for r in results:
+        if r.error is not None:
+            print(f"    request failed: {r.error}")
     ok = [r for r in results if r.error is None and r.ttft is not None]
     ttft, itl, e2e = [r.ttft for r in ok], [g for r in ok for g in r.itl], [r.e2e for r in ok]
     return {"ok": len(ok), "errors": len(results) - len(ok), "tok_s": sum(r.tokens for r in ok) / wall,

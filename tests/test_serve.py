@@ -39,11 +39,6 @@ def server(loaded, tmp_path_factory):
         yield url, srv, trace
 
 
-def chat_prompt(loaded, text: str) -> str:
-    return loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                add_generation_prompt=True)
-
-
 def test_models_lists_the_served_model(server, loaded):
     url, srv, _ = server
     models = client(url).models.list().data

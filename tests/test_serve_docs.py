@@ -112,3 +112,44 @@ def test_serve_on_a_port_in_use_is_one_line(capsys):
         busy.listen()
         code, out = run_cli(capsys, "serve", "--port", str(busy.getsockname()[1]))
     assert code == 2 and "cannot listen on 127.0.0.1" in out.err and "Traceback" not in out.err
+
+
+def test_nanoserve_serve_runs_as_a_command_and_stops_on_ctrl_c(tmp_path):
+    """The real command in a subprocess: it says where it listens, answers, records, and Ctrl-C stops it cleanly."""
+    import signal
+    import socket
+    import time
+
+    import httpx
+
+    from nanoserve.trace import fold_all, read_trace
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    trace = tmp_path / "served.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "nanoserve.cli", "serve", "--model", "tiny-llama", "--port",
+                             str(port), "--record", str(trace), "--block-size", "4", "--num-blocks", "64"],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        resp = httpx.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": "Hi", "max_tokens": 3},
+                          timeout=30).json()
+        assert resp["usage"]["completion_tokens"] == 3
+        with httpx.stream("GET", url + "/events", timeout=30) as events:   # a watcher must not block shutdown
+            assert next(events.iter_lines()) == "id: 1"
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode in (0, 130), err               # 130: the usual code after Ctrl-C
+    assert f"serving tiny-llama as 'tiny-llama' on {url}" in err and "Traceback" not in err
+    assert fold_all(read_trace(trace)).finished == [resp["id"]]
