@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import socket
 import statistics
 import subprocess
@@ -68,8 +69,8 @@ def start(kind: str, model: str, port: int, threads: int, hf_cb: bool) -> tuple[
     else:
         from nanoserve.models.loader import resolve_model_path
         path = model if model not in ("smollm2",) else resolve_model_path(model)
-        cmd = [str(Path(sys.executable).with_name("transformers")), "serve", path, "--port", str(port),
-               "--device", "cpu", "--host", "127.0.0.1"]
+        cli = shutil.which("transformers") or str(Path(sys.executable).with_name("transformers"))
+        cmd = [cli, "serve", path, "--port", str(port), "--device", "cpu", "--host", "127.0.0.1"]
         if hf_cb:
             cmd.append("--continuous-batching")
         name = path
@@ -195,7 +196,11 @@ def main() -> None:
     table: dict[str, dict[float, dict]] = {}
     for kind in args.servers.split(","):
         port = free_port()
-        proc, url, name = start(kind, args.model, port, args.threads, args.hf_continuous_batching)
+        try:
+            proc, url, name = start(kind, args.model, port, args.threads, args.hf_continuous_batching)
+        except OSError as exc:
+            print(f"{kind}: could not start: {exc}", flush=True)
+            continue
         try:
             wait_healthy(url, proc)
             asyncio.run(load(url, name, rates[0], 2, 4, args.seed))        # warm-up

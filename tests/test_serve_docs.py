@@ -153,3 +153,27 @@ def test_nanoserve_serve_runs_as_a_command_and_stops_on_ctrl_c(tmp_path):
     assert proc.returncode in (0, 130), err               # 130: the usual code after Ctrl-C
     assert f"serving tiny-llama as 'tiny-llama' on {url}" in err and "Traceback" not in err
     assert fold_all(read_trace(trace)).finished == [resp["id"]]
+
+
+def test_a_non_loopback_host_prints_a_warning(monkeypatch, capsys):
+    """--host 0.0.0.0 warns (tested without listening beyond loopback: the socket and uvicorn are stand-ins)."""
+    import socket
+
+    import nanoserve.serve.background as background
+
+    real_create_server = socket.create_server
+    opened = []
+
+    def loopback_instead(addr, **kwargs):                               # asked for 0.0.0.0, binds loopback
+        opened.append(real_create_server(("127.0.0.1", 0), **kwargs))
+        return opened[-1]
+
+    monkeypatch.setattr(socket, "create_server", loopback_instead)
+    monkeypatch.setattr(background.Uvicorn, "run", lambda self, sockets=None: None)
+    code, out = run_cli(capsys, "serve", "--host", "0.0.0.0", "--port", "0", "--num-blocks", "16")
+    assert code == 0
+    assert "warning: listening on 0.0.0.0" in out.err and "--api-key" in out.err
+    code, out = run_cli(capsys, "serve", "--host", "0.0.0.0", "--port", "0", "--num-blocks", "16", "--api-key", "k")
+    assert "warning: listening on 0.0.0.0" in out.err and "set --api-key" not in out.err
+    for sock in opened:
+        sock.close()
