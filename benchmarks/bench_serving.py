@@ -162,17 +162,20 @@ def plot(table: dict, rates: list[float], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for kind, rows in table.items():
+    for (kind, rows), colour in zip(table.items(), ("#1f77b4", "#ff7f0e", "#2ca02c")):
         xs = [r for r in rates if r in rows]
-        axes[0].plot(xs, [rows[r]["tok_s"] for r in xs], "o-", label=kind)
-        axes[1].plot(xs, [rows[r]["ttft_p50"] for r in xs], "o-", label=f"{kind} p50")
-        axes[1].plot(xs, [rows[r]["ttft_p90"] for r in xs], "o--", label=f"{kind} p90")
-        axes[2].plot(xs, [1000 * rows[r]["itl_p50"] for r in xs], "o-", label=f"{kind} p50")
-        axes[2].plot(xs, [1000 * rows[r]["itl_p90"] for r in xs], "o--", label=f"{kind} p90")
+        axes[0].plot(xs, [rows[r]["tok_s"] for r in xs], "o-", color=colour, label=kind)
+        axes[1].plot(xs, [rows[r]["ttft_p50"] for r in xs], "o-", color=colour, label=f"{kind} p50")
+        axes[1].plot(xs, [rows[r]["ttft_p90"] for r in xs], "o--", color=colour, alpha=0.6, label=f"{kind} p90")
+        axes[2].plot(xs, [1000 * rows[r]["itl_p50"] for r in xs], "o-", color=colour, label=f"{kind} p50")
+        axes[2].plot(xs, [1000 * rows[r]["itl_p90"] for r in xs], "o--", color=colour, alpha=0.6,
+                     label=f"{kind} p90")
     for ax, title in zip(axes, ["output tokens / s", "time to first token (s)", "inter-token latency (ms)"]):
         ax.set_title(title)
-        ax.set_xlabel("request rate (req/s, Poisson)")
+        ax.set_xlabel("request rate (req/s, Poisson arrivals)")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(rates, [f"{r:g}" for r in rates])
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -228,6 +231,9 @@ def main() -> None:
                 print(f"  {rate:5.2f} req/s: throughput x{a['tok_s'] / b['tok_s']:.2f}, "
                       f"TTFT p50 x{a['ttft_p50'] / b['ttft_p50']:.2f}, ITL p50 x{a['itl_p50'] / b['itl_p50']:.2f}")
     if table and args.plot:
+        Path(args.plot).with_suffix(".json").write_text(json.dumps(
+            {"args": vars(args), "results": {k: {str(r): row for r, row in rows.items()} for k, rows in table.items()}},
+            indent=1))
         try:
             plot(table, rates, args.plot)
         except ImportError:

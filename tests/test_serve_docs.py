@@ -82,6 +82,8 @@ def test_architecture_picture_names_real_code_and_is_current():
     for _, label, _ in pictures.CLIENTS + pictures.API + pictures.LOOP + pictures.QUEUES:
         for line in label.split("\\n"):                  # every box's text is in the committed picture
             assert line in svg, line
+    shot = html.unescape(pictures.ATTACH_OUT.read_text())    # the attached TUI's screenshot (a real run)
+    assert "ATTACH" in shot and "clients" in shot and "rejected" in shot and "disconnected" in shot
 
 
 def run_cli(capsys, *argv):

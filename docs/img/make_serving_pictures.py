@@ -1,8 +1,11 @@
-"""Draw the architecture of `nanoserve serve` with Graphviz: `python docs/img/make_serving_pictures.py`.
+"""The serving page's pictures: `python docs/img/make_serving_pictures.py`.
 
-Every box names the code it stands for (`module:object`); tests/test_serve_docs.py
-imports each one, so the picture cannot name code that is gone, and checks that
-docs/img/serve-architecture.svg was drawn from this file as it is.
+* serve-architecture.svg: the architecture of `nanoserve serve`, drawn with
+  Graphviz. Every box names the code it stands for (`module:object`);
+  tests/test_serve_docs.py imports each one, so the picture cannot name code
+  that is gone, and checks that the SVG was drawn from this file as it is.
+* tui-attach.svg: `nanoserve tui --attach` on a real server (tiny-llama) while
+  six "students" send requests: one is refused (429), one hangs up.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import sys
 from pathlib import Path
 
 OUT = Path(__file__).with_name("serve-architecture.svg")
+ATTACH_OUT = Path(__file__).with_name("tui-attach.svg")
 
 # (node id, label, the code it stands for)
 CLIENTS = [
@@ -79,11 +83,64 @@ def architecture_dot() -> str:
 """
 
 
-def main() -> None:
-    svg = subprocess.run(["dot", "-Tsvg"], input=architecture_dot(), capture_output=True, text=True, check=True)
-    OUT.write_text(svg.stdout)
-    print(f"wrote {OUT}", file=sys.stderr)
+def attach_screenshot() -> str:
+    """The attached TUI mid-run, as the app's own SVG screenshot."""
+    import asyncio
+    import threading
+    import time
+
+    import httpx
+
+    from nanoserve import EngineConfig, LLMEngine
+    from nanoserve.serve.app import build_app
+    from nanoserve.serve.background import BackgroundServer
+    from nanoserve_tui.attach import AttachSource
+    from nanoserve_tui.attach_app import AttachApp
+
+    engine = LLMEngine(EngineConfig(model="tiny-llama", block_size=4, num_blocks=48, max_num_seqs=4,
+                                    max_num_batched_tokens=32))
+    app = build_app(engine, max_waiting=2, step_delay=0.15)
+
+    def student(url: str, user: str, prompt: str, hang_up: bool = False) -> None:
+        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 40, "temperature": 0, "stream": True,
+                "ignore_eos": True, "user": user}
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+                for n, _ in enumerate(response.iter_lines()):
+                    if hang_up and n > 30:
+                        return
+        except httpx.HTTPError:          # still streaming when the picture is taken and the server stops
+            pass
+
+    async def shoot(url: str) -> str:
+        tui = AttachApp(AttachSource(url))
+        async with tui.run_test(size=(160, 50)) as pilot:
+            while tui.frame is None:
+                await pilot.pause(0.05)
+            for user, prompt, hang_up in [("ada", "What is a KV cache?", False), ("grace", "Why page it?", False),
+                                          ("alan", "Who schedules?", True), ("edsger", "What is a block?", False),
+                                          ("barbara", "Explain batching", False), ("ken", "And preemption?", False),
+                                          ("eve", "Me too!", False)]:
+                threading.Thread(target=student, args=(url, user, prompt, hang_up), daemon=True).start()
+                await pilot.pause(0.25)
+            await pilot.pause(1.5)
+            return tui.export_screenshot(title=f"nanoserve tui --attach {url}")
+
+    with BackgroundServer(app) as background:
+        svg = asyncio.run(shoot(background.url))
+        time.sleep(0.5)
+    return svg
+
+
+def main(what: str = "all") -> None:
+    if what in ("all", "architecture"):
+        svg = subprocess.run(["dot", "-Tsvg"], input=architecture_dot(), capture_output=True, text=True, check=True)
+        OUT.write_text(svg.stdout)
+        print(f"wrote {OUT}", file=sys.stderr)
+    if what in ("all", "attach"):
+        ATTACH_OUT.write_text(attach_screenshot())
+        print(f"wrote {ATTACH_OUT}", file=sys.stderr)
 
 
 if __name__ == "__main__":
-    main()
+    main(*sys.argv[1:])

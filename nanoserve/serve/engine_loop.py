@@ -225,6 +225,8 @@ class EngineLoop:
             if engine.tokenizer is None:
                 raise ApiError(400, f"model {engine.config.model!r} has no tokenizer: send the prompt as token ids",
                                "prompt")
+            # counted here to check the context (add_request tokenizes again: the engine keeps the text,
+            # which the TUI and the trace show, so it must get the prompt as text)
             num_prompt = len(engine.tokenizer(sub.prompt).input_ids)
         else:
             num_prompt = len(sub.prompt)
