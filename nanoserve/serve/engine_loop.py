@@ -137,8 +137,11 @@ class EngineLoop:
         return future
 
     def submit(self, sub: Submission) -> concurrent.futures.Future:
-        """Queue a request; the future gives its prompt token count, or raises ApiError (400, 429)."""
-        self._commands.put(lambda: self._admit(sub))
+        """Queue a request; the future gives its prompt token count, or raises ApiError (400, 429, 503)."""
+        if self.error is not None or not self.alive:
+            sub.admitted.set_exception(ApiError(503, f"the engine loop is not running: {self.error or 'stopped'}"))
+        else:
+            self._commands.put(lambda: self._admit(sub))
         return sub.admitted
 
     def abort(self, request_id: str) -> None:
