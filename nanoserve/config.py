@@ -29,6 +29,7 @@ class EngineConfig:
                                         # the ones closest to done (the most tokens left is preempted first)
     num_cpu_blocks: int | None = None   # swap space in blocks; None: as many as num_blocks when swapping
     attention_backend: str = "auto"     # "torch", "triton" (interpreted on CPU: slow) or "auto" (triton on CUDA)
+    fast_paths: bool = True             # runner.py's speed paths; False: the plain reference path (same tokens)
     seed: int = 0                       # seeds random weights of tiny models and unseeded requests
     # Speculative decoding (spec_decode.py): off unless a method is named.
     speculative_method: str | None = None   # None, "ngram" (prompt lookup) or "draft" (a draft model)
@@ -60,6 +61,8 @@ class EngineConfig:
                              f"got {self.preemption_policy!r}")
         if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        if not isinstance(self.fast_paths, bool):
+            raise ValueError(f"fast_paths must be True or False, got {self.fast_paths!r}")
         if self.attention_backend not in ("torch", "triton", "auto"):
             raise ValueError(f"attention_backend must be 'torch', 'triton' or 'auto', got {self.attention_backend!r}")
 

@@ -72,7 +72,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, self._emit)
         self.backend = prepare_backend(config)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, dtype, torch.device(config.device),
-                                  self.backend)
+                                  self.backend, fast_paths=config.fast_paths)
         if self.cpu_pool is not None:
             self.runner.allocate_swap(config.num_cpu_blocks)
         self.sampler = Sampler()
