@@ -155,6 +155,7 @@ SETTINGS = {
 TV_BOUND = 0.025  # sampling noise over 64 outcomes at N = 12000 is about 0.01; seed 000 lands near 0.045
 
 
+@pytest.mark.slow          # 12,000 requests per run: minutes
 @pytest.mark.parametrize("proposer", list(PROPOSERS))
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_engine_speculation_matches_exact_joint(small_vocab_model, name, proposer):
@@ -165,6 +166,7 @@ def test_engine_speculation_matches_exact_joint(small_vocab_model, name, propose
     assert tv(observed, exact) < TV_BOUND
 
 
+@pytest.mark.slow
 def test_engine_with_seed_000_residual_fails_the_same_check(small_vocab_model, monkeypatch):
     params = SETTINGS["t1"]
     exact = exact_joint(small_vocab_model, params)
