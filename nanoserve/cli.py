@@ -193,16 +193,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_tui(args: argparse.Namespace) -> int:
-    try:
-        from nanoserve_tui.app import run_app
-    except ImportError as exc:
-        raise ValueError(f"the TUI could not be imported ({exc}); it needs textual: "
-                         "pip install 'textual>=0.80', or reinstall nanoserve (pip install .)") from exc
     if args.scenario is not None:
         from nanoserve.scenarios import get_scenario
         get_scenario(args.scenario)
     if args.model is not None and args.model not in TINY_MODELS:
         resolve_model_path(args.model, convert=False)   # a bad name fails here, before the app starts
+    try:
+        from nanoserve_tui.app import run_app
+    except ImportError as exc:
+        raise ValueError(f"the TUI could not be imported ({exc}); it needs textual: "
+                         "pip install 'textual>=0.80', or reinstall nanoserve (pip install .)") from exc
     apply_thread_policy(args.threads)
     return run_app(model=args.model, replay=args.replay, scenario=args.scenario)
 

@@ -67,7 +67,10 @@ def conforms(value: object, hint: object) -> bool:
 
 
 def type_name(hint: object) -> str:
-    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+    """`int`, `tuple[int, ...]`: how the hint reads in the event's source."""
+    if typing.get_args(hint) or not hasattr(hint, "__name__"):
+        return str(hint).replace("typing.", "")
+    return hint.__name__
 
 
 def check_types(event: ev.Event) -> None:

@@ -26,6 +26,7 @@ settings.register_profile("ci", derandomize=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
+@pytest.hookimpl(trylast=True)   # after the terminal reporter exists
 def pytest_configure(config):
     # `-q` prints one line of dots per test file, prefixed with the file's name, so a long file
     # shows where the run is instead of a line that looks stuck.

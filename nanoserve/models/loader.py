@@ -131,7 +131,7 @@ def load_hf(name: str):
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(name)
-    with progress_line(f"loading {name} ({path})"):
+    with progress_line(f"loading {name}" + (f" ({path})" if path != name else "")):
         try:
             with quiet_transformers():
                 hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False)
