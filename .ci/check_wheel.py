@@ -2,7 +2,8 @@
 
     python .ci/check_wheel.py            (CI runs it; about a minute)
 
-1. Build the wheel (`pip wheel --no-deps`, as `pip install .` does) into a temporary folder.
+1. Build the wheel (`pip wheel --no-deps`, as `pip install .` does) from a copy of the files git
+   tracks (commit new modules first), into a temporary folder.
 2. Install it with `pip install --no-deps --target` into a clean folder.
 3. From a directory outside the checkout, with only that folder in front of
    `sys.path`, import every module the source tree has (nanoserve/, and tui/ as
@@ -17,7 +18,9 @@ Exits non-zero with the reason on the first failure.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,6 +51,19 @@ def source_modules() -> list[str]:
     return names
 
 
+def copy_sources(dest: Path) -> None:
+    """The files git tracks (or, outside a git checkout, the tree without build products)."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode != 0:
+        shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info",
+                                                                  "__pycache__", "site"))
+        return
+    for name in filter(None, listed.stdout.split("\0")):
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+
+
 IMPORT_ALL = """
 import importlib, json, sys
 site, modules = sys.argv[1], json.loads(sys.argv[2])
@@ -65,8 +81,11 @@ print(f"{len(modules)} modules imported from {site}")
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="nanoserve-wheel-") as tmp:
         tmp = Path(tmp)
-        run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", tmp / "dist",
-             ROOT])
+        # Build from a copy of the tracked files: a stale build/ or an untracked file of the checkout
+        # must not make the wheel look complete.
+        src = tmp / "src"
+        copy_sources(src)
+        run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", tmp / "dist", src])
         wheel = next((tmp / "dist").glob("nanoserve-*.whl"))
         site = tmp / "site"
         run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", site, wheel])
@@ -78,7 +97,6 @@ def main() -> None:
         work = tmp / "work"
         work.mkdir()
         modules = source_modules()
-        import json
         print(run([sys.executable, "-c", IMPORT_ALL, str(site), json.dumps(modules)], cwd=work, env=env).stdout.strip())
 
         script = site / "bin" / "nanoserve"

@@ -88,7 +88,7 @@ GREEDY = dict(temperature=0)
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario(
         "continuous-batching",
-        "Requests arrive while others decode; finished ones leave and free their seats at once.",
+        "Requests arrive while others decode; a finished one frees its seat for the next at once.",
         dict(block_size=4, num_blocks=64, max_num_batched_tokens=32, max_num_seqs=4),
         [Arrival(0, "r1", "Hello there!", dict(max_tokens=12)),
          Arrival(0, "r2", "Paged attention", dict(max_tokens=6)),
@@ -106,7 +106,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     ),
     Scenario(
         "memory-pressure",
-        "A pool too small for everyone: the newest running request is preempted and recomputed later.",
+        "A pool too small for everyone: the newest request is preempted, then recomputed.",
         dict(block_size=4, num_blocks=20, max_num_batched_tokens=32, max_num_seqs=6),
         [Arrival(0, f"r{i}", TEXT[: 10 + 4 * i], dict(max_tokens=16)) for i in range(5)],
         Workload(dict(block_size=8, num_blocks=30, max_num_batched_tokens=128, max_num_seqs=6),
@@ -116,7 +116,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     ),
     Scenario(
         "long-prompt",
-        "Chunked prefill: a long prompt is computed over several steps while short requests keep decoding.",
+        "Chunked prefill: a long prompt spreads over several steps while short ones decode.",
         dict(block_size=8, num_blocks=64, max_num_batched_tokens=24, max_num_seqs=4),
         [Arrival(0, "short1", "Hi!", dict(max_tokens=16)),
          Arrival(0, "short2", "Hey", dict(max_tokens=16)),
@@ -128,7 +128,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     ),
     Scenario(
         "shared-system-prompt",
-        "Requests share one system prompt: the radix tree keeps its blocks, later requests skip its prefill.",
+        "One system prompt for all: its cached blocks are reused, later prefills skip it.",
         dict(block_size=8, num_blocks=96, max_num_batched_tokens=64, max_num_seqs=4),
         [Arrival(i, f"q{i}", SYSTEM + q, dict(max_tokens=8))
          for i, q in enumerate(["What is 2+2?", "Name a colour.", "Say hello.", "Count to 3.", "Pick a fruit."])],
@@ -139,7 +139,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     ),
     Scenario(
         "parallel-sampling",
-        "n=3 and a beam search fork one prompt: shared blocks (ref > 1), copy-on-write, pruned beams.",
+        "n=3 samples and a beam search fork one prompt: shared blocks, copy-on-write, pruning.",
         dict(block_size=4, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=8),
         [Arrival(0, "sample", "Once upon a time", dict(n=3, max_tokens=10, temperature=1.0, seed=1)),
          Arrival(1, "beam", "The best answer is", dict(beam_width=3, n=3, temperature=0, max_tokens=8,
@@ -152,7 +152,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     ),
     Scenario(
         "swap-preemption",
-        "A small pool with swap space: victims' KV moves to the CPU pool and back instead of being recomputed.",
+        "A small pool with swap space: victims' KV moves to the CPU pool and back.",
         dict(block_size=4, num_blocks=20, max_num_batched_tokens=32, max_num_seqs=6, preemption_mode="swap",
              num_cpu_blocks=16, enable_prefix_caching=False),
         [Arrival(0, f"r{i}", TEXT[: 10 + 4 * i], dict(max_tokens=16)) for i in range(5)],
@@ -164,7 +164,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     ),
     Scenario(
         "speculative-decoding",
-        "N-gram drafts on repetitive text: several tokens accepted per step, rejected drafts' KV trimmed.",
+        "N-gram drafts copied from the prompt: several tokens per step, rejected KV trimmed.",
         dict(block_size=4, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=4,
              speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3),
         [Arrival(0, "repeat", list(range(40, 52)) * 3, dict(max_tokens=24, temperature=0)),

@@ -47,6 +47,7 @@ class NanoserveApp(App[None]):
     TITLE = "nanoserve"
     ENABLE_COMMAND_PALETTE = False
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (130, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (40, "-tall")]
     BINDINGS = [
         Binding("space", "step", "step"),
         Binding("n", "step", "step", show=False),
@@ -97,7 +98,7 @@ class NanoserveApp(App[None]):
         # left behind (5x the cost of drawing). Move those out of the collector's sight.
         gc.freeze()
         titles = {"pool-panel": "KV block pool", "tables-panel": "block tables (logical→physical)",
-                  "free-panel": "free queue (LRU)", "radix": "radix tree", "requests": "requests",
+                  "free-panel": "free queue", "radix": "radix tree", "requests": "requests",
                   "events": "events this step", "metrics": "metrics"}
         for widget_id, title in titles.items():
             self.query_one(f"#{widget_id}").border_title = title
