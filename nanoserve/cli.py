@@ -29,6 +29,7 @@ from nanoserve.errors import FieldError
 from nanoserve.models.resolve import ACCEPTED, TINY_MODELS, resolve_model_path
 from nanoserve.scenarios import SCENARIOS
 from nanoserve.threads import THREADS_ENV, apply_thread_policy
+from nanoserve.viz.text import plural
 
 
 ENGINE_GROUP, SAMPLING_GROUP = "engine", "sampling"   # `generate`'s argument groups
@@ -264,8 +265,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def print_stats(engine, steps: int, generated: int, elapsed: float) -> None:
-    print(f"nanoserve: {steps} steps, {generated} tokens in {elapsed:.2f} s "
-          f"({generated / elapsed:.1f} tokens/s, {engine_threads()} threads)", file=sys.stderr)
+    print(f"nanoserve: {plural(steps, 'step')}, {plural(generated, 'token')} in {elapsed:.2f} s "
+          f"({generated / elapsed:.1f} tokens/s on {plural(engine_threads(), 'thread')})", file=sys.stderr)
     cache = engine.prefix_cache_stats()
     if cache["num_hit_tokens"]:
         print(f"nanoserve: prefix cache reused {cache['num_hit_tokens']}/{cache['num_lookup_tokens']} prompt "

@@ -36,6 +36,11 @@ def pytest_configure(config):
 
 
 from nanoserve import EngineConfig, LLMEngine
+from nanoserve.threads import apply_thread_policy
+
+# torch's threads on the cores that are free (OMP_NUM_THREADS=1, as CI sets it, wins): on a busy
+# machine a thread per core would make every step many times slower.
+apply_thread_policy(verbose=False)
 from nanoserve.models.loader import byte_tokenizer, load_model, tiny_hf_config
 
 
