@@ -177,8 +177,9 @@ def cmd_record(args: argparse.Namespace) -> int:
 
     get_scenario(args.scenario)                       # a bad name fails before the model loads
     check_output(args.output, "--output")
-    apply_thread_policy(args.threads)
+    threads = apply_thread_policy(args.threads)
     steps = record(args.scenario, args.output, args.model)
+    say(threads.note())
     print(f"nanoserve: recorded {steps} steps of {args.scenario!r} to {args.output}", file=sys.stderr)
     return 0
 
@@ -204,7 +205,7 @@ def cmd_tui(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise ValueError(f"the TUI could not be imported ({exc}); it needs textual: "
                          "pip install 'textual>=0.80', or reinstall nanoserve (pip install .)") from exc
-    apply_thread_policy(args.threads)
+    say(apply_thread_policy(args.threads).note())
     return run_app(model=args.model, replay=args.replay, scenario=args.scenario)
 
 
@@ -226,10 +227,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sampling["n"] = max(args.beam_width, 1)
     params = SamplingParams(**sampling)               # bad settings fail before the model loads
     config = EngineConfig(**group_kwargs(parser, ENGINE_GROUP, args))
-    apply_thread_policy(args.threads)
+    threads = apply_thread_policy(args.threads)
     from nanoserve.engine import LLMEngine
 
     engine = LLMEngine(config)
+    say(threads.note())                               # after the model loaded: errors stay one line
     prompts = args.prompts
     if args.chat:
         if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
@@ -276,6 +278,11 @@ def print_stats(engine, steps: int, generated: int, elapsed: float) -> None:
         print(f"nanoserve: speculative decoding accepted {spec['num_accepted']}/{spec['num_drafted']} drafted "
               f"tokens ({spec['acceptance_rate']:.0%}), {spec['tokens_per_forward']:.2f} tokens per forward",
               file=sys.stderr)
+
+
+def say(line: str | None) -> None:
+    if line:
+        print(line, file=sys.stderr, flush=True)
 
 
 def engine_threads() -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 
 THREADS_ENV = "NANOSERVE_THREADS"
 SAMPLE_S = 0.2          # how long to watch the cores
@@ -78,20 +79,30 @@ def choose_threads(requested: int | None = None, sample_s: float = SAMPLE_S) -> 
     return threads, f"{threads} of {cores} cores free"
 
 
-def apply_thread_policy(requested: int | None = None, verbose: bool = True) -> int:
-    """Set torch's thread count by the policy above; returns it.
+@dataclass(frozen=True, slots=True)
+class ThreadChoice:
+    threads: int
+    why: str            # "--threads", "NANOSERVE_THREADS", "OMP_NUM_THREADS" or "1 of 2 cores free"
+
+    def note(self) -> str | None:
+        """A line for the user when the policy left busy cores out; None when nothing needs saying."""
+        if not self.why.endswith("free") or self.threads >= len(usable_cores()):
+            return None
+        return (f"nanoserve: using {self.threads} thread{'s' if self.threads > 1 else ''} ({self.why}; the "
+                f"others are busy; --threads or {THREADS_ENV} sets it)")
+
+
+def apply_thread_policy(requested: int | None = None) -> ThreadChoice:
+    """Set torch's thread count by the policy above; returns the choice (its `note()` is for the user).
 
     Before torch is imported this sets OMP_NUM_THREADS, which torch reads at
     import (so a replay that never loads a model never imports torch); after,
     it calls `torch.set_num_threads`.
     """
-    threads, why = choose_threads(requested)
+    choice = ThreadChoice(*choose_threads(requested))
     if "torch" in sys.modules:
         import torch
-        torch.set_num_threads(threads)
+        torch.set_num_threads(choice.threads)
     else:
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-    if verbose and why.endswith("free") and threads < len(usable_cores()):
-        print(f"nanoserve: using {threads} thread{'s' if threads > 1 else ''} ({why}; the rest are busy; "
-              f"--threads or {THREADS_ENV} sets it)", file=sys.stderr, flush=True)
-    return threads
+        os.environ["OMP_NUM_THREADS"] = str(choice.threads)
+    return choice

@@ -40,7 +40,7 @@ from nanoserve.threads import apply_thread_policy
 
 # torch's threads on the cores that are free (OMP_NUM_THREADS=1, as CI sets it, wins): on a busy
 # machine a thread per core would make every step many times slower.
-apply_thread_policy(verbose=False)
+apply_thread_policy()
 from nanoserve.models.loader import byte_tokenizer, load_model, tiny_hf_config
 
 

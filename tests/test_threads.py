@@ -43,6 +43,9 @@ def test_free_cores_decide(no_choice, monkeypatch, busy, expected):
     monkeypatch.setattr(threads, "usable_cores", lambda: [0, 1])
     monkeypatch.setattr(threads, "busy_cores", lambda cores, sample_s=0: busy)
     assert threads.choose_threads() == (expected, f"{expected} of 2 cores free")
+    note = threads.ThreadChoice(*threads.choose_threads()).note()
+    assert (note is None) == (expected == 2)
+    assert threads.ThreadChoice(1, "--threads").note() is None          # the user chose: nothing to say
 
 
 def test_busy_cores_is_measured(no_choice):
@@ -53,7 +56,7 @@ def test_busy_cores_is_measured(no_choice):
 
 def test_before_torch_is_imported_it_goes_through_the_environment(tmp_path):
     code = ("import os, sys\nfrom nanoserve.threads import apply_thread_policy\n"
-            "n = apply_thread_policy(1)\nassert 'torch' not in sys.modules\nimport torch\n"
+            "n = apply_thread_policy(1).threads\nassert 'torch' not in sys.modules\nimport torch\n"
             "print(n, os.environ['OMP_NUM_THREADS'], torch.get_num_threads())")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", threads.THREADS_ENV)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
