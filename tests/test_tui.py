@@ -373,6 +373,17 @@ async def test_replay_preset_starts_a_live_run():
 
 
 @run_async
+async def test_live_model_directory_loads_inside_the_app(tiny_llama_dir):
+    """A model directory goes through the real loader (and its progress line) on the worker thread."""
+    app = NanoserveApp(LiveSource(model=tiny_llama_dir, scenario="continuous-batching"))
+    async with app.run_test(size=WIDE) as pilot:
+        await wait_for(pilot, lambda: app.frame is not None or app.error is not None, timeout=60)
+        assert app.error is None and app.frame.state.model == tiny_llama_dir
+        await pilot.press("n")
+        await wait_for(pilot, lambda: step_of(app) == 1)
+
+
+@run_async
 async def test_live_model_that_fails_to_load():
     app = NanoserveApp(LiveSource(model="/no/such/model"))
     async with app.run_test(size=WIDE) as pilot:
