@@ -148,9 +148,11 @@ def _fields(params: SamplingParams) -> dict:
     return {name: getattr(params, name) for name in params.__slots__}
 
 
+# Only the first two tokens are counted. max_tokens=3 still verifies a draft for the second one (the
+# engine drafts min(k, tokens left - 1) = 1 token after the first), and saves a fifth of the run.
 SETTINGS = {
-    "t1": SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True),
-    "t0.7-top3": SamplingParams(max_tokens=4, temperature=0.7, top_k=3, ignore_eos=True),
+    "t1": SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True),
+    "t0.7-top3": SamplingParams(max_tokens=3, temperature=0.7, top_k=3, ignore_eos=True),
 }
 TV_BOUND = 0.025  # sampling noise over 64 outcomes at N = 12000 is about 0.01; seed 000 lands near 0.045
 

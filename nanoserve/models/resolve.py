@@ -119,9 +119,9 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
     if (target / "config.json").exists():
         return target
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    with progress_line(f"converting {gguf.name} to float32, once: about 20 s on a quiet 2-core machine, a "
-                       f"minute on a busy one; {max(1, gguf.stat().st_size * 11 // 2 // 2**20)} MB cached in "
-                       f"{target.parent}"):
+    with progress_line(f"converting {gguf.name} to float32, once: about 20 s on a quiet 2-core machine, one "
+                       f"to two minutes on a busy one; {max(1, gguf.stat().st_size * 11 // 2 // 2**20)} MB cached "
+                       f"in {target.parent}"):
         try:
             # transformers draws its own progress bars straight to stderr (tqdm): our one line instead
             with quiet_transformers(), contextlib.redirect_stderr(io.StringIO()):

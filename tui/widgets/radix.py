@@ -39,7 +39,7 @@ def node_label(state: ViewState, node: RadixNodeView, lock: int, room: int | Non
     """`“You are a helpful” lock 2 [0 1] @5`, styled by lock and this step's marks.
 
     With `room` (cells), the label fits it: the text span gets shorter first (down to 6
-    characters), then the step goes, then the block list is cut short.
+    characters), then the step goes, then the block list is cut short, then left out.
     """
     mark = HIT if node.node_id in state.hit_nodes else NEW if node.node_id in state.inserted_nodes else None
     status = f" lock {lock}" if lock else " free"
@@ -50,6 +50,8 @@ def node_label(state: ViewState, node: RadixNodeView, lock: int, room: int | Non
             step = ""
         if room - len(status + blocks) - 2 < 6 and len(node.block_ids) > 1:
             blocks = f" [{node.block_ids[0]} …]"
+        if room - len(status + blocks) - 2 < 3:          # very narrow: the text and the lock matter most
+            blocks = ""
         limit = max(1, min(SPAN, room - len(status + blocks + step) - 2))
     text = Text(span(node.text, limit), Style.parse(mark) if mark else LOCKED if lock else UNLOCKED)
     text.append(status, Style.parse("#56b6c2") if lock else DIM)
