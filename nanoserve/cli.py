@@ -5,6 +5,7 @@
     nanoserve record --scenario memory-pressure -o pressure.jsonl
     nanoserve export --trace pressure.jsonl --step 12 --what tables --format svg
     nanoserve tui --replay pressure.jsonl        (or: nanoserve tui --model smollm2)
+    nanoserve serve --model smollm2              (then: nanoserve tui --attach http://127.0.0.1:8000)
 
 One prompt streams its text as it is generated; several prompts run as one
 continuous batch and print each completion as it finishes.
@@ -28,6 +29,7 @@ from pathlib import Path
 from nanoserve.errors import FieldError
 from nanoserve.models.resolve import ACCEPTED, TINY_MODELS, resolve_model_path
 from nanoserve.scenarios import SCENARIOS
+from nanoserve.serve.command import add_serve_parser
 from nanoserve.threads import THREADS_ENV, apply_thread_policy
 from nanoserve.viz.text import plural
 
@@ -126,8 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     src = tui.add_mutually_exclusive_group()
     src.add_argument("--model", "-m", dest="model", default=None, help="run this model live (default: tiny-llama)")
     src.add_argument("--replay", "-r", default=None, metavar="TRACE", help="replay a recorded trace")
+    src.add_argument("--attach", default=None, metavar="URL", help="watch a running `nanoserve serve` (read-only)")
     tui.add_argument("--scenario", "-s", default=None, help=f"start a live run with a scenario: {', '.join(SCENARIOS)}")
+    tui.add_argument("--api-key", default=None, help="with --attach: the server's API key (default: $NANOSERVE_API_KEY)")
     add_threads(tui)
+
+    add_threads(add_serve_parser(sub))
     return parser
 
 
@@ -202,9 +208,12 @@ def cmd_tui(args: argparse.Namespace) -> int:
         resolve_model_path(args.model, convert=False)   # a bad name fails here, before the app starts
     try:
         from nanoserve_tui.app import run_app
+        from nanoserve_tui.attach_app import run_attach
     except ImportError as exc:
         raise ValueError(f"the TUI could not be imported ({exc}); it needs textual: "
                          "pip install 'textual>=0.80', or reinstall nanoserve (pip install .)") from exc
+    if args.attach is not None:
+        return run_attach(args.attach, args.api_key, scenario=args.scenario)
     say(apply_thread_policy(args.threads).note())
     return run_app(model=args.model, replay=args.replay, scenario=args.scenario)
 
@@ -290,7 +299,15 @@ def engine_threads() -> int:
     return torch.get_num_threads()
 
 
-COMMANDS = {"generate": cmd_generate, "record": cmd_record, "export": cmd_export, "tui": cmd_tui}
+def cmd_serve(args: argparse.Namespace) -> int:
+    from nanoserve.serve.command import run_serve
+
+    apply_thread_policy(args.threads)
+    return run_serve(args)
+
+
+COMMANDS = {"generate": cmd_generate, "record": cmd_record, "export": cmd_export, "tui": cmd_tui,
+            "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:
