@@ -127,7 +127,8 @@ class LLMEngine:
         self.requests[request_id] = seq
         self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params)
         self.scheduler.add(seq)
-        self._emit(ev.RequestAdded(self.step_count, request_id, text or "", len(token_ids), params.max_tokens))
+        shown = engine_state.prompt_text(text, token_ids, self.tokenizer)   # token ids: their text
+        self._emit(ev.RequestAdded(self.step_count, request_id, shown, len(token_ids), params.max_tokens))
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

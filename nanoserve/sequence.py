@@ -67,7 +67,7 @@ _TRANSITIONS = {
 }
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)   # an entity: two sequences are equal only if they are the same one
 class Sequence:
     request_id: str                      # this sequence's id: the request's, or "<request>.<index>" for forks
     prompt: str | None                   # the text, when the request came as text
