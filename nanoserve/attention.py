@@ -1,16 +1,25 @@
-"""Attention over the paged KV cache: the one call every model layer makes.
+"""Attention over the paged KV cache: the backend interface, and the one call every model layer makes.
 
 The runner flattens a mixed batch into one row of tokens, decodes first:
 
     tokens:  [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]      d = decode, p = prefill chunk
               one each    chunk of seq 3   chunk of seq 4
 
-and describes it with `AttentionMetadata`. A layer computes q, k, v for all
-those tokens, then `paged_attention` writes k, v into the cache at
-`slot_mapping` and computes attention for each part, reading K/V back only
-through block tables. Which kernels do the work is the backend's business:
-`kernels/reference.py` (torch, any device) or `kernels/triton_*.py` (Triton:
-on a GPU, or on CPU under the Triton interpreter for tests and lessons).
+and describes that row once per step as a `BatchLayout`: plain Python lists
+(lengths, block tables) plus the slot of every token. An `AttentionBackend`
+turns the layout into the tensors *it* needs (`prepare`, once per step), and
+then every layer calls `paged_attention`, which hands q, k, v to the backend:
+write k, v into the cache at their slots, then attend, reading K/V back only
+through block tables.
+
+Two backends implement the interface:
+
+* `TorchBackend`  (kernels/torch_backend.py)  plain torch, any device; what a CPU runs
+* `TritonBackend` (kernels/triton_backend.py) Triton kernels: on a GPU, or on a CPU
+                                              under the Triton interpreter (tests, lessons)
+
+Each builds only its own tensors: the torch backend's gathered block tables,
+the Triton backend's per-chunk arrays for its one-launch prefill kernel.
 """
 
 from __future__ import annotations
@@ -18,8 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-from nanoserve.kernels import reference
 
 
 @dataclass(slots=True)
@@ -29,24 +36,53 @@ class PrefillChunk:
     query_start: int             # index of its first token in the flat row
     num_query: int               # tokens in the chunk
     context_len: int             # cached prefix + chunk
-    block_table: torch.Tensor    # [ceil(context_len / bs)] int64
-    mask: torch.Tensor           # [num_query, context_len] bool causal mask (built once per step)
+    block_table: list[int]       # exactly ceil(context_len / block_size) blocks
+
+
+@dataclass(slots=True)
+class BatchLayout:
+    """A step's token row as plain data: what every backend builds its metadata from."""
+
+    block_size: int
+    slot_mapping: torch.Tensor             # [T] int64: cache slot of every token in the row
+    decode_seq_lens: list[int]             # the first len(...) tokens are one decode each; new token included
+    decode_block_tables: list[list[int]]   # each exactly ceil(seq_len / block_size) blocks (no padding)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decode_seq_lens)
+
+    @property
+    def device(self) -> torch.device:
+        return self.slot_mapping.device
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor            # [T] int64: cache slot of every token in the row
-    num_decodes: int                      # the first num_decodes tokens are one decode each
-    decode_block_tables: torch.Tensor     # [num_decodes, nb] int64, padded
-    decode_seq_lens: torch.Tensor         # [num_decodes] int64, new token included
-    decode_mask: torch.Tensor             # [num_decodes, 1, 1, nb * bs] bool: which gathered slots are real
-    prefills: list[PrefillChunk] = field(default_factory=list)
-    backend: str = "torch"                # "torch" (kernels/reference.py) or "triton" (kernels/triton_*.py)
-    # The prefill chunks again as tensors, for the Triton kernel that runs them all in one launch.
-    prefill_block_tables: torch.Tensor | None = None   # [C, nb] padded
-    prefill_query_start: torch.Tensor | None = None    # [C]
-    prefill_query_len: torch.Tensor | None = None      # [C]
-    prefill_context_len: torch.Tensor | None = None    # [C]
+    """What a step's layers share: the backend that built it, and its tensors (a backend's subclass adds them)."""
+
+    backend: "AttentionBackend"
+    slot_mapping: torch.Tensor   # [T] int64
+    num_decodes: int
+
+
+class AttentionBackend:
+    """The interface: `prepare` once per step, `forward` in every layer, `copy_blocks` for copy-on-write."""
+
+    name = "base"
+
+    def prepare(self, layout: BatchLayout) -> AttentionMetadata:
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def copy_blocks(self, caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+        """cache[dst[i]] = cache[src[i]] in every cache tensor."""
+        for cache in caches:
+            cache[dst] = cache[src]      # advanced indexing reads all of src before writing dst
 
 
 def paged_attention(
@@ -58,47 +94,26 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:          # [T, Hq, D]
-    if meta.backend == "triton":
-        return _triton_paged_attention(q, k, v, k_cache, v_cache, meta, scale)
-    # 1. Write this step's K/V first, so every query below can see its own token.
-    reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = torch.empty_like(q)
-    # 2. Decodes: one query each, batched together.
-    nd = meta.num_decodes
-    if nd:
-        out[:nd] = reference.decode_attention(
-            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, meta.decode_mask
-        )
-    # 3. Prefill chunks: causal over (cached prefix + chunk), one sequence at a time.
-    for chunk in meta.prefills:
-        s, e = chunk.query_start, chunk.query_start + chunk.num_query
-        out[s:e] = reference.prefill_attention(
-            q[s:e], k_cache, v_cache, chunk.block_table, chunk.context_len, scale, chunk.mask
-        )
-    return out
+    """Store this step's k, v at their slots, then attend for every token of the row."""
+    return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale)
 
 
-def _triton_paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """The same three parts with the Triton kernels: store, batched decode, all prefill chunks in one launch."""
-    from nanoserve.kernels import triton_cache, triton_decode, triton_prefill
-
-    triton_cache.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = torch.empty_like(q)
-    nd = meta.num_decodes
-    if nd:
-        out[:nd] = triton_decode.decode_attention(
-            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
-    if meta.prefills:
-        triton_prefill.prefill_attention(
-            q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start, meta.prefill_query_len,
-            meta.prefill_context_len, scale, max_query_len=max(c.num_query for c in meta.prefills), out=out)
-    return out
+def make_backend(name: str, fast_paths: bool = True) -> AttentionBackend:
+    """"torch" or "triton" (see prepare_backend for the checks Triton needs first)."""
+    if name == "triton":
+        from nanoserve.kernels.triton_backend import TritonBackend
+        return TritonBackend()
+    if name == "torch":
+        from nanoserve.kernels.torch_backend import TorchBackend
+        return TorchBackend(fast=fast_paths)
+    raise ValueError(f"unknown attention backend {name!r}")
 
 
 def prepare_backend(config) -> str:
-    """`config` is an EngineConfig. Returns "torch" or "triton"."""
+    """Pick the attention backend for an EngineConfig: "torch" or "triton".
 
-    """Pick the attention backend; Triton on a CPU runs under its interpreter (set before import)."""
+    Triton on a CPU runs under its interpreter, which must be on before triton is imported.
+    """
     backend = config.resolved_backend()
     if backend == "triton":
         import importlib.util

@@ -35,6 +35,7 @@ class EngineConfig:
                                         # the ones closest to done (the most tokens left is preempted first)
     num_cpu_blocks: int | None = None   # swap space in blocks; None: as many as num_blocks when swapping
     attention_backend: str = "auto"     # "torch", "triton" (interpreted on CPU: slow) or "auto" (triton on CUDA)
+    fast_paths: bool = True             # runner.py's speed paths; False: the plain reference path (same tokens)
     seed: int = 0                       # seeds random weights of tiny models and unseeded requests
     # Speculative decoding (spec_decode.py): off unless a method is named.
     speculative_method: str | None = None   # None, "ngram" (prompt lookup) or "draft" (a draft model)
@@ -62,6 +63,7 @@ class EngineConfig:
         v.choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
         v.choice("preemption_policy", self.preemption_policy, ("newest", "priority", "shortest_remaining"))
         self.num_cpu_blocks = v.optional_integer("num_cpu_blocks", self.num_cpu_blocks, minimum=0)
+        v.boolean("fast_paths", self.fast_paths)
         v.choice("attention_backend", self.attention_backend, ("torch", "triton", "auto"))
         self.seed = v.integer("seed", self.seed, minimum=0, maximum=2**64 - 1)
 

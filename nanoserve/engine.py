@@ -104,7 +104,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, self._emit)
         self.backend = prepare_backend(config)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, dtype, torch.device(config.device),
-                                  self.backend)
+                                  self.backend, fast_paths=config.fast_paths)
         if self.cpu_pool is not None:
             self.runner.allocate_swap(config.num_cpu_blocks)
         self.sampler = Sampler()
@@ -145,8 +145,8 @@ class LLMEngine:
         self.requests[rid] = seq
         self.detokenizers[rid] = prepared.detokenizer
         self.scheduler.add(seq)
-        self._emit(ev.RequestAdded(self.step_count, rid, seq.prompt or "", seq.num_prompt_tokens,
-                                   request.params.max_tokens))
+        shown = engine_state.prompt_text(seq.prompt, seq.prompt_token_ids, self.tokenizer)   # token ids: their text
+        self._emit(ev.RequestAdded(self.step_count, rid, shown, seq.num_prompt_tokens, request.params.max_tokens))
 
     def abort_request(self, request_id: str) -> RequestOutput:
         """Stop a request (all its sequences) now and free their blocks.

@@ -12,11 +12,21 @@ from __future__ import annotations
 from nanoserve.sequence import Sequence
 
 
+def prompt_text(text: str | None, token_ids: list[int], tokenizer) -> str:
+    """The prompt as viewers show it: its text; for a token-id prompt, the text those ids decode to
+    (special tokens included), or the ids themselves when the model has no tokenizer."""
+    if text is not None:
+        return text
+    if tokenizer is not None:
+        return tokenizer.decode(token_ids)
+    return str(list(token_ids))
+
+
 def snapshot(engine) -> dict:
     """`engine.snapshot()`: pool, block tables, queues, radix tree and CPU pool as plain data."""
     def view(seq: Sequence) -> dict:
         return {
-            "request_id": seq.request_id, "status": seq.status.value, "prompt": seq.prompt or "",
+            "request_id": seq.request_id, "status": seq.status.value, "prompt": prompt_text(seq.prompt, seq.prompt_token_ids, engine.tokenizer),
             "num_prompt_tokens": seq.num_prompt_tokens, "output_text": seq.output_text,
             "num_output_tokens": seq.num_output_tokens, "num_computed_tokens": seq.num_computed_tokens,
             "block_table": list(seq.block_table), "max_tokens": seq.params.max_tokens,

@@ -21,11 +21,13 @@ from nanoserve.engine import LLMEngine
 from nanoserve.errors import FieldError, SubscriberError
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.threads import apply_thread_policy
 
 
 class LLM:
     def __init__(self, model: str = "tiny-llama", **config) -> None:
         """`config` takes any EngineConfig field, e.g. LLM("smollm2", block_size=16, num_blocks=512)."""
+        apply_thread_policy()        # torch on the cores that are free (threads.py); OMP_NUM_THREADS wins
         self.engine = LLMEngine(EngineConfig(model=model, **config))
         self._counter = 0
 

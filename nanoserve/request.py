@@ -67,6 +67,7 @@ class Request:
                 cumulative_logprob=s.cumulative_logprob,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
                 finish_reason=s.status.finish_reason, delta=deltas.get(s.request_id, ""), error=s.error,
+                seq_id=s.request_id,
             )
             for i, s in enumerate(self.completions())
         ]

@@ -1,12 +1,15 @@
 """The model runner: owns the KV cache tensors, turns a schedule into tensors, runs the model.
 
 `prepare()` flattens the scheduled chunks into one row of tokens, single-token
-chunks (decodes) first, and builds what attention needs to find K/V:
+chunks (decodes) first, longest first, and describes it:
 
     input_ids    [T]  the tokens to compute
     positions    [T]  their positions in their own sequence
     slot_mapping [T]  where each token's K/V goes: table[pos // bs] * bs + pos % bs
     block tables      which physical blocks each sequence reads
+
+The attention backend (attention.py: torch or Triton) turns that
+description into the tensors its kernels read, and nothing else.
 
 `run()` does one forward pass over that row and returns logits only for the
 rows that need them: the last token of a chunk that reaches its sequence's
@@ -23,6 +26,16 @@ block pool, which never touches these tensors. Block moves the scheduler
 plans are carried out here, before the forward that needs them:
 `copy_blocks` (copy-on-write, on the device) and `swap_out`/`swap_in`
 (between the device cache and a CPU copy of it, pinned when on CUDA).
+
+Speed paths (`fast_paths`, on by default; off runs the plain reference path,
+and the tests check both give the same tokens):
+
+* the torch backend attends decodes in groups of similar length
+  (kernels/torch_backend.py);
+* on a CPU, the model's linear layers run from oneDNN-packed weights, and a
+  bf16 model on a CPU without bf16 units runs its matmuls and attention in
+  float32 on the bf16 values, ~10x faster there (models/cpu_linear.py). The
+  runner then holds a view of the model; the loaded model is not changed.
 """
 
 from __future__ import annotations
@@ -32,8 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanoserve.attention import AttentionMetadata, PrefillChunk
-from nanoserve.kernels.reference import decode_mask, prefill_mask
+from nanoserve.attention import AttentionBackend, AttentionMetadata, BatchLayout, PrefillChunk, make_backend
 
 
 @dataclass(slots=True)
@@ -50,7 +62,7 @@ class RunInput:
 class Batch:
     input_ids: torch.Tensor           # [T] int64
     positions: torch.Tensor           # [T] int64
-    meta: AttentionMetadata
+    meta: AttentionMetadata           # built by the attention backend from the step's BatchLayout
     logits_indices: torch.Tensor      # [S] rows whose logits come back, in the order of the inputs
 
 
@@ -60,13 +72,29 @@ def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) ->
     return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
 
 
+def half_matmuls_need_fp32(dtype: torch.dtype, device: torch.device) -> bool:
+    """A bf16 model on a CPU whose bf16 matmuls would run in software (see models/cpu_linear.py)."""
+    from nanoserve.kernels.torch_backend import cpu_has_bf16_units
+    return dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_bf16_units()
+
+
 class ModelRunner:
-    def __init__(self, model: nn.Module, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, backend: str = "torch") -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device, backend: str = "torch", fast_paths: bool = True) -> None:
         self.block_size = block_size
         self.device = device
         self.backend = backend          # attention kernels: "torch" or "triton"
+        self.fast_paths = fast_paths
+        self.attn: AttentionBackend = make_backend(backend, fast_paths)
+        self.model = model
+        if fast_paths and device.type == "cpu":
+            from nanoserve.models.cpu_linear import can_pack, cpu_linear_view
+            upcast = half_matmuls_need_fp32(dtype, device)      # bf16 values, float32 math
+            pack = can_pack() and (upcast or dtype == torch.float32)
+            if upcast or pack:
+                self.model = cpu_linear_view(model, upcast, pack)   # a view; the loaded model stays as it is
+            if upcast:
+                self.attn.compute_dtype = torch.float32
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
         # One (k_cache, v_cache) pair per layer.
         self.kv_caches = [
@@ -91,13 +119,7 @@ class ModelRunner:
             return
         src = self._tensor([s for s, _ in pairs])
         dst = self._tensor([d for _, d in pairs])
-        if self.backend == "triton":
-            from nanoserve.kernels.triton_cache import copy_blocks
-            copy_blocks([c for kv in self.kv_caches for c in kv], src, dst)
-            return
-        for k, v in self.kv_caches:
-            k[dst] = k[src]            # advanced indexing reads all of src before writing dst
-            v[dst] = v[src]
+        self.attn.copy_blocks([c for kv in self.kv_caches for c in kv], src, dst)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, CPU block): copy each device block's KV to its CPU block."""
@@ -126,13 +148,16 @@ class ModelRunner:
         bs = self.block_size
         if any(not x.token_ids for x in inputs):
             raise ValueError("every RunInput needs at least one token")
-        # Single-token inputs go first so attention can batch them as decodes.
-        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i].token_ids) > 1)
-        num_decodes = sum(1 for x in inputs if len(x.token_ids) == 1)
-
+        # Single-token inputs (decodes) go first, longest first, so a backend can attend them in
+        # groups of similar length; then the prefill chunks in input order.
+        order = sorted(range(len(inputs)),
+                       key=lambda i: (len(inputs[i].token_ids) > 1,
+                                      -inputs[i].start if len(inputs[i].token_ids) == 1 else 0))
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        decode_lens: list[int] = []
+        decode_tables: list[list[int]] = []
         prefills: list[PrefillChunk] = []
         first_row = [0] * len(inputs)        # where each input starts in the flat row
         for i in order:
@@ -143,38 +168,19 @@ class ModelRunner:
             pos = range(x.start, x.start + n)
             positions += pos
             slots += [table[p // bs] * bs + p % bs for p in pos]
-            if n > 1:
-                context = x.start + n
-                table_t = self._tensor(table[: -(-context // bs)])
-                prefills.append(PrefillChunk(first_row[i], n, context, table_t, prefill_mask(n, context, self.device)))
+            context = x.start + n
+            blocks = table[: -(-context // bs)]           # exactly the blocks holding its context
+            if n == 1:
+                decode_lens.append(context)
+                decode_tables.append(blocks)
+            else:
+                prefills.append(PrefillChunk(first_row[i], n, context, blocks))
         # Logits rows in input order: the last num_logits tokens of each input.
         logits_indices = [first_row[i] + len(x.token_ids) - x.num_logits + j
                           for i, x in enumerate(inputs) for j in range(x.num_logits)]
-
-        # Decode block tables, padded to the longest with block 0 (masked out by seq_lens).
-        decodes = [inputs[i] for i in order[:num_decodes]]
-        seq_lens = [x.start + 1 for x in decodes]
-        num_blocks = [-(-L // bs) for L in seq_lens]                   # ceil(L / bs)
-        width = max(num_blocks, default=0)
-        padded = [x.block_table[:nb] + [0] * (width - nb) for x, nb in zip(decodes, num_blocks)]
-        decode_seq_lens = self._tensor(seq_lens)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            num_decodes=num_decodes,
-            decode_block_tables=self._tensor(padded).view(num_decodes, width),
-            decode_seq_lens=decode_seq_lens,
-            decode_mask=decode_mask(decode_seq_lens, width * bs),
-            prefills=prefills,
-            backend=self.backend,
-        )
-        if self.backend == "triton" and prefills:
-            width = max(len(c.block_table) for c in prefills)
-            meta.prefill_block_tables = torch.stack(
-                [torch.nn.functional.pad(c.block_table, (0, width - len(c.block_table))) for c in prefills])
-            meta.prefill_query_start = self._tensor([c.query_start for c in prefills])
-            meta.prefill_query_len = self._tensor([c.num_query for c in prefills])
-            meta.prefill_context_len = self._tensor([c.context_len for c in prefills])
-        return Batch(self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_indices))
+        layout = BatchLayout(bs, self._tensor(slots), decode_lens, decode_tables, prefills)
+        return Batch(self._tensor(input_ids), self._tensor(positions), self.attn.prepare(layout),
+                     self._tensor(logits_indices))
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:

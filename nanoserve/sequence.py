@@ -68,7 +68,7 @@ _TRANSITIONS = {
 }
 
 
-@dataclass(slots=True, eq=False)   # identity: two sequences are never "equal"
+@dataclass(slots=True, eq=False)   # an entity: two sequences are equal only if they are the same one
 class Sequence:
     request_id: str                      # this sequence's id: the request's, or "<request>.<index>" for forks
     prompt: str | None                   # the text, when the request came as text

@@ -6,6 +6,9 @@ grouped-query attention repeats each KV head `Hq // Hkv` times with
 `repeat_interleave` (query head h reads KV head h // group). The paged
 versions must match it for any block size and any physical placement of the
 blocks, including shuffled tables, padding and stale slots.
+
+Whole mixed batches go through the torch backend's `prepare` + `forward`,
+with its plain path and its fast path (decodes in groups), which must agree.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.attention import AttentionMetadata, PrefillChunk, paged_attention
+from nanoserve.attention import BatchLayout, PrefillChunk, paged_attention
+from nanoserve.kernels.torch_backend import TorchBackend
 from nanoserve.kernels.reference import (
     decode_attention,
     decode_mask,
@@ -252,22 +256,15 @@ def run_mixed_batch(block_size, hq, hkv, decode_lens, prefill_specs, seed):
         v_rows.append(v[start:])
         slots.append(cache.slots(table, start, L))
         if i >= len(decode_lens):
-            prefills.append(PrefillChunk(row, n, L, torch.tensor(table), prefill_mask(n, L, "cpu")))
+            prefills.append(PrefillChunk(row, n, L, table))
         row += n
-    nd = len(decode_lens)
-    width = max((len(seqs[i][0]) for i in range(nd)), default=0)
-    dtables = [seqs[i][0] + [0] * (width - len(seqs[i][0])) for i in range(nd)]
-    decode_seq_lens = torch.tensor(list(decode_lens), dtype=torch.int64)
-    meta = AttentionMetadata(
-        slot_mapping=torch.cat(slots),
-        num_decodes=nd,
-        decode_block_tables=torch.tensor(dtables, dtype=torch.int64).view(nd, width),
-        decode_seq_lens=decode_seq_lens,
-        decode_mask=decode_mask(decode_seq_lens, width * block_size),
-        prefills=prefills,
-    )
+    layout = BatchLayout(block_size, torch.cat(slots), list(decode_lens),
+                         [seqs[i][0] for i in range(len(decode_lens))], prefills)
     q, k, v = torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows)
-    out = paged_attention(q, k, v, cache.k, cache.v, meta, scale)
+    outs = [paged_attention(q, k, v, cache.k, cache.v, backend.prepare(layout), scale)
+            for backend in (TorchBackend(fast=False), TorchBackend(fast=True, group_size=2))]
+    torch.testing.assert_close(outs[0], outs[1], atol=ATOL, rtol=0)   # plain and fast paths agree
+    out = outs[0]
     assert out.shape == q.shape
 
     row = 0
@@ -312,3 +309,31 @@ def test_paged_attention_random_batches(block_size, geometry, decode_lens, prefi
     if not decode_lens and not prefill_specs:
         decode_lens = [1]
     run_mixed_batch(block_size, *geometry, decode_lens, prefill_specs, seed)
+
+
+def test_fast_path_multiplies_a_bf16_cache_in_float32():
+    """compute_dtype=float32 (a bf16 cache on a CPU without bf16 units) matches the naive float32 attention
+    of the same bf16 values more closely than bf16 arithmetic can, and the plain bf16 path within bf16 error."""
+    gen = torch.Generator().manual_seed(7)
+    bs, hq, hkv = 4, 4, 2
+    cache = PagedCache(16, bs, hkv, gen)
+    cache.k, cache.v = cache.k.bfloat16(), cache.v.bfloat16()
+    lens = [9, 3]
+    tables = [cache.table(L) for L in lens]
+    full = [(rand(gen, L, hkv, HEAD_DIM).bfloat16(), rand(gen, L, hkv, HEAD_DIM).bfloat16()) for L in lens]
+    for t, (k, v) in zip(tables, full):
+        cache.write(t, k[:-1], v[:-1])
+    q = rand(gen, 2, hq, HEAD_DIM).bfloat16()
+    k_new = torch.stack([k[-1] for k, _ in full])
+    v_new = torch.stack([v[-1] for _, v in full])
+    slots = torch.cat([cache.slots(t, L - 1, L) for t, L in zip(tables, lens)])
+    layout = BatchLayout(bs, slots, lens, tables)
+    fast = TorchBackend(fast=True, compute_dtype=torch.float32)
+    got = paged_attention(q, k_new, v_new, cache.k, cache.v, fast.prepare(layout), 0.3)
+    plain = TorchBackend(fast=False)
+    got_plain = paged_attention(q, k_new, v_new, cache.k, cache.v, plain.prepare(layout), 0.3)
+    for i, (k, v) in enumerate(full):
+        want = naive_attention(q[i : i + 1].float(), k.float(), v.float(), 0.3)[0]
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got[i].float(), want, atol=1e-2, rtol=0)        # bf16 output rounding only
+        torch.testing.assert_close(got_plain[i].float(), want, atol=5e-2, rtol=0)

@@ -3,7 +3,8 @@
 16 prompts of mixed lengths go in together; the engine must produce exactly
 HF's greedy tokens for each, whatever the block size, with a token budget that
 splits prompts into chunks, with chunked prefill off, and with a pool so small
-that requests get preempted and recomputed. Invariants hold after every step.
+that requests get preempted and recomputed, with the runner's speed paths on
+and off. Invariants hold after every step.
 """
 
 from __future__ import annotations
@@ -79,12 +80,14 @@ def expected(tiny_llama_dir, tiny_gpt2_dir):
     return get
 
 
+@pytest.mark.parametrize("fast_paths", [True, False], ids=["fast", "plain"])
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_matches_hf(kind, name, expected, tiny_llama, tiny_gpt2):
+def test_greedy_matches_hf(kind, name, fast_paths, expected, tiny_llama, tiny_gpt2):
+    """Every config with the runner's speed paths on and off (runner.py): the same tokens as HF."""
     loaded = tiny_llama if kind == "llama" else tiny_gpt2
     config, must_preempt = CONFIGS[name]
-    got, preempted = engine_greedy(loaded, prompts(257), MAX_TOKENS, **config)
+    got, preempted = engine_greedy(loaded, prompts(257), MAX_TOKENS, fast_paths=fast_paths, **config)
     assert got == expected(kind)
     if must_preempt:
         assert preempted > 0, "the pool was meant to be small enough to force preemption"

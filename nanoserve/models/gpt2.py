@@ -78,6 +78,8 @@ class GPT2(nn.Module):
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         self.blocks = nn.ModuleList(GPT2Block(config, i) for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight      # tied: the embedding table is the output projection
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
@@ -88,7 +90,7 @@ class GPT2(nn.Module):
 
     def compute_logits(self, hidden):
         """hidden [N, hidden] -> logits [N, vocab] through the tied embedding."""
-        return hidden @ self.wte.weight.T
+        return self.lm_head(hidden)
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy weights from a transformers GPT2LMHeadModel state dict."""

@@ -138,8 +138,9 @@ class Llama(nn.Module):
         self.model = LlamaBody(config, head_dim)
         self.rotary = Rotary(config, head_dim)
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:   # one tensor, two uses: the embedding table is the output projection
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
@@ -151,13 +152,13 @@ class Llama(nn.Module):
 
     def compute_logits(self, hidden):
         """hidden [N, hidden] -> logits [N, vocab]."""
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return hidden @ weight.T
+        return self.lm_head(hidden)
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy weights from a transformers LlamaForCausalLM state dict (same names)."""
         sd = {k: v for k, v in sd.items() if not (self.tie_word_embeddings and k == "lm_head.weight")}
         missing, unexpected = self.load_state_dict(sd, strict=False)
+        missing = [k for k in missing if not (self.tie_word_embeddings and k == "lm_head.weight")]
         unexpected = [k for k in unexpected if "rotary_emb" not in k]
         if missing or unexpected:
             raise ValueError(f"weights do not match the Llama architecture: missing {missing}, unexpected {unexpected}")

@@ -35,6 +35,7 @@ from graphviz import Digraph
 
 from nanoserve.events import StepFinished, StepStarted
 from nanoserve.trace import ViewState, fold, read_trace, synced_event
+from nanoserve.trace_check import check_trace
 
 # (light fill, dark line) per request, in arrival order. No gold or red here:
 # gold marks shared blocks and red marks blocks touched this step.
@@ -228,16 +229,20 @@ def state_at(trace_path: str | Path, step: int | None = None) -> ViewState:
         raise FileNotFoundError(f"trace not found: {path} (write one with "
                                 f"`nanoserve record --scenario memory-pressure -o {path.name}`)")
     events = read_trace(path)                      # ValueError on a corrupt line
+    check_trace(events, path)                      # ... on wrong field types or block ids outside the pool
     last = max((e.step for e in events if isinstance(e, StepFinished)), default=0)
     if step is not None and not 0 <= step <= last:
         raise ValueError(f"step {step} is not in {path}: its steps run from 0 to {last}")
     state = None
-    for event in events:
-        if step == 0 and isinstance(event, StepStarted):
-            break                                  # step 0: the state before anything ran
-        state = fold(state, event)
-        if step is not None and isinstance(event, StepFinished) and event.step == step:
-            break
+    try:
+        for event in events:
+            if step == 0 and isinstance(event, StepStarted):
+                break                              # step 0: the state before anything ran
+            state = fold(state, event)
+            if step is not None and isinstance(event, StepFinished) and event.step == step:
+                break
+    except (KeyError, IndexError, TypeError, AttributeError, AssertionError) as exc:   # inconsistent events
+        raise ValueError(f"{path}: the events do not replay ({type(exc).__name__}: {exc})") from None
     if state is None:
         raise ValueError(f"{path} has no events; a trace starts with EngineSynced")
     return state
