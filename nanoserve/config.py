@@ -154,18 +154,8 @@ def _size(num_bytes: int) -> str:
 
 
 def _check_device(device) -> str:
-    """"cpu", "cuda" or "cuda:N", and a CUDA device only where torch sees one."""
-    v.text("device", device)
-    kind, _, index = device.partition(":")
-    if kind not in ("cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
-        raise FieldError("device", f"must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    if kind == "cuda":
-        import torch
+    """"cpu", "cuda" or "cuda:N", and a CUDA device only where torch sees one (`loader.check_device`)."""
+    from nanoserve.models.loader import check_device   # (here, not at the top: the loader imports a lot)
 
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise FieldError("device", f"is {device!r} but torch sees no CUDA device on this machine "
-                                       f"(torch {torch.__version__}): use 'cpu'")
-        if index and int(index) >= count:
-            raise FieldError("device", f"is {device!r} but there are only {count} CUDA devices")
+    check_device(v.text("device", device))
     return device

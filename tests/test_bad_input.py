@@ -134,7 +134,7 @@ def test_bad_engine_configs_name_the_field(kwargs, field):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_cuda_without_cuda_is_refused():
-    with pytest.raises(FieldError, match="no CUDA device") as info:
+    with pytest.raises(FieldError, match="no CUDA GPU") as info:
         EngineConfig(device="cuda")
     assert info.value.field == "device"
 
