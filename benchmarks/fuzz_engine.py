@@ -68,8 +68,8 @@ def main() -> int:
               f"{examples} examples, {time.perf_counter() - t0:.0f} s", flush=True)
 
     stats = counts.STATS
-    print(f"\n{stats['operations']} operations (each followed by check_invariants() and fold == snapshot) in "
-          f"{examples} examples over {len(counts.CONFIGS)} engine configurations, "
+    print(f"\n{stats['operations']} operations (rules, each followed by check_invariants() and fold == snapshot) "
+          f"in {examples} examples over {len(counts.CONFIGS)} engine configurations, "
           f"{time.perf_counter() - t0:.0f} s, no failure")
     print(f"{stats['outputs equal to the mechanisms-off engine']} finished greedy/seeded requests equal to the "
           "same request alone on an engine with every mechanism off")
