@@ -25,7 +25,8 @@ REGION = re.compile(r"<!--gen:(?P<name>[\w.-]+)-->(?P<body>.*?)<!--/gen-->", re.
 # Wall-clock measurements, whatever their width: masked before comparing.
 TIMINGS = [
     (re.compile(r"duration_s=[0-9.e+-]+"), "duration_s=<t>"),
-    (re.compile(r"\b\d+(\.\d+)?k? tokens/s"), "<t> tokens/s"),
+    (re.compile(r"\b\d+(\.\d+)?k? (tokens|tok|it)/s"), "<t> /s"),
+    (re.compile(r"\[\d\d:\d\d<[\d:?]+, +[\d.?]+ ?it/s\]"), "[<t>]"),      # a progress bar's clock
     (re.compile(r"\b\d+(\.\d+)? ?(ms|s)\b"), "<t> s"),
 ]
 
@@ -58,10 +59,12 @@ def block(body: str, lang: str = "text") -> str:
 
 
 def normalize(text: str) -> str:
-    """What must match between a page and a fresh run: times masked, runs of blanks collapsed."""
+    """What must match between a page and a fresh run: times masked, runs of blanks and of
+    rules (a panel title's border shrinks when the time in it grows) collapsed."""
     for pattern, mask in TIMINGS:
         text = pattern.sub(mask, text)
-    return "\n".join(re.sub(r"[ \t]+", " ", line).rstrip() for line in text.strip().splitlines())
+    lines = (re.sub(r"─{2,}", "─", re.sub(r"[ \t]+", " ", line)).rstrip() for line in text.strip().splitlines())
+    return "\n".join(lines)
 
 
 def diff(old: str, new: str, name: str) -> str:
