@@ -15,9 +15,9 @@ from graphviz import Digraph
 
 from nanoserve import EngineConfig, LLMEngine, SamplingParams
 from nanoserve import events as ev
-from nanoserve.viz.graphviz import render
 
 from docgen import Result, regions
+from docgen.pictures import graphviz_svg
 from docgen.home import _ranges
 from docgen.scenarios import words
 
@@ -119,7 +119,7 @@ def diagram(events: list) -> str:
 def make(read) -> Result:
     out = Result()
     engine, events = run()
-    out.files["docs/img/life-of-a-request.svg"] = render(diagram(events), "svg")
+    out.files["docs/img/life-of-a-request.svg"] = graphviz_svg(diagram(events))
     mine = [e for e in events if getattr(e, "request_id", None) == "life"]
 
     def first(kind):

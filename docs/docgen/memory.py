@@ -14,9 +14,10 @@ from __future__ import annotations
 from nanoserve import EngineConfig, LLMEngine, SamplingParams
 from nanoserve import events as ev
 from nanoserve.trace import fold
-from nanoserve.viz.graphviz import pool_dot, radix_dot, render, tables_dot
+from nanoserve.viz.graphviz import pool_dot, radix_dot, tables_dot
 
 from docgen import Result
+from docgen.pictures import graphviz_svg
 from docgen.home import _ranges
 from docgen.scenarios import words
 
@@ -56,7 +57,7 @@ def drive(engine: LLMEngine, arrivals: dict[int, list[tuple[str, object, Samplin
 
 
 def picture(out: Result, name: str, what: str, state) -> None:
-    out.files[f"docs/img/{name}.svg"] = render(BUILDERS[what](state), "svg")
+    out.files[f"docs/img/{name}.svg"] = graphviz_svg(BUILDERS[what](state))
 
 
 def prefill_tokens(events) -> int:

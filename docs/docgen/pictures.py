@@ -4,8 +4,10 @@ Pictures are compared on what a reader sees, not byte for byte, so that a
 Graphviz or Textual upgrade that moves a line by a pixel does not fail a
 test, while a changed block number, label, colour or step does:
 
-* Graphviz SVG: the sequence of texts (labels, ids, titles) and of fill and
-  stroke colours, in document order;
+* Graphviz SVG: the DOT source it was drawn from (its hash, which
+  `graphviz_svg` writes into the file: the layout is decided there), and the
+  sequence of texts (labels, ids, titles) and of fill and stroke colours, in
+  document order (a hand edit of the SVG changes those);
 * a TUI screenshot (Textual's SVG export): the screen's text, row by row,
   rebuilt from the text elements' positions (times masked, see regions.py);
 * text (lesson outputs): `regions.normalize`d.
@@ -13,6 +15,7 @@ test, while a changed block number, label, colour or step does:
 
 from __future__ import annotations
 
+import hashlib
 import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -20,11 +23,23 @@ from pathlib import Path
 from docgen.regions import normalize
 
 SVG_NS = "{http://www.w3.org/2000/svg}"
+SOURCE = re.compile(r"<!-- docgen: DOT sha256 ([0-9a-f]{64}) -->")
+
+
+def graphviz_svg(source: str) -> bytes:
+    """Render DOT to SVG with `dot`, noting the source's hash in the file."""
+    from nanoserve.viz.graphviz import render
+
+    svg = render(source, "svg").decode()
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    head, _, rest = svg.partition("\n<svg")      # after the XML declaration and doctype
+    return f"{head}\n<!-- docgen: DOT sha256 {digest} -->\n<svg{rest}".encode()
 
 
 def graphviz_signature(svg: str) -> list[str]:
-    """Texts and colours of a Graphviz SVG, in document order."""
-    out = []
+    """The DOT source's hash, then the texts and colours of a Graphviz SVG, in document order."""
+    m = SOURCE.search(svg)
+    out = [f"source:{m[1] if m else 'unknown'}"]
     for el in ET.fromstring(svg).iter():
         tag = el.tag.removeprefix(SVG_NS)
         if tag in ("text", "title") and (el.text or "").strip():

@@ -16,10 +16,11 @@ from pathlib import Path
 from nanoserve import events as ev
 from nanoserve.scenarios import SCENARIOS, record
 from nanoserve.trace import read_trace
-from nanoserve.viz.graphviz import pool_dot, render, state_at, tables_dot
+from nanoserve.viz.graphviz import pool_dot, state_at, tables_dot
 from nanoserve_tui.screenshots import showcase_step
 
 from docgen import Result, regions
+from docgen.pictures import graphviz_svg
 from docgen.home import _ranges
 
 TUI, CLASS = "tui.md", "classroom.md"
@@ -76,7 +77,7 @@ def memory_pressure(events, trace: Path, out: Result) -> None:
                                   f"{len(state.requests)} requests.")
     # the same step as Graphviz pictures, for slides
     for what, build in (("tables", tables_dot), ("pool", pool_dot)):
-        out.files[f"docs/img/memory-pressure-{what}.svg"] = render(build(state), "svg")
+        out.files[f"docs/img/memory-pressure-{what}.svg"] = graphviz_svg(build(state))
     out.region(TUI, "mp.export", regions.block(
         "nanoserve record --scenario memory-pressure -o pressure.jsonl\n"
         f"nanoserve export --trace pressure.jsonl --step {step} --what tables --format svg\n"
