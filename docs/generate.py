@@ -4,6 +4,7 @@
     python docs/generate.py --check      # compare only; exit 1 and show diffs if the docs are stale
     python docs/generate.py home step    # only these jobs (names: --list)
     python docs/generate.py --lessons    # only the lessons' outputs (and their "break it" runs)
+    python docs/generate.py --lessons 01 07   # only these lessons (by number)
 
 Deterministic: tiny models with fixed seeds, SmolLM2 greedy, output at 100
 columns. What a rerun changes without the engine changing (wall-clock times)
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'lessons':10s} lessons/*.py: outputs in docs/lessons/output/, break-it messages in the pages")
         return 0
     unknown = set(args.jobs) - {j.name for j in JOBS}
-    if unknown:
+    if unknown and not args.lessons:
         parser.error(f"unknown job(s) {', '.join(sorted(unknown))}; see --list")
     jobs = [] if args.lessons else [j for j in JOBS if not args.jobs or j.name in args.jobs]
     stale = []
@@ -75,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         stale += found
         print(f"{job.name}: {len(found)} stale  ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     if (args.lessons or not args.jobs) and not args.no_lessons:
-        for lesson in lesson_runs.LESSONS:
+        chosen = [lesson for lesson in lesson_runs.LESSONS
+                  if not (args.lessons and args.jobs) or lesson.name.startswith(tuple(args.jobs))]
+        for lesson in chosen:
             t0 = time.perf_counter()
             found = apply(lesson_runs.make(lesson), args.check)
             stale += found

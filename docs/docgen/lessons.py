@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import os
 import subprocess
+import textwrap
 import sys
 from pathlib import Path
 
@@ -52,12 +53,13 @@ def run(lesson: Path, *args: str, timeout: int = 900) -> subprocess.CompletedPro
 
 
 def break_message(proc: subprocess.CompletedProcess, lesson: Path, name: str) -> str:
-    """The assert that stopped a broken run (its last stderr line), or an error saying none did."""
+    """The assert that stopped a broken run (its last stderr line, wrapped at 100 columns), or an
+    error saying none did."""
     last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
     if proc.returncode == 0 or not last.startswith("AssertionError"):
         raise AssertionError(f"{lesson.name} --break {name} should stop at an assert; it exited with "
                              f"{proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return last
+    return textwrap.fill(last, 100, subsequent_indent="    ", break_on_hyphens=False)
 
 
 def make(lesson: Path, with_breaks: bool = True) -> Result:

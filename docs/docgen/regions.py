@@ -5,7 +5,8 @@ A page marks what a program writes for it:
     <!--gen:NAME-->whatever the generator wrote last time<!--/gen-->
 
 A region can hold a whole fenced block (a transcript) or a few words inside
-a sentence (a fact: a block number, a step). Everything outside the markers
+a sentence (a fact: a block number, a step). A block region inside an
+admonition or a list item is indented like the line its marker is on. Everything outside the markers
 is prose that people write. `replace` puts fresh text in; `regions` reads
 what a page holds, so a test can compare it with a fresh run.
 
@@ -50,7 +51,16 @@ def replace(text: str, bodies: dict[str, str], page: str = "page") -> str:
     if missing:
         raise KeyError(f"{page} has no region named {', '.join(sorted(missing))} "
                        f"(add <!--gen:NAME--><!--/gen--> where it goes)")
-    return REGION.sub(lambda m: f"<!--gen:{m['name']}-->{bodies.get(m['name'], m['body'])}<!--/gen-->", text)
+    def fill(m: re.Match) -> str:
+        body = bodies.get(m["name"], m["body"])
+        if m["name"] in bodies:   # inside an admonition or a list: indent like the marker's line
+            line = text[text.rfind("\n", 0, m.start()) + 1 : m.start()]
+            indent = line if not line.strip() else ""
+            body = "\n".join((indent + x if x.strip() and i else x) for i, x in enumerate(body.split("\n")))
+            body = body + indent if body.endswith("\n") else body
+        return f"<!--gen:{m['name']}-->{body}<!--/gen-->"
+
+    return REGION.sub(fill, text)
 
 
 def block(body: str, lang: str = "text") -> str:
@@ -63,7 +73,7 @@ def normalize(text: str) -> str:
     rules (a panel title's border shrinks when the time in it grows) collapsed."""
     for pattern, mask in TIMINGS:
         text = pattern.sub(mask, text)
-    lines = (re.sub(r"─{2,}", "─", re.sub(r"[ \t]+", " ", line)).rstrip() for line in text.strip().splitlines())
+    lines = (re.sub(r"─{2,}", "─", re.sub(r"[ \t]+", " ", line)).strip() for line in text.strip().splitlines())
     return "\n".join(lines)
 
 
