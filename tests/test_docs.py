@@ -95,12 +95,22 @@ CODE_PAGES = sorted(p for p in DOCS.rglob("*.md"))
 
 
 def output_lines(text: str):
-    """Lines of the output blocks (```text, ```console) of a page, with the files they include."""
-    for lang, block in re.findall(r"```([a-z]*)\n(.*?)\n```", text, re.S):
-        if lang in ("text", "console"):
-            for line in block.splitlines():
-                include = re.fullmatch(r'--8<-- "([^"]+)"', line.strip())
-                yield from ((ROOT / include[1]).read_text().splitlines() if include else [line])
+    """Lines of the output blocks (```text, ```console) of a page, as displayed (an admonition's or a
+    list's indentation removed), with the files they include."""
+    fence = None
+    for line in text.splitlines():
+        if fence is None:
+            m = re.fullmatch(r"(\s*)```(\w*)", line)
+            if m:
+                fence = (m[1], m[2])
+            continue
+        if line.strip() == "```" and line.startswith(fence[0]):
+            fence = None
+            continue
+        if fence[1] in ("text", "console"):
+            shown = line[len(fence[0]):]
+            include = re.fullmatch(r'--8<-- "([^"]+)"', shown.strip())
+            yield from ((ROOT / include[1]).read_text().splitlines() if include else [shown])
 
 
 @pytest.mark.parametrize("page", CODE_PAGES, ids=[str(p.relative_to(DOCS)) for p in CODE_PAGES])
@@ -128,9 +138,9 @@ def test_every_page_is_in_the_nav():
 
 
 @pytest.mark.parametrize("page", CODE_PAGES, ids=[str(p.relative_to(DOCS)) for p in CODE_PAGES])
-def test_inline_facts_do_not_start_a_paragraph(page: Path):
-    """Markdown reads a paragraph that starts with an HTML comment as raw HTML: the prose would not render."""
+def test_inline_facts_do_not_start_a_line(page: Path):
+    """Markdown reads a line that starts with an HTML comment as raw HTML, which cuts the paragraph in two:
+    an inline fact must follow a word on its line."""
     lines = page.read_text().splitlines()
-    bad = [i + 1 for i, line in enumerate(lines) if i and not lines[i - 1].strip()
-           and re.match(r"\s*<!--gen:[\w.-]+-->\s*\S", line)]
-    assert not bad, f"{page.name}: a paragraph starts with an inline fact at line(s) {bad}; reword it"
+    bad = [i + 1 for i, line in enumerate(lines) if re.match(r"\s*<!--gen:[\w.-]+-->\s*\S", line)]
+    assert not bad, f"{page.name}: an inline fact starts line(s) {bad}; move a word in front of it"
