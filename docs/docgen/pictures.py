@@ -9,7 +9,10 @@ test, while a changed block number, label, colour or step does:
   sequence of texts (labels, ids, titles) and of fill and stroke colours, in
   document order (a hand edit of the SVG changes those);
 * a TUI screenshot (Textual's SVG export): the screen's text, row by row,
-  rebuilt from the text elements' positions (times masked, see regions.py);
+  rebuilt from the text elements' positions (times masked, see regions.py;
+  block elements, U+2580-U+259F, count as blank: scrollbar thumbs appear a
+  frame early or late, and the sparklines they share with are pictures of
+  numbers the panels print);
 * text (lesson outputs): `regions.normalize`d.
 """
 
@@ -68,7 +71,7 @@ def screen_lines(svg: str) -> list[str]:
         col = round(float(el.get("x")) / width) if width else 0
         row = rows.setdefault(int(m[1]), {})
         for i, ch in enumerate(text):
-            row[col + i] = ch
+            row[col + i] = " " if "\u2580" <= ch <= "\u259f" else ch
     lines = [title]
     for r in range(max(rows, default=-1) + 1):
         cells = rows.get(r, {})

@@ -13,10 +13,35 @@ from pathlib import Path
 
 from nanoserve.scenarios import SCENARIOS, record
 from nanoserve.trace import read_trace
-from nanoserve_tui.screenshots import shoot, showcase_step
+from nanoserve_tui.app import NanoserveApp
+from nanoserve_tui.screenshots import showcase_step
+from nanoserve_tui.source import ReplaySource
+from nanoserve_tui.widgets.pool import PoolGrid
 
+from nanoserve import events as ev
 from docgen import Result
 from docgen.pictures import screen_lines
+
+
+async def shoot(trace: Path, step: int, size: tuple[int, int], out: Path, select: str | None = None) -> None:
+    """`nanoserve_tui.screenshots.shoot`, waiting until the screen has settled: the key bar at the bottom
+    is drawn a refresh or two after the panels, and a screenshot taken before it would differ."""
+    source = ReplaySource.from_path(trace)
+    source.position = next(i for i, group in enumerate(source.groups)
+                           if any(isinstance(e, ev.StepStarted) and e.step == step for e in group))
+    app = NanoserveApp(source)
+    async with app.run_test(size=size) as pilot:
+        while app.frame is None or app.frame.state.step != step:
+            await pilot.pause(0.05)
+        if select is not None:
+            app.query_one(PoolGrid).selected = app.frame.state.requests[select].block_table[-1]
+        svg = ""
+        for _ in range(100):                       # at most ~10 s
+            await pilot.pause(0.1)
+            svg = app.export_screenshot(title=f"nanoserve tui --replay {trace.name}  (step {step})")
+            if "quit" in screen_lines(svg)[-1]:
+                break
+        out.write_text(svg)
 
 
 def make(read) -> Result:
