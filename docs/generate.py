@@ -83,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
             found = apply(lesson_runs.make(lesson), args.check)
             stale += found
             print(f"{lesson.name}: {len(found)} stale  ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+        t0 = time.perf_counter()
+        messages = lesson_runs.run_breaks({lesson: list(lesson_runs.declared_breaks(lesson)) for lesson in chosen})
+        found = apply(lesson_runs.break_regions(messages), args.check)
+        stale += found
+        print(f"break-it runs: {len(found)} stale  ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     for message in stale:
         print(message)
     if args.check and stale:

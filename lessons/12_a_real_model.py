@@ -15,7 +15,7 @@ from lesson import breaks, console, say, section  # prose that fits your termina
 
 BROKEN = breaks({
     "whole-conversation-hit": "expect each turn to find the whole previous conversation in the cache",
-    "drafts-help-everywhere": "expect n-gram drafts to be accepted as often on a story as on copied code",
+    "prompt-only-hit": "expect a turn to find only the previous turn's prompt, not its answer",
 })
 
 from rich import box  # noqa: E402
@@ -84,6 +84,11 @@ for turn in range(1, len(QUESTIONS)):
         f"blocks of {BS} only, so of the previous turn's {lengths[turn - 1]}-token prompt it can return "
         f"{lengths[turn - 1] // BS * BS}; the rest, and the answer's tail, are computed again")
 assert hits[0].num_hit_tokens == 0 and rate > 0.4
+if BROKEN == "prompt-only-hit":
+    assert all(hits[t].num_hit_tokens <= lengths[t - 1] // BS * BS for t in range(1, len(QUESTIONS))), (
+        f"the turns found {[h.num_hit_tokens for h in hits]} tokens, more than the previous prompts' whole "
+        f"blocks {[n // BS * BS for n in lengths[:-1]]}: the previous answer's blocks were cached as they "
+        "filled, and the next prompt repeats that answer, so they are hit too")
 say(f"""(A 135M-parameter model: read its arithmetic with care. Its tokens are real, which is all the
 cache cares about.) Turn 0 finds nothing. Every later turn finds at least the previous turn's prompt, in whole
 blocks; often more, since the previous answer's full blocks were cached as they filled, as far as
@@ -125,11 +130,9 @@ console.print(table)
 console.print(f"copy:  {spec['copy'].outputs[0].text!r}")
 console.print(f"story: {spec['story'].outputs[0].text[:90]!r}...")
 copy, story = spec["copy"].metrics.acceptance_rate, spec["story"].metrics.acceptance_rate
-why = ("prompt lookup can only propose tokens that already occurred in the request, so it pays off when "
-       "the answer repeats its context")
-if BROKEN == "drafts-help-everywhere":
-    assert story >= copy / 2, f"the story's drafts were accepted at {story:.2f}, the copied code's at {copy:.2f}: {why}"
-assert story < 0.2 <= copy, f"acceptance {story:.2f} for the story, {copy:.2f} for the code: {why}"
+assert story < 0.2 <= copy, (
+    f"acceptance {story:.2f} for the story, {copy:.2f} for the code: prompt lookup can only propose tokens "
+    "that already occurred in the request, so it pays off when the answer repeats its context")
 assert spec["copy"].tokens_per_forward > 1.5
 say(f"""Copying code, {copy:.0%} of the drafts were right and each target forward produced
 {spec['copy'].tokens_per_forward:.1f} tokens; in the story almost none were. Each forward costs the same

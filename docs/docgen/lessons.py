@@ -10,6 +10,7 @@ must end the run at an assert; the page shows that assert's message in its
 from __future__ import annotations
 
 import ast
+import json
 import os
 import subprocess
 import textwrap
@@ -52,24 +53,45 @@ def run(lesson: Path, *args: str, timeout: int = 900) -> subprocess.CompletedPro
                           env=env, timeout=timeout)
 
 
-def break_message(proc: subprocess.CompletedProcess, lesson: Path, name: str) -> str:
-    """The assert that stopped a broken run (its last stderr line, wrapped at 100 columns), or an
-    error saying none did."""
-    last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
-    if proc.returncode == 0 or not last.startswith("AssertionError"):
-        raise AssertionError(f"{lesson.name} --break {name} should stop at an assert; it exited with "
-                             f"{proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return textwrap.fill(last, 100, subsequent_indent="    ", break_on_hyphens=False)
+def run_breaks(plan: dict[Path, list[str]], timeout: int = 1800) -> dict[Path, dict[str, str]]:
+    """Each break's message: the assert that stopped `lesson --break NAME` (wrapped at 100 columns).
+
+    Every break of every lesson in `plan` runs in one process that imports the heavy modules once
+    and forks a child per break (docgen/breakrun.py). Raises if a break did not stop at an assert.
+    """
+    env = {**os.environ, "COLUMNS": "100", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    args = [f"{lesson}:{','.join(names)}" for lesson, names in plan.items() if names]
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("breakrun.py")), *args],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"breakrun.py failed:\n{proc.stderr[-3000:]}")
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    messages: dict[Path, dict[str, str]] = {}
+    for lesson, names in plan.items():
+        for name in names:
+            rc, last = results[str(lesson)][name]["rc"], results[str(lesson)][name]["last"]
+            if rc == 0 or not last.startswith("AssertionError"):
+                raise AssertionError(f"{lesson.name} --break {name} should stop at an assert; it ended with "
+                                     f"status {rc}: {last or '(no error)'}")
+            wrapped = textwrap.fill(last, 100, subsequent_indent="    ", break_on_hyphens=False)
+            messages.setdefault(lesson, {})[name] = wrapped
+    return messages
 
 
-def make(lesson: Path, with_breaks: bool = True) -> Result:
+def break_regions(messages: dict[Path, dict[str, str]]) -> Result:
+    """The pages' `break.NAME` regions for these messages."""
+    out = Result()
+    for lesson, by_name in messages.items():
+        for name, message in by_name.items():
+            out.region(page_of(lesson), f"break.{name}", regions.block(message))
+    return out
+
+
+def make(lesson: Path) -> Result:
+    """The lesson's output file (its breaks: `run_breaks` and `break_regions`, for all lessons at once)."""
     out = Result()
     proc = run(lesson)
     if proc.returncode != 0:
         raise AssertionError(f"{lesson.name} exited with {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     out.files[str(output_path(lesson).relative_to(ROOT))] = proc.stdout.encode()
-    if with_breaks:
-        page = page_of(lesson)
-        for name in declared_breaks(lesson):
-            out.region(page, f"break.{name}", regions.block(break_message(run(lesson, "--break", name), lesson, name)))
     return out
