@@ -75,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         found = apply(job.run(read_page), args.check)
         stale += found
         print(f"{job.name}: {len(found)} stale  ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    if not args.check and not args.lessons and (not args.jobs or "serving" in args.jobs):
+        from docgen import serving       # a live run with clients on threads: redrawn, never compared
+        t0 = time.perf_counter()
+        serving.attach()
+        print(f"serving (tui-attach.svg, live): redrawn  ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     if (args.lessons or not args.jobs) and not args.no_lessons:
         chosen = [lesson for lesson in lesson_runs.LESSONS
                   if not (args.lessons and args.jobs) or lesson.name.startswith(tuple(args.jobs))]

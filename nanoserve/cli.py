@@ -5,6 +5,7 @@
     nanoserve record --scenario memory-pressure -o pressure.jsonl
     nanoserve export --trace pressure.jsonl --step 12 --what tables --format svg
     nanoserve tui --replay pressure.jsonl        (or: nanoserve tui --model smollm2)
+    nanoserve serve --model smollm2              (then: nanoserve tui --attach http://127.0.0.1:8000)
 
 One prompt streams its text as it is generated; several prompts run as one
 continuous batch and print each completion as it finishes. Bad input (an
@@ -18,6 +19,7 @@ import sys
 
 from nanoserve.models.loader import ACCEPTED, TINY_MODELS, resolve_model_path
 from nanoserve.scenarios import SCENARIOS
+from nanoserve.serve.command import add_serve_parser, run_serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,7 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     src = tui.add_mutually_exclusive_group()
     src.add_argument("--model", "-m", default=None, help="run this model live (default: tiny-llama)")
     src.add_argument("--replay", "-r", default=None, metavar="TRACE", help="replay a recorded trace")
+    src.add_argument("--attach", default=None, metavar="URL", help="watch a running `nanoserve serve` (read-only)")
     tui.add_argument("--scenario", "-s", default=None, help=f"start a live run with a scenario: {', '.join(SCENARIOS)}")
+    tui.add_argument("--api-key", default=None, help="with --attach: the server's API key (default: $NANOSERVE_API_KEY)")
+
+    add_serve_parser(sub)
     return parser
 
 
@@ -115,6 +121,9 @@ def cmd_tui(args: argparse.Namespace) -> int:
         from nanoserve_tui.app import run_app
     except ImportError as exc:
         raise ValueError(f"the TUI needs textual: pip install -e '.[tui]' ({exc})") from exc
+    if args.attach is not None:
+        from nanoserve_tui.attach_app import run_attach
+        return run_attach(args.attach, args.api_key, scenario=args.scenario)
     if args.scenario is not None:
         from nanoserve.scenarios import get_scenario
         get_scenario(args.scenario)
@@ -188,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    commands = {"generate": cmd_generate, "record": cmd_record, "export": cmd_export, "tui": cmd_tui}
+    commands = {"generate": cmd_generate, "record": cmd_record, "export": cmd_export, "tui": cmd_tui,
+                "serve": run_serve}
     try:
         return commands[args.command](args)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:   # bad input: one clear line, no traceback wall

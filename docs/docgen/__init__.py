@@ -57,6 +57,7 @@ JOBS = [
                                          "memory-pressure pictures"),
     Job("memory", "memory", about="prefix-cache, fork, preemption pictures and their captions"),
     Job("life", "life", about="life-of-a-request.md: one request through the modules"),
+    Job("serving", "serving", about="serve.md: the architecture picture (docs/img/make_serving_pictures.py)"),
     Job("cli", "cli", slow=True, about="getting-started.md: the CLI on SmolLM2"),
     Job("screens", "screens", slow=True, about="tui-*.svg: the TUI's own screenshots of each scenario"),
 ]

@@ -10,7 +10,8 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-MODE_STYLE = {"live": "bold #000000 on #98c379", "replay": "bold #000000 on #61afef"}
+MODE_STYLE = {"live": "bold #000000 on #98c379", "replay": "bold #000000 on #61afef",
+              "attach": "bold #000000 on #c678dd"}
 
 
 class StatusBar(Static):

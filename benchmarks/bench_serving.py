@@ -1,0 +1,244 @@
+"""Serving under load: Poisson arrivals at several rates, against `nanoserve serve` and `transformers serve`.
+
+    python benchmarks/bench_serving.py                          # smollm2, rates 0.5 1 2 4 req/s
+    python benchmarks/bench_serving.py --model tiny-llama --rates 2,8,32 --servers nanoserve
+
+For each server (started here as a subprocess on a loopback port, the same
+local weights, the same thread count) and each request rate, a load generator
+in this process sends `--num-requests` streaming completion requests whose arrival
+times are a Poisson process (exponential gaps, seeded), and measures per
+request the time to first token (TTFT), the gaps between tokens (ITL) and
+the end-to-end latency, plus the run's output throughput. It prints a table
+with percentiles and the ratios nanoserve / transformers, and draws the
+curves with matplotlib (`--plot`).
+
+`transformers serve` is Hugging Face's own OpenAI-compatible server; it runs
+offline on a local model directory (here the SmolLM2 GGUF that nanoserve
+converts once into a Hugging Face directory). Its default is one request at a
+time; `--hf-continuous-batching` turns on its paged continuous batching.
+Numbers on a shared machine are noisy: compare the ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+PROMPTS = [
+    "What is a KV cache?", "Explain continuous batching in two sentences.", "Name three planets.",
+    "Write a haiku about the sea.", "Why is the sky blue?", "What does a compiler do?",
+    "Give me a recipe for pancakes.", "What is the capital of Japan?",
+]
+
+
+@dataclass
+class Result:
+    ttft: float | None = None                  # seconds to the first chunk with text (or the end, if none)
+    itl: list[float] = field(default_factory=list)   # gaps between chunks
+    e2e: float | None = None
+    tokens: int = 0
+    error: str | None = None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(kind: str, model: str, port: int, threads: int, hf_cb: bool) -> tuple[subprocess.Popen, str, str]:
+    """Start a server; returns (process, base url, the model name requests use)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if kind == "nanoserve":
+        cmd = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", model, "--port", str(port),
+               "--max-waiting", "1024"]
+        name = model
+    else:
+        from nanoserve.models.loader import resolve_model_path
+        path = model if model not in ("smollm2",) else resolve_model_path(model)
+        cli = shutil.which("transformers") or str(Path(sys.executable).with_name("transformers"))
+        cmd = [cli, "serve", path, "--port", str(port), "--device", "cpu", "--host", "127.0.0.1"]
+        if hf_cb:
+            cmd.append("--continuous-batching")
+        name = path
+    log = open(f"/tmp/bench_serving_{kind}_{port}.log", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}", name
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("the server did not become healthy")
+
+
+async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, delay: float) -> Result:
+    await asyncio.sleep(delay)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    res, t0, last = Result(), time.perf_counter(), None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    res.tokens = chunk["usage"]["completion_tokens"]
+                choices = chunk.get("choices") or []
+                if choices and (choices[0].get("text") or choices[0].get("finish_reason")):
+                    now = time.perf_counter()
+                    if last is None:
+                        res.ttft = now - t0
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+    except httpx.HTTPError as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    res.e2e = time.perf_counter() - t0
+    return res
+
+
+async def load(url: str, model: str, rate: float, n: int, max_tokens: int, seed: int) -> tuple[list[Result], float]:
+    rng = random.Random(seed)
+    delays, t = [], 0.0
+    for _ in range(n):
+        delays.append(t)
+        t += rng.expovariate(rate)            # Poisson process: exponential gaps with mean 1/rate
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+    limits = httpx.Limits(max_connections=n + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one_request(client, model, p, max_tokens, d)
+                                         for p, d in zip(prompts, delays)))
+        return list(results), time.perf_counter() - t0
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+
+
+def summarize(results: list[Result], wall: float) -> dict:
+    for r in results:
+        if r.error is not None:
+            print(f"    request failed: {r.error}")
+    ok = [r for r in results if r.error is None and r.ttft is not None]
+    ttft, itl, e2e = [r.ttft for r in ok], [g for r in ok for g in r.itl], [r.e2e for r in ok]
+    return {"ok": len(ok), "errors": len(results) - len(ok), "tok_s": sum(r.tokens for r in ok) / wall,
+            "ttft_p50": pct(ttft, 50), "ttft_p90": pct(ttft, 90), "itl_p50": pct(itl, 50), "itl_p90": pct(itl, 90),
+            "e2e_p50": pct(e2e, 50), "mean_tokens": statistics.mean(r.tokens for r in ok) if ok else 0}
+
+
+def plot(table: dict, rates: list[float], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for (kind, rows), colour in zip(table.items(), ("#1f77b4", "#ff7f0e", "#2ca02c")):
+        xs = [r for r in rates if r in rows]
+        axes[0].plot(xs, [rows[r]["tok_s"] for r in xs], "o-", color=colour, label=kind)
+        axes[1].plot(xs, [rows[r]["ttft_p50"] for r in xs], "o-", color=colour, label=f"{kind} p50")
+        axes[1].plot(xs, [rows[r]["ttft_p90"] for r in xs], "o--", color=colour, alpha=0.6, label=f"{kind} p90")
+        axes[2].plot(xs, [1000 * rows[r]["itl_p50"] for r in xs], "o-", color=colour, label=f"{kind} p50")
+        axes[2].plot(xs, [1000 * rows[r]["itl_p90"] for r in xs], "o--", color=colour, alpha=0.6,
+                     label=f"{kind} p90")
+    for ax, title in zip(axes, ["output tokens / s", "time to first token (s)", "inter-token latency (ms)"]):
+        ax.set_title(title)
+        ax.set_xlabel("request rate (req/s, Poisson arrivals)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(rates, [f"{r:g}" for r in rates])
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--rates", default="0.5,1,2,4", help="request rates (req/s), comma-separated")
+    ap.add_argument("--num-requests", type=int, default=16, help="requests per rate")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--servers", default="nanoserve,transformers")
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each server")
+    ap.add_argument("--hf-continuous-batching", action="store_true", help="transformers serve --continuous-batching")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plot", default="benchmarks/serving.png")
+    args = ap.parse_args()
+    rates = [float(r) for r in args.rates.split(",")]
+    table: dict[str, dict[float, dict]] = {}
+    for kind in args.servers.split(","):
+        port = free_port()
+        try:
+            proc, url, name = start(kind, args.model, port, args.threads, args.hf_continuous_batching)
+        except OSError as exc:
+            print(f"{kind}: could not start: {exc}", flush=True)
+            continue
+        try:
+            wait_healthy(url, proc)
+            asyncio.run(load(url, name, rates[0], 2, 4, args.seed))        # warm-up
+            table[kind] = {}
+            for rate in rates:
+                results, wall = asyncio.run(load(url, name, rate, args.num_requests, args.max_tokens, args.seed))
+                table[kind][rate] = row = summarize(results, wall)
+                print(f"{kind:12s} {rate:5.2f} req/s: {row['ok']}/{args.num_requests} ok, {row['tok_s']:7.1f} tok/s, "
+                      f"TTFT p50 {row['ttft_p50']:.3f} s p90 {row['ttft_p90']:.3f} s, "
+                      f"ITL p50 {1000 * row['itl_p50']:.1f} ms p90 {1000 * row['itl_p90']:.1f} ms, "
+                      f"{row['mean_tokens']:.1f} tokens/request", flush=True)
+        except RuntimeError as exc:
+            print(f"{kind}: could not run: {exc} (log: /tmp/bench_serving_{kind}_{port}.log)", flush=True)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    if "nanoserve" in table and "transformers" in table:
+        print("\nratios nanoserve / transformers (same rate, same run):")
+        for rate in rates:
+            a, b = table["nanoserve"].get(rate), table["transformers"].get(rate)
+            if a and b:
+                print(f"  {rate:5.2f} req/s: throughput x{a['tok_s'] / b['tok_s']:.2f}, "
+                      f"TTFT p50 x{a['ttft_p50'] / b['ttft_p50']:.2f}, ITL p50 x{a['itl_p50'] / b['itl_p50']:.2f}")
+    if table and args.plot:
+        Path(args.plot).with_suffix(".json").write_text(json.dumps(
+            {"args": vars(args), "results": {k: {str(r): row for r, row in rows.items()} for k, rows in table.items()}},
+            indent=1))
+        try:
+            plot(table, rates, args.plot)
+        except ImportError:
+            print("no plot: pip install matplotlib (or: pip install -e '.[bench]')")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""nanoserve serve: an OpenAI-compatible HTTP server around one engine, watchable live.
+
+    nanoserve serve --model smollm2                  (http://127.0.0.1:8000)
+    nanoserve tui --attach http://127.0.0.1:8000     (watch it)
+
+The modules, one concept each:
+
+    app.py            the FastAPI app: routes for watching, auth, error bodies, lifespan
+    openai_routes.py  /v1/models, /v1/completions, /v1/chat/completions (streaming or not)
+    protocol.py       request bodies (pydantic) and ApiError, the OpenAI-style error
+    responses.py      engine outputs as OpenAI JSON and stream chunks
+    engine_loop.py    the thread that owns the engine; queues to and from the handlers
+    event_stream.py   GET /events: the engine's events as server-sent events (trace lines)
+    clients.py        who is connected (the TUI's clients panel)
+    metrics.py        GET /metrics in Prometheus' format
+    background.py     a server on a loopback port in a thread (tests, lessons, benchmarks)
+    command.py        the `nanoserve serve` command line
+
+Importing `nanoserve` never imports this package (or FastAPI); `nanoserve serve` does.
+"""

@@ -1,0 +1,117 @@
+"""`nanoserve serve`: the command line of the server.
+
+    nanoserve serve --model smollm2
+    nanoserve serve --model tiny-llama --port 8001 --step-delay 0.3 --record class.jsonl
+    NANOSERVE_API_KEY=s3cret nanoserve serve --model smollm2 --host 0.0.0.0
+
+`add_serve_parser` declares the flags (cli.py calls it), `run_serve` checks
+them, loads the model, binds the socket (a port in use is one clear line, not
+a uvicorn traceback) and runs uvicorn in the main thread. It imports FastAPI
+and uvicorn only when the command runs, so `nanoserve --help` stays quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import socket
+import sys
+
+API_KEY_ENV = "NANOSERVE_API_KEY"
+
+
+def add_serve_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (watch it with `nanoserve tui --attach URL`)",
+        description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models), "
+                    "plus /events (the engine's events as server-sent events), /snapshot, /health and /metrics.",
+    )
+    p.add_argument("--model", "-m", default="tiny-llama", help="model to serve (default: %(default)s)")
+    p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s, this machine only)")
+    p.add_argument("--port", "-p", type=int, default=8000, help="(default: %(default)s)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require `Authorization: Bearer KEY` on every route (default: ${API_KEY_ENV} if set)")
+    p.add_argument("--max-waiting", type=int, default=64,
+                   help="requests that may wait for a seat; more get HTTP 429 (default: %(default)s)")
+    p.add_argument("--step-delay", type=float, default=0.0,
+                   help="seconds to rest after each step, so a classroom can follow (default: %(default)s)")
+    p.add_argument("--record", default=None, metavar="FILE", help="write every event to this JSONL trace")
+    eng = p.add_argument_group("engine")
+    eng.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    eng.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: fill 256 MB)")
+    eng.add_argument("--max-num-seqs", type=int, default=32, help="sequences per step (default: %(default)s)")
+    eng.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step (default: %(default)s)")
+    eng.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
+    eng.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    eng.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                     help="(default: %(default)s)")
+    eng.add_argument("--no-prefix-caching", action="store_true", help="turn the radix prefix cache off")
+    eng.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute",
+                     help="what happens to a preempted request's KV (default: %(default)s)")
+    eng.add_argument("--speculative", choices=["ngram", "draft"], default=None,
+                     help="speculative decoding: n-gram prompt lookup, or a draft model (default: off)")
+    eng.add_argument("--num-speculative-tokens", type=int, default=4, help="(default: %(default)s)")
+    eng.add_argument("--seed", type=int, default=0, help="seeds unseeded requests (default: %(default)s)")
+    return p
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Flag values that make no sense, before the model loads (ValueError naming the flag)."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_waiting < 1:
+        raise ValueError(f"--max-waiting must be at least 1, got {args.max_waiting}")
+    if args.step_delay < 0:
+        raise ValueError(f"--step-delay must be >= 0, got {args.step_delay}")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    _check(args)
+    try:
+        import uvicorn
+
+        from nanoserve.serve.app import build_app
+        from nanoserve.serve.background import Uvicorn
+    except ImportError as exc:
+        raise RuntimeError(f"`nanoserve serve` needs {exc.name}: pip install fastapi uvicorn prometheus-client "
+                           "(they come with `pip install nanoserve`)") from None
+    from nanoserve import EngineConfig, LLMEngine
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    config = EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
+        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+        preemption_mode=args.preemption_mode, speculative_method=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens, seed=args.seed,
+    )
+    try:   # bind first: a port in use should not cost a model load
+        sock = socket.create_server((args.host, args.port), reuse_port=False)
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+    engine = LLMEngine(config)
+    app = build_app(engine, model_name=args.served_model_name, api_key=api_key, max_waiting=args.max_waiting,
+                    step_delay=args.step_delay, record=args.record)
+    url = f"http://{args.host}:{sock.getsockname()[1]}"
+    say = lambda msg: print(f"nanoserve: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    if not is_loopback(args.host):
+        say(f"warning: listening on {args.host}: anyone who can reach this machine can use the model "
+            f"and watch every prompt on /events" + ("" if api_key else f"; set --api-key or ${API_KEY_ENV}"))
+    say(f"serving {args.model} as {app.state.server.model_name!r} on {url}  (OpenAI API at {url}/v1)")
+    say(f"watch it: nanoserve tui --attach {url}" + (" --api-key ..." if api_key else ""))
+    if args.record:
+        say(f"recording every event to {args.record}")
+    Uvicorn(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10)).run(sockets=[sock])
+    return 0

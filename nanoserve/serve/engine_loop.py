@@ -1,0 +1,268 @@
+"""The engine loop: one thread owns the engine and steps it while there is work.
+
+    HTTP handlers (asyncio thread)            engine loop (its own thread)
+    ------------------------------            ----------------------------
+    loop.submit(...)  --- command queue --->  admit: tokenize, check, engine.add_request
+    await sink.get()  <-- call_soon_threadsafe --  after each engine.step(): the request's RequestOutput
+    loop.abort(rid)   --- command queue --->  engine.abort_request (the client went away)
+    loop.call(fn)     --- command queue --->  fn(engine) between two steps (/snapshot, /events subscribe)
+
+Only this thread touches the engine, so the engine needs no locks: everything
+else reaches it through the command queue, and the queue is drained between
+steps, where the engine is consistent. Results go back to the asyncio thread
+with `loop.call_soon_threadsafe`, the one thread-safe door asyncio has.
+
+Why a thread and not a process. vLLM runs its engine core in a separate
+process (ZeroMQ between them) so that Python work in the API server (HTTP,
+JSON, detokenizing for thousands of clients) never holds the GIL the
+scheduler needs. nanoserve serves a classroom, not thousands: a thread keeps
+outputs and events as plain Python objects (no serialization), lets /events
+subscribe to the very EventBus the TUI uses, and torch releases the GIL
+inside the model's forward, which is where a step spends its time. The
+price: heavy HTTP traffic slows the Python parts of a step.
+
+Back-pressure: a request is admitted only while the engine's waiting queue
+holds fewer than `max_waiting` requests; past it the submit fails with HTTP 429
+(checked here, at admission, so the count is exact). A request that
+disconnects is aborted between two steps, which frees (or caches) its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from nanoserve.engine import LLMEngine
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.serve.metrics import ServerMetrics
+from nanoserve.serve.protocol import ApiError
+
+log = logging.getLogger("nanoserve.serve")
+
+
+class Sink:
+    """The handler's end of one request: the engine thread puts, the handler awaits."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        """Called on the engine thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:   # the event loop is closed: the server is shutting down
+            pass
+
+    async def get(self) -> RequestOutput:
+        item = await self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+
+@dataclass(slots=True)
+class Submission:
+    request_id: str
+    prompt: str | list[int]             # text (chat: already through the chat template) or token ids
+    params: dict                        # SamplingParams fields; max_tokens None = up to the context
+    sink: Sink
+    arrival: float = field(default_factory=time.monotonic)
+    admitted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)   # -> prompt tokens
+
+
+class EngineLoop:
+    """Owns `engine` on a thread of its own; see the module docstring."""
+
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, max_waiting: int = 64,
+                 step_delay: float = 0.0) -> None:
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
+        if step_delay < 0:
+            raise ValueError(f"step_delay must be >= 0, got {step_delay}")
+        self.engine = engine
+        self.metrics = metrics
+        self.max_waiting = max_waiting      # admitted requests that may wait for a seat; then 429
+        self.step_delay = step_delay        # seconds to rest after each step (a classroom can follow)
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._sinks: dict[str, Sink] = {}   # unfinished requests -> where their outputs go (engine thread only)
+        self._after_step: list[Callable[[], None]] = []   # e.g. flush /events watchers (engine thread only)
+        self._running = threading.Event()   # cleared: paused (commands still run, no steps)
+        self._running.set()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
+        self.error: str | None = None       # why the loop died, if it did
+
+    # -- from other threads --------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._running.set()
+        self._commands.put(lambda: None)    # wake the thread
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def pause(self) -> None:
+        """Stop stepping (commands still run: requests are admitted and wait). For tests and teachers."""
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+        self._commands.put(lambda: None)
+
+    def call(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the engine thread between two steps; the future holds its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as exc:   # noqa: BLE001 -- handed to the caller
+                future.set_exception(exc)
+
+        self._commands.put(run)
+        return future
+
+    def submit(self, sub: Submission) -> concurrent.futures.Future:
+        """Queue a request; the future gives its prompt token count, or raises ApiError (400, 429, 503)."""
+        if self.error is not None or not self.alive:
+            sub.admitted.set_exception(ApiError(503, f"the engine loop is not running: {self.error or 'stopped'}"))
+        else:
+            self._commands.put(lambda: self._admit(sub))
+        return sub.admitted
+
+    def abort(self, request_id: str) -> None:
+        """The client is gone: stop its request (if it is still running) at the next chance."""
+        self._commands.put(lambda: self._abort(request_id))
+
+    def on_step(self, callback: Callable[[], None]) -> None:
+        """Call `callback` on the engine thread after every step and command batch."""
+        self._after_step.append(callback)
+
+    # -- the engine thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                idle = not self.engine.has_unfinished_requests() or not self._running.is_set()
+                self._drain(block=idle)
+                if self._stop or not self._running.is_set() or not self.engine.has_unfinished_requests():
+                    self._flush_watchers()
+                    continue
+                self._step()
+                self._flush_watchers()
+                if self.step_delay:
+                    self._drain(block=True, timeout=self.step_delay, until_deadline=True)
+        except Exception as exc:  # noqa: BLE001 -- the server reports it on /health
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.exception("the engine loop died")
+            for sink in self._sinks.values():
+                sink.put(ApiError(500, f"the engine failed: {self.error}"))
+            self._sinks.clear()
+
+    def _drain(self, block: bool, timeout: float = 0.5, until_deadline: bool = False) -> None:
+        """Run queued commands: when idle wait (up to `timeout`) for the first one, then take all
+        that are there; `until_deadline` keeps taking them until the timeout is over (--step-delay)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                wait = max(0.0, deadline - time.monotonic())
+                command = self._commands.get(timeout=wait) if block and wait else self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+            block = until_deadline and not self._stop   # else: only what is already queued
+
+    def _step(self) -> None:
+        result = self.engine.step()
+        now = time.monotonic()
+        for out in result.outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            error = next((c.error for c in out.outputs if c.error), None)
+            sink.put(ApiError(500, f"the engine gave up on this request: {error}") if error else out)
+            if out.finished:
+                del self._sinks[out.request_id]
+        if self.metrics:
+            self.metrics.after_step(self.engine, result, now)
+
+    def _flush_watchers(self) -> None:
+        for callback in self._after_step:
+            callback()
+
+    def _admit(self, sub: Submission) -> None:
+        """Check and add one request (engine thread); answer its `admitted` future."""
+        try:
+            num_prompt = self._add(sub)
+        except ApiError as exc:
+            if exc.status == 429 and self.metrics:
+                self.metrics.rejected.inc()
+            sub.admitted.set_exception(exc)
+            return
+        self._sinks[sub.request_id] = sub.sink
+        if self.metrics:
+            self.metrics.admitted(sub.request_id, sub.arrival, num_prompt)
+        sub.admitted.set_result(num_prompt)
+
+    def _add(self, sub: Submission) -> int:
+        engine = self.engine
+        waiting = len(engine.scheduler.waiting)
+        if waiting >= self.max_waiting:
+            raise ApiError(429, f"the server is busy: {waiting} requests are already waiting "
+                                f"(--max-waiting {self.max_waiting}); retry later", code="queue_full")
+        if isinstance(sub.prompt, str):
+            if engine.tokenizer is None:
+                raise ApiError(400, f"model {engine.config.model!r} has no tokenizer: send the prompt as token ids",
+                               "prompt")
+            # counted here to check the context (add_request tokenizes again: the engine keeps the text,
+            # which the TUI and the trace show, so it must get the prompt as text)
+            num_prompt = len(engine.tokenizer(sub.prompt).input_ids)
+        else:
+            num_prompt = len(sub.prompt)
+        context = engine.config.max_model_len
+        if num_prompt >= context:
+            raise ApiError(400, f"this model's maximum context length is {context} tokens; the prompt has "
+                                f"{num_prompt}, which leaves no room to generate", "prompt", "context_length_exceeded")
+        params = dict(sub.params)
+        if params.get("max_tokens") is None:
+            params["max_tokens"] = context - num_prompt
+        elif num_prompt + params["max_tokens"] > context:
+            raise ApiError(400, f"this model's maximum context length is {context} tokens; you asked for "
+                                f"{num_prompt + params['max_tokens']} ({num_prompt} in the prompt, "
+                                f"{params['max_tokens']} to generate)", "max_tokens", "context_length_exceeded")
+        try:
+            engine.add_request(sub.request_id, sub.prompt, SamplingParams(**params), arrival_time=sub.arrival)
+        except ValueError as exc:
+            field_name = getattr(exc, "field", None) or _guess_field(str(exc))
+            raise ApiError(400, str(exc), field_name) from None
+        return num_prompt
+
+    def _abort(self, request_id: str) -> None:
+        self._sinks.pop(request_id, None)
+        if request_id in self.engine.groups:       # not finished in the meantime
+            self.engine.abort_request(request_id)
+            if self.metrics:
+                self.metrics.aborted(request_id)
+
+
+def _guess_field(message: str) -> str | None:
+    """The request field an engine ValueError is about ("n=9 sequences ..." -> "n")."""
+    for name in ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "min_tokens", "stop", "seed",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "prompt"):
+        if message.startswith((f"{name} ", f"{name}=", f"{name}:")) or f" {name}=" in message[:40]:
+            return name
+    return "prompt" if "prompt" in message or "token ids" in message else None

@@ -1,0 +1,178 @@
+"""What clients send: the OpenAI request bodies, validated, and their errors.
+
+This module owns the request side of the OpenAI API that `nanoserve serve`
+speaks: `CompletionRequest` (`POST /v1/completions`), `ChatRequest`
+(`POST /v1/chat/completions`), how their fields map to `SamplingParams`, and
+`ApiError`, the one exception every route turns into an OpenAI-style error
+body:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
+
+The models are pydantic in strict mode, so `"max_tokens": "5"` is an error
+naming the field instead of a silent conversion. Fields the OpenAI API has
+and nanoserve cannot honour (`echo`, `best_of`, `suffix`, `logit_bias`,
+tools) are rejected with a sentence rather than ignored; unknown extra fields
+are ignored, as the OpenAI server does. A few fields from vLLM's extended API
+(`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
+`stop_token_ids`) map to the engine settings of the same names.
+
+Building responses lives in `responses.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 128            # OpenAI's own upper bound on `n`; the engine's max_num_seqs is usually lower
+MAX_LOGPROBS = 20      # top log-probabilities per token, as in the OpenAI API
+
+
+class ApiError(Exception):
+    """An error a client gets back as an OpenAI-style JSON body with an HTTP status."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+    include_usage: bool = False        # a last chunk with `usage` and no choices
+
+
+class _Sampling(BaseModel):
+    """The fields both endpoints share; each maps to the SamplingParams field of the same meaning."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str                                             # must name the served model (else 404)
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)        # 0 is greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None                                # shown in the TUI's clients panel
+    # vLLM's extensions
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def sampling_fields(self) -> dict:
+        """SamplingParams keyword arguments, except max_tokens and logprobs (the endpoints differ)."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return dict(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                    stop=stop, seed=self.seed, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                    min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                    stop_token_ids=list(self.stop_token_ids or []))
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    """`POST /v1/completions`: complete a prompt (a string, or a list of token ids)."""
+
+    prompt: str | list[int]
+    max_tokens: int | None = Field(16, ge=1)               # OpenAI's default for completions; None: fill the context
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)   # top log-probabilities per token
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    logit_bias: dict | None = None
+
+    def check_supported(self) -> None:
+        if self.echo:
+            raise ApiError(400, "echo is not supported by nanoserve", "echo")
+        if self.best_of not in (None, self.n):
+            raise ApiError(400, "best_of is not supported by nanoserve (use n, or beam search offline)", "best_of")
+        if self.suffix:
+            raise ApiError(400, "suffix (insertion) is not supported by nanoserve", "suffix")
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported by nanoserve", "logit_bias")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ApiError(400, "prompt is an empty list of token ids", "prompt")
+        if isinstance(self.prompt, str) and not self.prompt:
+            raise ApiError(400, "prompt is empty", "prompt")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Sampling):
+    """`POST /v1/chat/completions`: the messages go through the tokenizer's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)             # None: up to the model's context
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name for the same thing
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logit_bias: dict | None = None
+    tools: list | None = None
+
+    def check_supported(self) -> None:
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported by nanoserve", "logit_bias")
+        if self.tools:
+            raise ApiError(400, "tools (function calling) are not supported by nanoserve", "tools")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None (off), or how many alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def dialog(self) -> list[dict]:
+        """The messages as the chat template takes them (`developer` is the newer name for `system`)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+def validation_error(errors: list[dict]) -> ApiError:
+    """A 400 for pydantic/FastAPI validation errors: the first one, naming its field."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    # union members show up in the location ("prompt.str"); keep the field path only
+    loc = [x for x in loc if x not in ("str", "list[int]", "list[str]", "list[TextPart]", "StreamOptions", "int",
+                                       "float", "bool", "dict", "list")]
+    param = ".".join(loc) or None
+    if first.get("type") == "missing":
+        return ApiError(400, f"{param} is required", param)
+    got = first.get("input")
+    shown = repr(got) if not isinstance(got, (dict, list)) or len(repr(got)) < 60 else type(got).__name__
+    return ApiError(400, f"{param}: {first['msg']} (got {shown})" if param else first["msg"], param)
