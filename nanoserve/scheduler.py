@@ -23,8 +23,8 @@ victim that is not already in this step's batch, chosen by
 * "priority": the lowest `priority` (ties: the newest),
 * "shortest_remaining": the one with the most tokens still to generate, so
   the ones closest to finishing run on and free their blocks soon.
-  (Seed 000 picks the opposite, the one closest to completion; that throws
-  away the most nearly finished work, so nanoserve does not.)
+  (Picking the opposite, the one closest to completion, would throw away
+  the most nearly finished work, so nanoserve does not offer it.)
 
 With `preemption_mode="recompute"` the victim's blocks are freed and it waits
 at the front of the queue to recompute its KV; with "swap" its KV is copied to

@@ -16,8 +16,10 @@ p and q are the *full* distributions after identical processing (penalties,
 temperature, top-k, top-p, min-p: `sampler.probs`). For an n-gram draft q is
 one-hot at x, so the residual is p with x removed. Greedy requests accept
 while the draft equals the target's argmax and then emit the argmax.
-(Seed 000's Algorithm 5 writes the residual as max(0, p - q * p(x)/q(x)),
-which is wrong: see `lessons/` for the counterexample.)
+This is the rule of Leviathan et al. (2023, arXiv:2211.17192) and Chen et
+al. (2023, arXiv:2302.01318). A residual that scales q by p(x)/q(x), as in
+max(0, p - q * p(x)/q(x)), is a tempting mistake: lesson 2 computes why it
+is not exact.
 
 Two proposers share one interface, `propose(seqs, limits) -> Drafts`:
 

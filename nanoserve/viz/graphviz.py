@@ -183,14 +183,16 @@ def pool_dot(state: ViewState, columns: int | None = None) -> str:
     legend = "".join(f'<TD BGCOLOR="{fill}"{extra}>{text}</TD>' for fill, text, extra in swatches)
     g.node("legend", _html_table([f'<TR><TD BORDER="0"><B>legend</B></TD>{legend}</TR>'], spacing=4))
 
-    # the free queue: allocation takes from the head, freed blocks join the tail
+    # the free queue: allocation takes from the head, freed blocks join the tail; wrapped at the
+    # grid's width so a long queue does not make the picture wider than the pool
     queue = state.free_queue[:MAX_QUEUE_IDS]
-    ids = "".join(f'<TD BORDER="0">→</TD><TD BGCOLOR="{FREE_FILL}">{b}</TD>' for b in queue)
+    cells = [f'<TD BORDER="0">→</TD><TD BGCOLOR="{FREE_FILL}">{b}</TD>' for b in queue]
     hidden = len(state.free_queue) - len(queue)
-    more = f'<TD BORDER="0">→ … {hidden} more</TD>' if hidden else ""
-    empty = "" if queue else '<TD BORDER="0"><I>(empty)</I></TD>'
-    g.node("free_queue", _html_table([f'<TR><TD BORDER="0"><B>free queue: head</B></TD>{ids}{more}{empty}'
-                                      f'<TD BORDER="0">→ <B>tail</B></TD></TR>'], spacing=2))
+    lines = (["".join(cells[i:i + columns]) for i in range(0, len(cells), columns)]
+             or ['<TD BORDER="0"><I>(empty)</I></TD>'])
+    lines[-1] += (f'<TD BORDER="0">→ … {hidden} more</TD>' if hidden else "") + '<TD BORDER="0">→ <B>tail</B></TD>'
+    labels = ['<TD BORDER="0"><B>free queue: head</B></TD>'] + ['<TD BORDER="0"></TD>'] * (len(lines) - 1)
+    g.node("free_queue", _html_table([f'<TR>{label}{line}</TR>' for label, line in zip(labels, lines)], spacing=2))
     g.edge("legend", "grid", style="invis")
     g.edge("grid", "free_queue", style="invis")
     if state.num_cpu_blocks:
