@@ -16,6 +16,7 @@ import importlib
 _EXPORTS = {
     "EngineConfig": "nanoserve.config",
     "LLMEngine": "nanoserve.engine",
+    "Components": "nanoserve.components",
     "LLM": "nanoserve.llm",
     "CompletionOutput": "nanoserve.outputs",
     "RequestOutput": "nanoserve.outputs",

@@ -52,22 +52,19 @@ import torch
 from nanoserve import engine_state, events as ev, intake, spec_decode, step_rollback
 from nanoserve import validation as v
 from nanoserve.attention import prepare_backend
-from nanoserve.block_pool import BlockPool
 from nanoserve.choose import Choice, choose
 from nanoserve.commit import commit
+from nanoserve.components import Components
 from nanoserve.config import EngineConfig
 from nanoserve.detokenizer import IncrementalDetokenizer
 from nanoserve.errors import SubscriberError
 from nanoserve.models.loader import LoadedModel, load_model
-from nanoserve.kv_manager import KVManager
 from nanoserve.outputs import RequestOutput, StepResult, StepStats
-from nanoserve.radix_cache import RadixCache
 from nanoserve.request import Request
 from nanoserve.runner import ModelRunner, RunInput, kv_bytes_per_block
 from nanoserve.sampler import SampledToken, Sampler
 from nanoserve.spec_decode import Drafts, build_proposer
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence, SequenceStatus
 from nanoserve.trace import EventBus, synced_event
 
@@ -75,11 +72,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None, **kwargs) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None,
+                 components: Components | None = None, **kwargs) -> None:
         """Build an engine from a config (or its fields as keyword arguments).
 
         `loaded` reuses an already loaded model (e.g. several engines in a test).
+        `components` names the classes the engine builds its parts from (`components.py`):
+        the engine's own by default, a student's in `nanoserve lab`.
         """
+        if components is not None and not isinstance(components, Components):
+            raise TypeError(f"components must be a Components, got {type(components).__name__}")
+        self.components = parts = components or Components()
         if config is not None and not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         # A private copy, checked again: resolve() fills it in, the caller's object stays as it was.
@@ -95,13 +98,14 @@ class LLMEngine:
             draft_bytes = block_bytes * min(config.draft_num_layers, model.num_layers) // model.num_layers \
                 if config.draft_model is None else block_bytes
         config.resolve(model.max_positions, block_bytes, draft_bytes)   # FieldError before any allocation
-        self.pool = BlockPool(config.num_blocks, config.block_size)
+        self.pool = parts.block_pool(config.num_blocks, config.block_size)
         self.bus = EventBus(hold_errors=True)   # a raising viewer never stops a step half way
         # The radix prefix cache (None when off) and the CPU pool for swap preemption (None without swap space).
-        self.radix = RadixCache(self.pool, self._emit, self._span_text) if config.enable_prefix_caching else None
-        self.cpu_pool = BlockPool(config.num_cpu_blocks, config.block_size) if config.num_cpu_blocks else None
-        self.kv = KVManager(self.pool, self.radix, self.cpu_pool, self._emit)
-        self.scheduler = Scheduler(config, self.kv, self._emit)
+        self.radix = parts.radix_cache(self.pool, self._emit, self._span_text) \
+            if config.enable_prefix_caching else None
+        self.cpu_pool = parts.block_pool(config.num_cpu_blocks, config.block_size) if config.num_cpu_blocks else None
+        self.kv = parts.kv_manager(self.pool, self.radix, self.cpu_pool, self._emit)
+        self.scheduler = parts.scheduler(config, self.kv, self._emit)
         self.backend = prepare_backend(config)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, dtype, torch.device(config.device),
                                   self.backend, fast_paths=config.fast_paths)

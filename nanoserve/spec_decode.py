@@ -291,7 +291,7 @@ def decide(engine, chunk, logits: torch.Tensor, drafts: Drafts) -> tuple[list[Sa
     n = len(draft)
     rows = sampling_rows(seq, draft, engine.eos_token_id, n + 1)
     q = drafts.q.get(seq.request_id)
-    tokens, accepted = verify(engine.sampler.probs(logits, rows), draft, q[:n] if q is not None else None,
+    tokens, accepted = engine.components.verify(engine.sampler.probs(logits, rows), draft, q[:n] if q is not None else None,
                               seq.params.greedy, seq.generator)
     return engine.sampler.report(logits[: len(tokens)], tokens, rows[: len(tokens)]), accepted
 

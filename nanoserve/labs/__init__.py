@@ -1,0 +1,38 @@
+"""`nanoserve lab`: write one component of the engine, and the real engine judges it.
+
+Each lab (`lab.py`) names an engine module, the bodies a student writes, and
+checks that run the real engine with the student's component plugged in
+through `Components` (components.py). Modules:
+
+    lab.py        Lab, Check, CheckFailed, Context: what a lab is
+    starter.py    starters made from the engine's own modules; signature checks
+    load.py       importing a student's file; errors as one line with file and line
+    run.py        running checks in a worker process, each with a time limit
+    worker.py     that worker
+    drive.py      the real engine with a student's component, against the engine's own
+    report.py     the results table, `lab grade`'s table and CSV
+    command.py    the `nanoserve lab` subcommands
+    *_lab.py      one module per lab
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from nanoserve.errors import FieldError
+
+# lab name -> the module defining its LAB (imported on first use: listing labs loads no torch)
+LAB_MODULES = {
+    "block-pool": "nanoserve.labs.block_pool_lab",
+}
+
+
+def lab_names() -> list[str]:
+    return list(LAB_MODULES)
+
+
+def get_lab(name: str):
+    """The Lab called `name`; FieldError naming the known labs otherwise."""
+    if name not in LAB_MODULES:
+        raise FieldError("lab", f"{name!r} is not a lab; the labs are: {', '.join(LAB_MODULES)}")
+    return importlib.import_module(LAB_MODULES[name]).LAB

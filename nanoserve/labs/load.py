@@ -1,0 +1,50 @@
+"""Importing a student's file, and turning what goes wrong into one line that names file and line.
+
+A student's file is imported under a private module name (never into
+`sys.modules` as an engine module), so two submissions never see each other
+and the engine's own module stays untouched.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import traceback
+from pathlib import Path
+from types import ModuleType
+
+_counter = itertools.count()
+
+
+class LoadError(Exception):
+    """The student's file could not be imported: the message names the file and line."""
+
+
+def load_student(path: str | Path) -> ModuleType:
+    """Import the file at `path`; LoadError (one line) on a missing file, a syntax error or a raise."""
+    path = Path(path)
+    if not path.is_file():
+        raise LoadError(f"{path}: no such file")
+    spec = importlib.util.spec_from_file_location(f"nanoserve_lab_student_{next(_counter)}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        raise LoadError(f"{path}:{exc.lineno}: syntax error: {exc.msg}") from None
+    except BaseException as exc:   # an import that fails, a NameError at the top level, ...
+        raise LoadError(f"{path} does not import: {where(exc, path)}") from None
+    return module
+
+
+def where(exc: BaseException, path: str | Path) -> str:
+    """`file:line in func: Type: message`, at the deepest frame inside `path` (else the deepest frame)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    target = str(Path(path).resolve())
+    mine = [f for f in frames if str(Path(f.filename).resolve()) == target]
+    frame = (mine or frames or [None])[-1]
+    text = f"{type(exc).__name__}: {exc}".strip()
+    if isinstance(exc, NotImplementedError):
+        text = f"not written yet ({exc})"
+    if frame is None:
+        return " ".join(text.split())
+    return " ".join(f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}: {text}".split())
