@@ -6,6 +6,7 @@
     nanoserve export --trace pressure.jsonl --step 12 --what tables --format svg
     nanoserve tui --replay pressure.jsonl        (or: nanoserve tui --model smollm2)
     nanoserve serve --model smollm2              (then: nanoserve tui --attach http://127.0.0.1:8000)
+    nanoserve lab start block-pool               (then: nanoserve lab check block-pool)
 
 One prompt streams its text as it is generated; several prompts run as one
 continuous batch and print each completion as it finishes.
@@ -27,6 +28,7 @@ import sys
 from pathlib import Path
 
 from nanoserve.errors import FieldError
+from nanoserve.labs.command import add_lab_parser, cmd_lab
 from nanoserve.models.resolve import ACCEPTED, TINY_MODELS, resolve_model_path
 from nanoserve.scenarios import SCENARIOS
 from nanoserve.serve.command import add_serve_parser
@@ -134,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads(tui)
 
     add_threads(add_serve_parser(sub))
+    add_lab_parser(sub)
     return parser
 
 
@@ -307,7 +310,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "record": cmd_record, "export": cmd_export, "tui": cmd_tui,
-            "serve": cmd_serve}
+            "serve": cmd_serve, "lab": cmd_lab}
 
 
 def main(argv: list[str] | None = None) -> int:

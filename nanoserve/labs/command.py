@@ -1,0 +1,129 @@
+"""`nanoserve lab list | start | check | grade`: the command line of the labs.
+
+    nanoserve lab list
+    nanoserve lab start block-pool              writes ./block-pool/block_pool.py and README.md
+    nanoserve lab check block-pool              checks ./block-pool/block_pool.py (or a FILE you name)
+    nanoserve lab grade block-pool submissions/ one row per .py file, a table and submissions/grades.csv
+
+`check` exits 0 only when every check passes (1 otherwise); bad input is a
+FieldError, which `cli.py` prints as one line with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from nanoserve.errors import FieldError
+
+
+def add_lab_parser(sub) -> argparse.ArgumentParser:
+    lab = sub.add_parser("lab", help="exercises: write a part of the engine, the real engine checks it",
+                         description="Labs: each names one component of the engine. `start` writes a starter "
+                                     "made from the engine's own module, `check` runs the real engine with "
+                                     "your file plugged in and prints what passes, with hints.")
+    acts = lab.add_subparsers(dest="lab_command", metavar="ACTION", required=True)
+    acts.add_parser("list", help="the labs: what you implement, prerequisites, rough time")
+    start = acts.add_parser("start", help="write a lab's starter file and README into DIR")
+    start.add_argument("name", metavar="NAME")
+    start.add_argument("dir", nargs="?", default=None, metavar="DIR", help="(default: ./NAME)")
+    check = acts.add_parser("check", help="run every check of a lab against your file")
+    check.add_argument("name", metavar="NAME")
+    check.add_argument("file", nargs="?", default=None, metavar="FILE",
+                       help="(default: the starter's path under ./NAME)")
+    grade = acts.add_parser("grade", help="check every .py file in DIR; a table and DIR/grades.csv")
+    grade.add_argument("name", metavar="NAME")
+    grade.add_argument("dir", metavar="DIR")
+    grade.add_argument("--csv", default=None, metavar="FILE", help="(default: DIR/grades.csv)")
+    return lab
+
+
+def cmd_lab(args: argparse.Namespace) -> int:
+    return {"list": lab_list, "start": lab_start, "check": lab_check, "grade": lab_grade}[args.lab_command](args)
+
+
+def lab_list(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from nanoserve.labs import get_lab, lab_names
+    table = Table(title="nanoserve labs (start one: nanoserve lab start NAME)")
+    for col in ("name", "what you implement", "file", "prerequisites", "time"):
+        table.add_column(col)
+    for name in lab_names():
+        lab = get_lab(name)
+        table.add_row(name, lab.title, lab.file_name, lab.prerequisites, f"~{lab.minutes} min")
+    Console().print(table)
+    return 0
+
+
+def readme(lab) -> str:
+    checks = "\n".join(f"{i}. {c.name}" for i, c in enumerate(lab.checks, 1))
+    todo = "\n".join(f"- `{q}`: {t}" for q, t in lab.blanks.items())
+    return (f"# Lab {lab.name}: {lab.title}\n\n{lab.intro.strip()}\n\n"
+            f"Your file: `{lab.file_name}`, made from the engine's `{lab.module}`. Write these bodies:\n\n"
+            f"{todo}\n\nCheck your work (exit code 0 when everything passes):\n\n"
+            f"    nanoserve lab check {lab.name} {lab.file_name}\n\n"
+            f"Watch it run in the real engine:\n\n    nanoserve tui --lab {lab.name}={lab.file_name}\n\n"
+            f"The checks:\n\n{checks}\n\nPrerequisites: {lab.prerequisites}. Rough time: {lab.minutes} minutes.\n")
+
+
+def lab_start(args) -> int:
+    from nanoserve.labs import get_lab
+    from nanoserve.labs.starter import starter_source
+
+    lab = get_lab(args.name)
+    folder = Path(args.dir if args.dir is not None else args.name)
+    if folder.exists() and not folder.is_dir():
+        raise FieldError("DIR", f"{folder} is a file, not a folder")
+    targets = {folder / lab.file_name: starter_source(lab), folder / "README.md": readme(lab)}
+    present = [str(p) for p in targets if p.exists()]
+    if present:
+        raise FieldError("DIR", f"{' and '.join(present)} already exist{'s' if len(present) == 1 else ''}; nothing was overwritten "
+                                "(pick another DIR, or move your work away first)")
+    folder.mkdir(parents=True, exist_ok=True)
+    for path, text in targets.items():
+        path.write_text(text)
+    print(f"nanoserve: wrote {folder / lab.file_name} and {folder / 'README.md'}\n"
+          f"next: fill in the TODOs, then  nanoserve lab check {lab.name} {folder / lab.file_name}")
+    return 0
+
+
+def lab_check(args) -> int:
+    from nanoserve.labs import get_lab
+    from nanoserve.labs.report import print_results
+    from nanoserve.labs.run import run_checks
+
+    lab = get_lab(args.name)
+    path = Path(args.file if args.file is not None else Path(args.name) / lab.file_name)
+    if not path.is_file():
+        raise FieldError("FILE", f"{path} does not exist (start the lab with: nanoserve lab start {lab.name})")
+    results = run_checks(lab, path)
+    print_results(lab.name, str(path), results)
+    return 0 if all(r.passed for r in results) else 1
+
+
+def lab_grade(args) -> int:
+    from rich.console import Console
+    from rich.progress import track
+
+    from nanoserve.labs import get_lab
+    from nanoserve.labs.report import grade_rows, grade_table, write_csv
+    from nanoserve.labs.run import run_checks
+
+    lab = get_lab(args.name)
+    folder = Path(args.dir)
+    if not folder.is_dir():
+        raise FieldError("DIR", f"{folder} is not a folder of submissions")
+    files = sorted(p for p in folder.rglob("*.py") if p.is_file())
+    if not files:
+        raise FieldError("DIR", f"{folder} holds no .py files")
+    console = Console(stderr=True)
+    results = {str(p.relative_to(folder)): run_checks(lab, p)
+               for p in track(files, description=f"checking {len(files)} files", console=console)}
+    rows = grade_rows(lab, results)
+    out = Path(args.csv) if args.csv else folder / "grades.csv"
+    write_csv(rows, out)
+    Console().print(grade_table(lab, rows))
+    print(f"nanoserve: wrote {out}")
+    return 0

@@ -1,0 +1,62 @@
+"""Results as a rich table (one student) or a grade sheet with a CSV (a folder of submissions)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from nanoserve.labs.run import CheckResult, Status
+
+MARK = {Status.PASS: "[green]pass[/]", Status.FAIL: "[red]fail[/]", Status.TIMEOUT: "[yellow]timeout[/]"}
+
+
+def results_table(lab_name: str, path: str, results: list[CheckResult]) -> Table:
+    """check | result | what happened, and what to look at."""
+    passed = sum(r.passed for r in results)
+    table = Table(title=f"lab {lab_name}: {path}", caption=f"{passed}/{len(results)} checks pass",
+                  show_lines=True, expand=False)
+    table.add_column("check", max_width=34)
+    table.add_column("result", no_wrap=True)
+    table.add_column("what happened / hint", max_width=90)
+    for r in results:
+        note = "" if r.passed else f"{r.detail}\n[dim]hint:[/] {r.hint}"
+        table.add_row(r.check, MARK[r.status], note)
+    return table
+
+
+def print_results(lab_name: str, path: str, results: list[CheckResult], console: Console | None = None) -> None:
+    (console or Console()).print(results_table(lab_name, path, results))
+
+
+def grade_rows(lab, submissions: dict[str, list[CheckResult]]) -> list[dict]:
+    """One row per submission: file, passed, total, then pass/fail/timeout for every check."""
+    rows = []
+    for name, results in submissions.items():
+        row = {"submission": name, "passed": sum(r.passed for r in results), "total": len(results)}
+        row.update({c.name: r.status.value for c, r in zip(lab.checks, results)})
+        rows.append(row)
+    return rows
+
+
+def write_csv(rows: list[dict], path: str | Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["submission", "passed", "total"])
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def grade_table(lab, rows: list[dict]) -> Table:
+    table = Table(title=f"lab {lab.name}: {len(rows)} submissions", show_lines=False)
+    table.add_column("submission")
+    table.add_column("passed", justify="right")
+    for i, _ in enumerate(lab.checks, 1):
+        table.add_column(str(i), justify="center")
+    for row in rows:
+        marks = [MARK[Status(row[c.name])].replace("pass", "✓").replace("fail", "✗").replace("timeout", "⏱")
+                 for c in lab.checks]
+        table.add_row(row["submission"], f"{row['passed']}/{row['total']}", *marks)
+    table.caption = "  ".join(f"{i}: {c.name}" for i, c in enumerate(lab.checks, 1))
+    return table
