@@ -24,6 +24,7 @@ from nanoserve.errors import FieldError
 # lab name -> the module defining its LAB (imported on first use: listing labs loads no torch)
 LAB_MODULES = {
     "block-pool": "nanoserve.labs.block_pool_lab",
+    "radix-cache": "nanoserve.labs.radix_cache_lab",
 }
 
 
