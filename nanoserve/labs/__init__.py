@@ -25,6 +25,7 @@ from nanoserve.errors import FieldError
 LAB_MODULES = {
     "block-pool": "nanoserve.labs.block_pool_lab",
     "radix-cache": "nanoserve.labs.radix_cache_lab",
+    "rejection-sampling": "nanoserve.labs.rejection_lab",
 }
 
 

@@ -1,14 +1,15 @@
 """Importing a student's file, and turning what goes wrong into one line that names file and line.
 
-A student's file is imported under a private module name (never into
-`sys.modules` as an engine module), so two submissions never see each other
-and the engine's own module stays untouched.
+A student's file is imported under a private, numbered module name (never
+as an engine module), so two submissions never see each other and the
+engine's own module stays untouched.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import itertools
+import sys
 import traceback
 from pathlib import Path
 from types import ModuleType
@@ -27,19 +28,32 @@ def load_student(path: str | Path) -> ModuleType:
         raise LoadError(f"{path}: no such file")
     spec = importlib.util.spec_from_file_location(f"nanoserve_lab_student_{next(_counter)}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module    # dataclasses (and pickle) look a class's module up there
     try:
         spec.loader.exec_module(module)
     except SyntaxError as exc:
+        del sys.modules[spec.name]
         raise LoadError(f"{path}:{exc.lineno}: syntax error: {exc.msg}") from None
     except BaseException as exc:   # an import that fails, a NameError at the top level, ...
+        del sys.modules[spec.name]
         raise LoadError(f"{path} does not import: {where(exc, path)}") from None
     return module
 
 
 def where(exc: BaseException, path: str | Path) -> str:
-    """`file:line in func: Type: message`, at the deepest frame inside `path` (else the deepest frame)."""
-    frames = traceback.extract_tb(exc.__traceback__)
+    """`file:line in func: Type: message`, at the deepest frame inside `path` (else the deepest frame).
+
+    An exception the engine raised *because of* the student's (a StepFailed whose cause is a
+    NotImplementedError in their file) is reported as that cause: that is the line to fix.
+    """
     target = str(Path(path).resolve())
+    chain, seen = exc, set()
+    while chain is not None and id(chain) not in seen:   # follow `raise ... from` back to the student's raise
+        seen.add(id(chain))
+        if any(str(Path(f.filename).resolve()) == target for f in traceback.extract_tb(chain.__traceback__)):
+            exc = chain
+        chain = chain.__cause__ or chain.__context__
+    frames = traceback.extract_tb(exc.__traceback__)
     mine = [f for f in frames if str(Path(f.filename).resolve()) == target]
     frame = (mine or frames or [None])[-1]
     text = f"{type(exc).__name__}: {exc}".strip()
