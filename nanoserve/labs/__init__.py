@@ -26,6 +26,7 @@ LAB_MODULES = {
     "block-pool": "nanoserve.labs.block_pool_lab",
     "radix-cache": "nanoserve.labs.radix_cache_lab",
     "rejection-sampling": "nanoserve.labs.rejection_lab",
+    "cow-fork": "nanoserve.labs.cow_fork_lab",
 }
 
 
