@@ -319,7 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    flags = field_flags(subparser(parser, args.command))
+    command = subparser(parser, args.command)
+    if args.command == "lab":                        # flags live one level down: `lab check --time-limit`
+        command = subparser(command, args.lab_command)
+    flags = field_flags(command)
     try:
         return COMMANDS[args.command](args)
     except (ValueError, OSError, RuntimeError) as exc:   # bad input: one clear line, no traceback wall

@@ -31,10 +31,14 @@ def add_lab_parser(sub) -> argparse.ArgumentParser:
     check.add_argument("name", metavar="NAME")
     check.add_argument("file", nargs="?", default=None, metavar="FILE",
                        help="(default: the starter's path under ./NAME)")
+    check.add_argument("--time-limit", type=float, default=None, metavar="S",
+                       help="seconds each check may run (default: each check's own limit)")
     grade = acts.add_parser("grade", help="check every .py file in DIR; a table and DIR/grades.csv")
     grade.add_argument("name", metavar="NAME")
     grade.add_argument("dir", metavar="DIR")
     grade.add_argument("--csv", default=None, metavar="FILE", help="(default: DIR/grades.csv)")
+    grade.add_argument("--time-limit", type=float, default=None, metavar="S",
+                       help="seconds each check may run (default: each check's own limit)")
     return lab
 
 
@@ -48,7 +52,8 @@ def lab_list(args) -> int:
 
     from nanoserve.labs import get_lab, lab_names
     table = Table(title="nanoserve labs (start one: nanoserve lab start NAME)")
-    for col in ("name", "what you implement", "file", "prerequisites", "time"):
+    table.add_column("name", no_wrap=True)
+    for col in ("what you implement", "file", "prerequisites", "time"):
         table.add_column(col)
     for name in lab_names():
         lab = get_lab(name)
@@ -98,9 +103,15 @@ def lab_check(args) -> int:
     path = Path(args.file if args.file is not None else Path(args.name) / lab.file_name)
     if not path.is_file():
         raise FieldError("FILE", f"{path} does not exist (start the lab with: nanoserve lab start {lab.name})")
-    results = run_checks(lab, path)
+    _check_limit(args.time_limit)
+    results = run_checks(lab, path, args.time_limit)
     print_results(lab.name, str(path), results)
     return 0 if all(r.passed for r in results) else 1
+
+
+def _check_limit(seconds: float | None) -> None:
+    if seconds is not None and not seconds > 0:
+        raise FieldError("time_limit", f"must be a positive number of seconds, got {seconds}")
 
 
 def lab_grade(args) -> int:
@@ -119,7 +130,8 @@ def lab_grade(args) -> int:
     if not files:
         raise FieldError("DIR", f"{folder} holds no .py files")
     console = Console(stderr=True)
-    results = {str(p.relative_to(folder)): run_checks(lab, p)
+    _check_limit(args.time_limit)
+    results = {str(p.relative_to(folder)): run_checks(lab, p, args.time_limit)
                for p in track(files, description=f"checking {len(files)} files", console=console)}
     rows = grade_rows(lab, results)
     out = Path(args.csv) if args.csv else folder / "grades.csv"

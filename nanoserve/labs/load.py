@@ -33,10 +33,10 @@ def load_student(path: str | Path) -> ModuleType:
         spec.loader.exec_module(module)
     except SyntaxError as exc:
         del sys.modules[spec.name]
-        raise LoadError(f"{path}:{exc.lineno}: syntax error: {exc.msg}") from None
+        raise LoadError(f"{path.name}:{exc.lineno}: syntax error: {exc.msg}") from None
     except BaseException as exc:   # an import that fails, a NameError at the top level, ...
         del sys.modules[spec.name]
-        raise LoadError(f"{path} does not import: {where(exc, path)}") from None
+        raise LoadError(f"{path.name} does not import: {where(exc, path)}") from None
     return module
 
 
