@@ -29,6 +29,7 @@ from pathlib import Path
 
 from nanoserve.errors import FieldError
 from nanoserve.labs.command import add_lab_parser, cmd_lab
+from nanoserve.labs.plug import components_from
 from nanoserve.models.resolve import ACCEPTED, TINY_MODELS, resolve_model_path
 from nanoserve.scenarios import SCENARIOS
 from nanoserve.serve.command import add_serve_parser
@@ -37,6 +38,12 @@ from nanoserve.viz.text import plural
 
 
 ENGINE_GROUP, SAMPLING_GROUP = "engine", "sampling"   # `generate`'s argument groups
+
+
+def add_lab_option(parser) -> None:
+    parser.add_argument("--lab", action="append", default=None, metavar="NAME=FILE",
+                        help="run the engine with your solution of a lab, e.g. block-pool=block_pool.py "
+                             "(repeatable; see `nanoserve lab list`)")
 
 
 def add_threads(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (several prompts are batched)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.add_argument("--stats", action="store_true", help="print steps, tokens and throughput at the end")
+    add_lab_option(gen)
     add_threads(gen)
     # Each flag below stores into a dest named after its dataclass field; `group_kwargs` reads the groups.
     eng = gen.add_argument_group(ENGINE_GROUP, "settings of the engine (EngineConfig fields)")
@@ -108,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--scenario", "-s", required=True, help=f"one of: {', '.join(SCENARIOS)}")
     rec.add_argument("--output", "-o", required=True, help="trace file to write (.jsonl)")
     rec.add_argument("--model", "-m", dest="model", default="tiny-llama", help="model to run (default: %(default)s)")
+    add_lab_option(rec)
     add_threads(rec)
 
     exp = sub.add_parser(
@@ -133,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--attach", default=None, metavar="URL", help="watch a running `nanoserve serve` (read-only)")
     tui.add_argument("--scenario", "-s", default=None, help=f"start a live run with a scenario: {', '.join(SCENARIOS)}")
     tui.add_argument("--api-key", default=None, help="with --attach: the server's API key (default: $NANOSERVE_API_KEY)")
+    add_lab_option(tui)
     add_threads(tui)
 
     add_threads(add_serve_parser(sub))
@@ -186,8 +196,9 @@ def cmd_record(args: argparse.Namespace) -> int:
 
     get_scenario(args.scenario)                       # a bad name fails before the model loads
     check_output(args.output, "--output")
+    components = components_from(args.lab)
     threads = apply_thread_policy(args.threads)
-    steps = record(args.scenario, args.output, args.model)
+    steps = record(args.scenario, args.output, args.model, components=components)
     say(threads.note())
     print(f"nanoserve: recorded {steps} steps of {args.scenario!r} to {args.output}", file=sys.stderr)
     return 0
@@ -216,9 +227,14 @@ def cmd_tui(args: argparse.Namespace) -> int:
         raise ValueError(f"the TUI could not be imported ({exc}); it needs textual: "
                          "pip install 'textual>=0.80', or reinstall nanoserve (pip install .)") from exc
     if args.attach is not None:
+        if args.lab:
+            raise FieldError("lab", "needs a live engine; --attach watches a server's engine")
         return run_attach(args.attach, args.api_key, scenario=args.scenario)
+    if args.lab and args.replay is not None:
+        raise FieldError("lab", "needs a live engine; --replay plays a recorded trace")
+    components = components_from(args.lab)
     say(apply_thread_policy(args.threads).note())
-    return run_app(model=args.model, replay=args.replay, scenario=args.scenario)
+    return run_app(model=args.model, replay=args.replay, scenario=args.scenario, components=components)
 
 
 def group_kwargs(parser: argparse.ArgumentParser, title: str, args: argparse.Namespace) -> dict:
@@ -239,10 +255,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sampling["n"] = max(args.beam_width, 1)
     params = SamplingParams(**sampling)               # bad settings fail before the model loads
     config = EngineConfig(**group_kwargs(parser, ENGINE_GROUP, args))
+    components = components_from(args.lab)            # a student's file that does not load fails here
     threads = apply_thread_policy(args.threads)
     from nanoserve.engine import LLMEngine
 
-    engine = LLMEngine(config)
+    engine = LLMEngine(config, components=components)
     say(threads.note())                               # after the model loaded: errors stay one line
     prompts = args.prompts
     if args.chat:

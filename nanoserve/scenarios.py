@@ -191,7 +191,7 @@ def has_chat_template(tokenizer) -> bool:
 class ScenarioRunner:
     """Steps an engine through a scenario: adds each request at its step, then steps."""
 
-    def __init__(self, scenario: Scenario, model: str = "tiny-llama", loaded=None) -> None:
+    def __init__(self, scenario: Scenario, model: str = "tiny-llama", loaded=None, components=None) -> None:
         from nanoserve.config import EngineConfig
         from nanoserve.engine import LLMEngine
         from nanoserve.models.loader import load_model
@@ -200,7 +200,7 @@ class ScenarioRunner:
         loaded = loaded or load_model(model)
         self.chat = has_chat_template(loaded.tokenizer) and scenario.chat is not None
         workload = scenario.workload(self.chat)
-        self.engine = LLMEngine(EngineConfig(model=model, **workload.config), loaded=loaded)
+        self.engine = LLMEngine(EngineConfig(model=model, **workload.config), loaded=loaded, components=components)
         self.pending = sorted(workload.arrivals, key=lambda a: a.step)
         self.add_due()                     # the first arrivals wait in the queue before step 1
 
@@ -229,11 +229,13 @@ class ScenarioRunner:
         return result
 
 
-def record(name: str, path: str | Path, model: str = "tiny-llama", max_steps: int = 1000, loaded=None) -> int:
-    """Run scenario `name` to the end, writing every event to `path`; returns the number of steps."""
+def record(name: str, path: str | Path, model: str = "tiny-llama", max_steps: int = 1000, loaded=None,
+           components=None) -> int:
+    """Run scenario `name` to the end, writing every event to `path`; returns the number of steps.
+    `components` (a `Components`) runs the engine with replaced parts, e.g. a lab's."""
     from nanoserve.trace import JsonlRecorder
 
-    runner = ScenarioRunner(get_scenario(name), model, loaded=loaded)
+    runner = ScenarioRunner(get_scenario(name), model, loaded=loaded, components=components)
     with JsonlRecorder(path) as recorder:
         runner.engine.subscribe(recorder)
         steps = 0

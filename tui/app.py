@@ -279,13 +279,14 @@ class NanoserveApp(App[None]):
         self.exit(return_code=2 if self.error else 0)
 
 
-def make_source(model: str | None = None, replay: str | None = None, scenario: str | None = None) -> Source:
+def make_source(model: str | None = None, replay: str | None = None, scenario: str | None = None,
+                components=None) -> Source:
     """The source for the command line's choice; ValueError / OSError on bad input."""
     if replay is not None:
-        if model is not None or scenario is not None:
-            raise ValueError("--replay plays a recorded trace; it takes no --model or --scenario")
+        if model is not None or scenario is not None or components is not None:
+            raise ValueError("--replay plays a recorded trace; it takes no --model, --scenario or --lab")
         return replay_source(replay)
-    return LiveSource(model=model, scenario=scenario)
+    return LiveSource(model=model, scenario=scenario, components=components)
 
 
 def replay_source(path: str | Path) -> ReplaySource:
@@ -301,10 +302,12 @@ def replay_source(path: str | Path) -> ReplaySource:
         raise ValueError(f"{path}: the events do not replay ({type(exc).__name__}: {exc})") from None
 
 
-def run_app(model: str | None = None, replay: str | None = None, scenario: str | None = None) -> int:
-    """Run the TUI; returns the exit code (2 on a bad trace, scenario or model)."""
+def run_app(model: str | None = None, replay: str | None = None, scenario: str | None = None,
+            components=None) -> int:
+    """Run the TUI; returns the exit code (2 on a bad trace, scenario or model).
+    `components` (from `--lab`) runs the live engine with a student's parts."""
     try:
-        source = make_source(model, replay, scenario)
+        source = make_source(model, replay, scenario, components)
     except (OSError, ValueError) as exc:
         print(f"nanoserve: error: {exc}", file=sys.stderr)
         return 2

@@ -206,11 +206,12 @@ class LiveSource(Source):
     mode = "live"
 
     def __init__(self, model: str | None = None, scenario: str | None = None,
-                 record: str | Path | None = None) -> None:
+                 record: str | Path | None = None, components=None) -> None:
         self.model = model or DEFAULT_MODEL
         self.scenario = get_scenario(scenario) if scenario else PLAYGROUND   # ValueError when unknown
         self.record = record                          # also write every event to this JSONL trace
-        self.description = f"{self.scenario.name} on {self.model}"
+        self.components = components                  # `--lab`: the engine's parts replaced (None: its own)
+        self.description = f"{self.scenario.name} on {self.model}{self._yours()}"
         self._commands: queue.Queue[tuple[str, tuple]] = queue.Queue()
         self._pending_steps = 0                       # steps queued and not yet done (UI thread only)
         self._done = False                            # the engine has nothing left to do
@@ -218,6 +219,11 @@ class LiveSource(Source):
         self._state: ViewState | None = None          # folded on the UI thread
         self._acceptance: tuple[float, ...] = ()
         self._app: App | None = None
+
+    def _yours(self) -> str:
+        """The title's ending when `--lab` replaced a part, e.g. " with your block_pool" (whose code runs)."""
+        names = sorted(self.components.replaced()) if self.components is not None else []
+        return f" with your {', '.join(names)}" if names else ""
 
     # -- UI thread ---------------------------------------------------------------------
 
@@ -291,7 +297,7 @@ class LiveSource(Source):
         """The worker: load the model, then execute commands until told to stop."""
         worker = get_current_worker()
         try:
-            runner = ScenarioRunner(self.scenario, self.model)
+            runner = ScenarioRunner(self.scenario, self.model, components=self.components)
         except Exception as exc:   # noqa: BLE001 -- any loading failure becomes one clear line
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             self._failed = True
@@ -341,13 +347,14 @@ class LiveSource(Source):
                                           f"writes into a shared block (copy-on-write)", title="fork")
         elif command == "restart":                          # a fresh engine; the loaded model stays
             scenario = get_scenario(args[0])
-            new = ScenarioRunner(scenario, self.model, loaded=runner.engine.loaded)   # may fail: the old one stays
+            new = ScenarioRunner(scenario, self.model, loaded=runner.engine.loaded,   # may fail: the old one stays
+                                 components=self.components)
             for unsubscribe in self._unsubscribe:
                 unsubscribe()
             self._buffer.clear()                            # (nothing of the old engine's is pending)
             runner, self.scenario = new, scenario
             self._unsubscribe = self._listen(runner)        # sends EngineSynced: the view starts afresh
-            self._description = f"{scenario.name} on {self.model}"
+            self._description = f"{scenario.name} on {self.model}{self._yours()}"
         elif command == "sync":                             # the view lost track: the whole state again
             self._buffer.append(synced_event(runner.engine.snapshot()))
         return runner
