@@ -300,9 +300,12 @@ class LiveSource(Source):
             runner = ScenarioRunner(self.scenario, self.model, components=self.components)
         except Exception as exc:   # noqa: BLE001 -- any loading failure becomes one clear line
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            what = f"could not load model {self.model!r}: {reason}"
+            if self.components is not None and self.components.replaced():   # whose code failed: file and line
+                from nanoserve.labs.load import where
+                what = f"could not start the engine{self._yours()}: {where(exc, '')}"
             self._failed = True
-            self._to_ui(self._app.post_message,
-                        SourceStatus("error", f"could not load model {self.model!r}: {reason}"))
+            self._to_ui(self._app.post_message, SourceStatus("error", what))
             return
         self._buffer: list[Event] = []               # the current command's events (worker only)
         self._recorder = JsonlRecorder(self.record) if self.record else None
