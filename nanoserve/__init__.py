@@ -24,7 +24,7 @@ _EXPORTS = {
     "SamplingParams": "nanoserve.sampling_params",
 }
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "StepResult"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "Components", "RequestOutput", "CompletionOutput", "StepResult"]
 __version__ = "0.1.0"
 
 
