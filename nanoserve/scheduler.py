@@ -134,22 +134,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()   # request ids already in this step's batch (never preempted)
-
-        # Pass 1 and 2: running sequences, decodes before unfinished prefills. A beam that
-        # already has its next-token scores waits (0 tokens to compute) for the other beams.
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefills = [s for s in self.running if s.is_prefilling]
-        for seq in decodes + prefills:
-            if budget == 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING:   # preempted earlier in this loop
-                continue
-            draft = drafts.get(seq.request_id, [])
-            num_new = min(seq.num_uncomputed_tokens + len(draft), budget)
-            draft = draft[: max(0, num_new - seq.num_uncomputed_tokens)]   # what the budget leaves room for
-            if self._reserve(seq, num_new, scheduled, out):
-                self._add_chunk(out, seq, num_new, scheduled, draft)
-                budget -= num_new
+        budget = self._schedule_running(out, budget, drafts, scheduled)   # passes 1 and 2
 
         # Pass 3: swapped sequences come back first (they were running before anyone waiting),
         # but not in a step that just preempted: memory is short, and what came back would only
@@ -201,6 +186,32 @@ class Scheduler:
             budget -= num_new
         out.copies, out.swap_out, out.swap_in = self.kv.copies, self.kv.swap_out_pairs, self.kv.swap_in_pairs
         return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, drafts: dict[str, list[int]],
+                          scheduled: set[str]) -> int:
+        """Passes 1 and 2: running sequences, decodes before unfinished prefills; returns the budget left.
+
+        A decode computes 1 token (plus its drafts, as many as the budget leaves room for); a
+        prefilling sequence computes the rest of its prompt, cut to the budget (chunked prefill).
+        `_reserve` gets the blocks (it may preempt others, or the sequence itself: then skip it),
+        `_add_chunk` puts the chunk in `out`. A sequence preempted earlier in this loop is no
+        longer RUNNING: skip it. A beam that already has its next-token scores waits (0 tokens
+        to compute) for the other beams, so it is neither a decode nor a prefill.
+        """
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.is_prefilling]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:   # preempted earlier in this loop
+                continue
+            draft = drafts.get(seq.request_id, [])
+            num_new = min(seq.num_uncomputed_tokens + len(draft), budget)
+            draft = draft[: max(0, num_new - seq.num_uncomputed_tokens)]   # what the budget leaves room for
+            if self._reserve(seq, num_new, scheduled, out):
+                self._add_chunk(out, seq, num_new, scheduled, draft)
+                budget -= num_new
+        return budget
 
     def _chunk_size(self, seq: Sequence, budget: int, num_cached: int = 0) -> int:
         """Tokens of `seq` to compute this step (0: it must wait for a step with more budget)."""

@@ -27,6 +27,7 @@ LAB_MODULES = {
     "radix-cache": "nanoserve.labs.radix_cache_lab",
     "rejection-sampling": "nanoserve.labs.rejection_lab",
     "cow-fork": "nanoserve.labs.cow_fork_lab",
+    "scheduler-budget": "nanoserve.labs.scheduler_lab",
 }
 
 

@@ -38,11 +38,12 @@ def reference_invariants(engine) -> None:
 
 
 def run_engine(ctx: Context, components: Components, requests: list[tuple], config: dict | None = None,
-               max_steps: int = 400, fork_at: dict[str, int] | None = None):
+               max_steps: int = 400, fork_at: dict[str, int] | None = None, on_step=None):
     """Run `requests` [(id, prompt token ids, SamplingParams)] to the end; returns (engine, outputs).
 
     outputs maps request id -> list of completions' token ids (index order). `fork_at` forks
-    request id at the given step.
+    request id at the given step. `on_step(engine, result, before)` is called after every step,
+    with `before` the engine's snapshot just before it (a check's own per-step property).
     """
     from nanoserve.config import EngineConfig
     from nanoserve.engine import LLMEngine
@@ -56,8 +57,11 @@ def run_engine(ctx: Context, components: Components, requests: list[tuple], conf
     for step in range(1, max_steps + 1):
         if not engine.has_unfinished_requests():
             break
+        before = engine.snapshot() if on_step else None
         result = engine.step()
         reference_invariants(engine)
+        if on_step:
+            on_step(engine, result, before)
         for out in result.outputs:
             if out.finished:
                 outputs[out.request_id] = [list(c.token_ids) for c in out.outputs]

@@ -1,0 +1,24 @@
+"""Bug: a chunk is not cut to the budget left: one long prompt blows the step's token budget."""
+from nanoserve.scheduler import ScheduledChunk, SchedulerOutput  # noqa: F401
+from nanoserve.scheduler import Scheduler as _Scheduler
+from nanoserve.sequence import SequenceStatus
+
+EXPECT_HINT = "cut every chunk to the budget"
+
+
+class Scheduler(_Scheduler):
+    def _schedule_running(self, out, budget, drafts, scheduled):
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.is_prefilling]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            draft = drafts.get(seq.request_id, [])
+            num_new = seq.num_uncomputed_tokens + len(draft)
+            draft = draft[: max(0, num_new - seq.num_uncomputed_tokens)]
+            if self._reserve(seq, num_new, scheduled, out):
+                self._add_chunk(out, seq, num_new, scheduled, draft)
+                budget -= num_new
+        return max(budget, 0)
