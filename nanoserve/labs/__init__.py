@@ -28,6 +28,7 @@ LAB_MODULES = {
     "rejection-sampling": "nanoserve.labs.rejection_lab",
     "cow-fork": "nanoserve.labs.cow_fork_lab",
     "scheduler-budget": "nanoserve.labs.scheduler_lab",
+    "preemption": "nanoserve.labs.preemption_lab",
 }
 
 

@@ -50,8 +50,8 @@ def run_engine(ctx: Context, components: Components, requests: list[tuple], conf
 
     cfg = {**TINY, **(config or {})}
     engine = LLMEngine(EngineConfig(**cfg), loaded=ctx.loaded(cfg["model"]), components=components)
-    for rid, prompt, params in requests:
-        engine.add_request(rid, prompt, params)
+    for rid, prompt, params, *priority in requests:     # (an optional 4th item: the request's priority)
+        engine.add_request(rid, prompt, params, priority=priority[0] if priority else 0)
     reference_invariants(engine)
     outputs: dict[str, list[list[int]]] = {}
     for step in range(1, max_steps + 1):

@@ -22,6 +22,7 @@ import queue
 import subprocess
 import sys
 import threading
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -67,12 +68,23 @@ def run_one(ctx: Context, index: int) -> CheckResult:
     except CheckFailed as exc:
         return CheckResult(check.name, Status.FAIL, " ".join(str(exc).split()), exc.hint or check.hint)
     except AssertionError as exc:   # check_invariants() and the pool's own checks
-        return CheckResult(check.name, Status.FAIL, f"invariant broken: {' '.join(str(exc).split())}", check.hint)
+        return CheckResult(check.name, Status.FAIL, f"invariant broken: {invariant_text(exc)}", check.hint)
     except BaseException as exc:    # the student's code raised (or called exit)
         if isinstance(exc, KeyboardInterrupt):
             raise
         return CheckResult(check.name, Status.FAIL, where(exc, ctx.path), check.hint)
     return CheckResult(check.name, Status.PASS)
+
+
+def invariant_text(exc: AssertionError) -> str:
+    """An assertion's message, or (a bare `assert`) where it stands and its source line."""
+    if str(exc).strip():
+        return " ".join(str(exc).split())
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "an assertion failed"
+    f = frames[-1]
+    return f"{Path(f.filename).name}:{f.lineno} in {f.name}: {(f.line or 'assert').strip()}"
 
 
 def load_failed(lab: Lab, message: str) -> list[CheckResult]:
