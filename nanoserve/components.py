@@ -20,6 +20,7 @@ replacement keeps the default's constructor (or function) signature:
     kv_manager(pool, radix, cpu_pool, emit)            -> a KVManager-like object
     scheduler(config, kv, emit)                        -> a Scheduler-like object
     verify(p, draft, q, greedy, generator)             -> (tokens, num_accepted)
+    attention_backend(name, fast_paths)                -> an AttentionBackend ("torch" or "triton")
 
 Nothing here is global: two engines in one process can run different parts.
 """
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanoserve import spec_decode
+from nanoserve.attention import make_backend
 from nanoserve.block_pool import BlockPool
 from nanoserve.kv_manager import KVManager
 from nanoserve.radix_cache import RadixCache
@@ -47,6 +49,7 @@ class Components:
     kv_manager: Callable[..., Any] = KVManager      # block work per scheduler decision (fork, CoW, swap)
     scheduler: Callable[..., Any] = Scheduler       # who runs each step, within the token budget
     verify: Callable[..., Any] = spec_decode.verify  # speculative decoding's acceptance rule
+    attention_backend: Callable[..., Any] = make_backend   # the target model's attention kernels
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -108,7 +108,7 @@ class LLMEngine:
         self.scheduler = parts.scheduler(config, self.kv, self._emit)
         self.backend = prepare_backend(config)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, dtype, torch.device(config.device),
-                                  self.backend, fast_paths=config.fast_paths)
+                                  self.backend, fast_paths=config.fast_paths, make_attention=parts.attention_backend)
         if self.cpu_pool is not None:
             self.runner.allocate_swap(config.num_cpu_blocks)
         self.sampler = Sampler()

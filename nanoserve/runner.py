@@ -40,6 +40,7 @@ and the tests check both give the same tokens):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,12 +81,13 @@ def half_matmuls_need_fp32(dtype: torch.dtype, device: torch.device) -> bool:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, backend: str = "torch", fast_paths: bool = True) -> None:
+                 device: torch.device, backend: str = "torch", fast_paths: bool = True,
+                 make_attention: Callable[[str, bool], AttentionBackend] = make_backend) -> None:
         self.block_size = block_size
         self.device = device
         self.backend = backend          # attention kernels: "torch" or "triton"
         self.fast_paths = fast_paths
-        self.attn: AttentionBackend = make_backend(backend, fast_paths)
+        self.attn: AttentionBackend = make_attention(backend, fast_paths)   # (components.py can replace it)
         self.model = model
         if fast_paths and device.type == "cpu":
             from nanoserve.models.cpu_linear import can_pack, cpu_linear_view

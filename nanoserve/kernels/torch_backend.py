@@ -70,7 +70,11 @@ class TorchMetadata(AttentionMetadata):
 class TorchBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, fast: bool = True, group_size: int = 8, compute_dtype: torch.dtype | None = None):
+    def __init__(self, fast: bool = True, group_size: int = 8, compute_dtype: torch.dtype | None = None,
+                 ops=reference):
+        # The paged-attention functions (store_kv, decode_attention, prefill_attention, decode_mask,
+        # prefill_mask): kernels/reference.py, or a student's copy of it (`nanoserve lab paged-attention`).
+        self.ops = ops
         self.fast = fast
         self.group_size = group_size
         # None: multiply in the cache's dtype; float32: upcast a half-precision cache's K/V (fast path only).
@@ -88,28 +92,28 @@ class TorchBackend(AttentionBackend):
             meta.decode_groups.append(DecodeGroup(
                 s, s + len(tables),
                 torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=dev),
-                seq_lens, reference.decode_mask(seq_lens, width * bs)))
+                seq_lens, self.ops.decode_mask(seq_lens, width * bs)))
         for c in layout.prefills:
             meta.prefills.append(PrefillPart(
                 c.query_start, c.query_start + c.num_query, c.context_len,
                 torch.tensor(c.block_table, dtype=torch.int64, device=dev),
-                reference.prefill_mask(c.num_query, c.context_len, dev)))
+                self.ops.prefill_mask(c.num_query, c.context_len, dev)))
         return meta
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
         # 1. Write this step's K/V first, so every query below can see its own token.
-        reference.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         # 2. Decodes: one query each, batched (plain: one group; fast: groups of similar length).
         for g in meta.decode_groups:
             out[g.start : g.end] = self._decode(q[g.start : g.end], k_cache, v_cache, g, scale)
         # 3. Prefill chunks: causal over (cached prefix + chunk), one sequence at a time.
         for c in meta.prefills:
-            out[c.start : c.end] = reference.prefill_attention(
+            out[c.start : c.end] = self.ops.prefill_attention(
                 q[c.start : c.end], k_cache, v_cache, c.block_table, c.context_len, scale, c.mask,
                 compute_dtype=self.compute_dtype if self.fast else None)
         return out
 
     def _decode(self, q, k_cache, v_cache, g: DecodeGroup, scale: float) -> torch.Tensor:
-        return reference.decode_attention(q, k_cache, v_cache, g.block_tables, g.seq_lens, scale, g.mask,
+        return self.ops.decode_attention(q, k_cache, v_cache, g.block_tables, g.seq_lens, scale, g.mask,
                                           compute_dtype=self.compute_dtype if self.fast else None)

@@ -29,6 +29,7 @@ LAB_MODULES = {
     "cow-fork": "nanoserve.labs.cow_fork_lab",
     "scheduler-budget": "nanoserve.labs.scheduler_lab",
     "preemption": "nanoserve.labs.preemption_lab",
+    "paged-attention": "nanoserve.labs.paged_attention_lab",
 }
 
 
