@@ -36,6 +36,11 @@ def padded(tables: list[list[int]], device) -> torch.Tensor:
 class TritonBackend(AttentionBackend):
     name = "triton"
 
+    def __init__(self, decode=None, prefill=None) -> None:
+        # The modules whose decode_attention / prefill_attention run (None: triton_decode, triton_prefill;
+        # `nanoserve lab triton-decode` passes the same kernels built around a student's softmax step).
+        self.decode, self.prefill = decode, prefill
+
     def prepare(self, layout: BatchLayout) -> TritonMetadata:
         dev = layout.device
         meta = TritonMetadata(self, layout.slot_mapping, layout.num_decodes)
@@ -55,6 +60,7 @@ class TritonBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float) -> torch.Tensor:
         from nanoserve.kernels import triton_cache, triton_decode, triton_prefill
 
+        triton_decode, triton_prefill = self.decode or triton_decode, self.prefill or triton_prefill
         triton_cache.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes

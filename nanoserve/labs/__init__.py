@@ -30,6 +30,7 @@ LAB_MODULES = {
     "scheduler-budget": "nanoserve.labs.scheduler_lab",
     "preemption": "nanoserve.labs.preemption_lab",
     "paged-attention": "nanoserve.labs.paged_attention_lab",
+    "triton-decode": "nanoserve.labs.triton_lab",
 }
 
 

@@ -92,6 +92,7 @@ def signature_mismatches(lab, module: ModuleType) -> list[str]:
     out = []
     for qualname in lab.blanks:
         want, got = resolve(real, qualname), resolve(module, qualname)
+        want, got = getattr(want, "fn", want), getattr(got, "fn", got)   # a @triton.jit function: its Python one
         if got is None:
             out.append(f"{qualname} is missing")
             continue

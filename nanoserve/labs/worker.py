@@ -14,6 +14,9 @@ import sys
 
 def main(argv: list[str]) -> int:
     lab_name, path, first = argv[0], argv[1], int(argv[2])
+    # Triton on a CPU runs under its interpreter, which must be on before triton is first imported
+    # (torch and transformers import it). No lab needs compiled Triton, so the worker always sets it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
     out = os.fdopen(os.dup(1), "w", buffering=1)   # our channel; fd 1 now goes to stderr for the student
     os.dup2(2, 1)
     sys.stdout = sys.stderr
