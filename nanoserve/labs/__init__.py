@@ -12,7 +12,10 @@ through `Components` (components.py). Modules:
     drive.py      the real engine with a student's component, against the engine's own
     report.py     the results table, `lab grade`'s table and CSV
     command.py    the `nanoserve lab` subcommands
-    *_lab.py      one module per lab
+    plug.py       `--lab NAME=FILE` on generate, record and tui
+    common.py     the check every lab shares (signatures)
+    *_lab.py      one module per lab: block_pool, radix_cache, cow_fork, scheduler (budget),
+                  preemption, rejection (sampling), paged_attention, triton (decode)
 """
 
 from __future__ import annotations
