@@ -14,10 +14,12 @@ from nanoserve.block_pool import BlockPool
 from nanoserve.components import Components
 from nanoserve.labs.common import SIGNATURES
 from nanoserve.labs.drive import prompts, run_engine, same_as_engine
-from nanoserve.labs.lab import Check, Context, Lab, expect
+from nanoserve.labs.lab import Check, CheckFailed, Context, Lab, expect
 from nanoserve.radix_cache import RadixCache as RealCache
 
 BS = 4
+FULL_HIT = ("a full-prompt prefix hit leaves nothing to compute: the step needs at least one token to produce "
+            "the next token's logits, so match at most (len(tokens) - 1) // block_size blocks")
 
 
 def _cache(ctx: Context, num_blocks: int = 16):
@@ -54,9 +56,7 @@ def match_whole_blocks(ctx: Context) -> None:
     tokens = list(range(100, 112))                            # 3 blocks
     blocks = _fill(pool, cache, "a", tokens)
     node, got = cache.match_prefix(tokens)
-    expect(len(got) < 3, f"match_prefix of a 12-token prompt that is fully cached returned all 3 blocks",
-           "a full-prompt prefix hit leaves nothing to compute: the step needs at least one token to produce "
-           "the next token's logits, so match at most (len(tokens) - 1) // block_size blocks")
+    expect(len(got) < 3, "match_prefix of a 12-token prompt that is fully cached returned all 3 blocks", FULL_HIT)
     expect(got == blocks[:2], f"match_prefix(the same 12 tokens) gave blocks {got}, expected {blocks[:2]}")
     _check(cache)
     node, got = cache.match_prefix(tokens + [7])
@@ -138,6 +138,12 @@ def evict_lru(ctx: Context) -> None:
 def engine_runs(ctx: Context) -> None:
     from nanoserve.sampling_params import SamplingParams
     greedy = SamplingParams(max_tokens=8, temperature=0)
+    again = prompts(1, 12, seed=1)[0]                 # 3 whole blocks, asked twice: the second is a full hit
+    try:
+        run_engine(ctx, ctx.components(), [("a", again, greedy), ("b", again, greedy)],
+                   {"num_blocks": 16, "max_num_seqs": 1}, max_steps=60)
+    except CheckFailed as exc:
+        raise CheckFailed(f"{exc} (the same 12-token prompt twice)", FULL_HIT) from None
     reqs = [(f"s{i}", p, greedy) for i, p in enumerate(prompts(6, 14, shared=9))]
     reqs += [(f"x{i}", p, greedy) for i, p in enumerate(prompts(2, 13, seed=3))]
     config = {"num_blocks": 16, "max_num_seqs": 3}
