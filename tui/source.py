@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import queue
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -302,8 +303,9 @@ class LiveSource(Source):
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             what = f"could not load model {self.model!r}: {reason}"
             if self.components is not None and self.components.replaced():   # whose code failed: file and line
-                from nanoserve.labs.load import where
-                what = f"could not start the engine{self._yours()}: {where(exc, '')}"
+                frames = traceback.extract_tb(exc.__traceback__)
+                at = f"{Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}: " if frames else ""
+                what = f"could not start the engine{self._yours()}: {at}{type(exc).__name__}: {reason}"
             self._failed = True
             self._to_ui(self._app.post_message, SourceStatus("error", what))
             return

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoserve.attention import make_backend
+from nanoserve.kernels.backends import make_backend
 from nanoserve.components import Components
 from nanoserve.labs.common import SIGNATURES
 from nanoserve.labs.drive import prompts, same_as_engine

@@ -159,7 +159,7 @@ def engine_runs(ctx: Context) -> None:
 
 
 def _components(m: ModuleType) -> Components:
-    from nanoserve.attention import make_backend
+    from nanoserve.kernels.backends import make_backend
     from nanoserve.kernels.triton_backend import TritonBackend
 
     def make(name: str, fast_paths: bool):
