@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nanoserve.errors import FieldError
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -38,6 +40,8 @@ class EngineConfig:
     ngram_max: int = 4                  # longest suffix it tries first
     draft_model: str | None = None      # "draft": a model with the target's vocabulary; None: truncated target
     draft_num_layers: int = 2           # layers kept when the draft is the truncated target
+    # Tensor parallelism (distributed/): the model split over this many processes, each with its own KV heads.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -76,6 +80,10 @@ class EngineConfig:
             raise ValueError(f"n-gram bounds need ngram_min <= ngram_max, got {self.ngram_min} > {self.ngram_max}")
         if self.draft_num_layers < 1:
             raise ValueError(f"draft_num_layers must be at least 1, got {self.draft_num_layers}")
+        if not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool) \
+                or self.tensor_parallel_size < 1:
+            raise FieldError("tensor_parallel_size", f"must be a whole number of at least 1, "
+                                                     f"got {self.tensor_parallel_size!r}")
 
     def resolved_backend(self) -> str:
         """The attention backend this config runs: "auto" is Triton on CUDA (when installed), else torch."""
