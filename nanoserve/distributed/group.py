@@ -28,6 +28,7 @@ Everything is bounded in time:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
@@ -202,6 +203,18 @@ class WorkerGroup:
     @property
     def alive(self) -> bool:
         return self.error is None
+
+    @contextlib.contextmanager
+    def guard(self):
+        """Around every group operation: a broken group raises its error at once, and any failure
+        inside (gloo's "connection closed", a timeout) becomes the WorkerDied that says why."""
+        self.check()
+        try:
+            yield
+        except RuntimeError as exc:
+            if isinstance(exc, WorkerDied):
+                raise
+            raise self.failure(exc) from exc
 
 
 def _host(port, world_size, processes, errors, what, timeout):

@@ -195,23 +195,9 @@ class TensorParallelRunner:
         self.group.check()
 
     def _guard(self):
-        return _Guard(self)
-
-
-class _Guard:
-    """Any failure inside a group operation breaks the group: raise the WorkerDied that says why."""
-
-    def __init__(self, runner: TensorParallelRunner) -> None:
-        self.runner = runner
-
-    def __enter__(self) -> None:
-        if getattr(self.runner, "comm", None) is not None:   # (during __init__ the group is fresh)
-            self.runner._check_usable()
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        if exc is not None and isinstance(exc, RuntimeError) and not isinstance(exc, WorkerDied):
-            raise self.runner.group.failure(exc) from exc
-        return False
+        if getattr(self, "comm", None) is not None:      # (while loading, the group is fresh)
+            self._check_usable()
+        return self.group.guard()
 
 
 def expected_kv(engine) -> list[ExpectedKV]:
