@@ -98,6 +98,15 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
         [Arrival(0, "repeat", list(range(40, 52)) * 3, dict(max_tokens=24, temperature=0)),
          Arrival(0, "other", [7, 8, 9, 7, 8, 9, 7], dict(max_tokens=16, temperature=0))],
     ),
+    Scenario(
+        "tensor-parallel",
+        "Two processes share the model (a worker starts first): each rank's pool has the same block "
+        "tables and its own KV heads; k switches rank.",
+        dict(block_size=4, num_blocks=48, max_num_batched_tokens=32, max_num_seqs=6, tensor_parallel_size=2),
+        [Arrival(0, "q0", SYSTEM + "What is 2+2?", dict(max_tokens=8)),
+         Arrival(1, "q1", SYSTEM + "Name a colour.", dict(max_tokens=8)),
+         Arrival(2, "fork", "Once upon a time,", dict(n=2, max_tokens=10, temperature=1.0, seed=1))],
+    ),
 ]}
 
 
@@ -137,7 +146,7 @@ class ScenarioRunner:
 def record(name: str, path: str | Path, model: str = "tiny-llama", max_steps: int = 1000) -> int:
     """Run scenario `name` to the end, writing every event to `path`; returns the number of steps."""
     runner = ScenarioRunner(get_scenario(name), model)
-    with JsonlRecorder(path) as recorder:
+    with runner.engine, JsonlRecorder(path) as recorder:   # (the engine stops any worker processes at the end)
         runner.engine.subscribe(recorder)
         steps = 0
         while not runner.done and steps < max_steps:

@@ -34,6 +34,11 @@ def shows_mechanism(name: str, events: list) -> bool:
         return "SwappedOut" in kinds and "SwappedIn" in kinds
     if name == "speculative-decoding":
         return any(isinstance(e, ev.DraftVerified) and e.num_accepted > 0 for e in events) and "KVTrimmed" in kinds
+    if name == "tensor-parallel":
+        # Both ranks reported after every forward, with the same slot ledger, and the all-reduces ran.
+        reports = [e for e in events if isinstance(e, ev.RankPoolState)]
+        same = all(a.digest == b.digest for a, b in zip(reports[::2], reports[1::2]))
+        return {e.rank for e in reports} == {0, 1} and same and "CollectiveOps" in kinds and "CowCopied" in kinds
     raise AssertionError(f"no check for scenario {name}")
 
 

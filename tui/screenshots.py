@@ -43,6 +43,8 @@ def showcase_step(name: str, events: list) -> int:
         return first(lambda e: isinstance(e, ev.CowCopied))
     if name == "swap-preemption":           # a victim's KV moves to the CPU pool
         return first(lambda e: isinstance(e, ev.SwappedOut))
+    if name == "tensor-parallel":           # a fork's copy-on-write, replayed on both ranks
+        return first(lambda e: isinstance(e, ev.CowCopied))
     # continuous-batching: the step in which a request is admitted after another finished
     finished = first(lambda e: isinstance(e, ev.RequestFinished))
     return first(lambda e: isinstance(e, ev.RequestAdmitted) and e.step > finished)

@@ -311,6 +311,7 @@ class LiveSource(Source):
                                 severity="error", timeout=30)
                 self._flush(runner, stepped=command == "step")
         finally:
+            runner.engine.shutdown()                        # (a tensor-parallel engine's worker processes)
             if self._recorder:
                 self._recorder.close()
 
@@ -330,6 +331,7 @@ class LiveSource(Source):
         elif command == "restart":                          # a fresh engine; the loaded model stays
             for unsubscribe in self._unsubscribe:
                 unsubscribe()
+            runner.engine.shutdown()                        # (a tensor-parallel engine's worker processes)
             runner = ScenarioRunner(get_scenario(args[0]), self.model, loaded=runner.engine.loaded)
             self._unsubscribe = self._listen(runner)        # sends EngineSynced: the view starts afresh
         return runner

@@ -146,3 +146,38 @@ def _vocab(embedding: nn.Embedding, vocab_size: int, rank: int, n: int, tied: bo
         weight[: end - start] = lm_head.weight.detach()[start:end]
         weight = nn.Parameter(weight, requires_grad=False)
     return embed, VocabParallelHead(weight, vocab_size, start, end)
+
+
+# -- describing a split (for pictures and lessons) ---------------------------------------------------
+
+def describe_shard(shard: nn.Module, layer: int = 0) -> list[dict]:
+    """Plain data about one rank's shard: each weight of layer `layer` and the vocab-parallel ends,
+    with its full shape, this rank's shape, the rows/columns/ids it owns, and the collective after it."""
+    from nanoserve.distributed.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    if isinstance(shard, GPT2):
+        block = shard.blocks[layer]
+        names = [("wte", shard.wte), ("qkv", block.attn.qkv), ("out", block.attn.out),
+                 ("fc", block.mlp.fc), ("proj", block.mlp.proj), ("lm_head", shard.lm_head)]
+    else:
+        a, m = shard.model.layers[layer].self_attn, shard.model.layers[layer].mlp
+        names = [("embed_tokens", shard.model.embed_tokens), ("q_proj", a.q_proj), ("k_proj", a.k_proj),
+                 ("v_proj", a.v_proj), ("o_proj", a.o_proj), ("gate_proj", m.gate_proj), ("up_proj", m.up_proj),
+                 ("down_proj", m.down_proj), ("lm_head", shard.lm_head)]
+    out = []
+    for name, module in names:
+        if isinstance(module, ColumnParallelLinear):
+            out.append(dict(name=name, kind="column", full=module.full_shape, shape=tuple(module.weight.shape),
+                            owned=module.owned, axis="rows", collective=None))
+        elif isinstance(module, RowParallelLinear):
+            out.append(dict(name=name, kind="row", full=module.full_shape, shape=tuple(module.linear.weight.shape),
+                            owned=module.owned, axis="columns", collective="all-reduce"))
+        elif isinstance(module, VocabParallelEmbedding):
+            out.append(dict(name=name, kind="vocab", full=(module.num_embeddings, module.weight.shape[1]),
+                            shape=tuple(module.weight.shape), owned=((module.start, module.end),), axis="ids",
+                            collective="all-reduce"))
+        else:   # the vocab-parallel head
+            out.append(dict(name=name, kind="vocab", full=(module.vocab_size, module.weight.shape[1]),
+                            shape=tuple(module.weight.shape), owned=((module.start, module.end),), axis="ids",
+                            collective="gather to rank 0"))
+    return out
