@@ -73,7 +73,7 @@ def main(folder: str = "docs/img") -> None:
             trace = Path(tmp) / f"{name}.jsonl"
             record(name, trace)
             step = showcase_step(name, read_trace(trace))
-            select = "r0" if name == "memory-pressure" else None
+            select = {"memory-pressure": "r0", "tensor-parallel": "fork"}.get(name)
             asyncio.run(shoot(trace, step, (160, 50), out / f"tui-{name}.svg", select))
             if name == "memory-pressure":
                 asyncio.run(shoot(trace, step, (100, 30), out / "tui-100x30.svg", select))
