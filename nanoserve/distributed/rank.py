@@ -100,6 +100,7 @@ def worker_main(comm) -> None:
         if isinstance(msg, Load):
             shard = comm.recv_object(0)                 # only this rank's shard travels to it
             rank = RankRunner(shard, msg.spec, comm)
+            comm.gather_objects("loaded")               # the driver waits until every rank is ready
         elif isinstance(msg, Step):
             rank.execute(msg)
             if msg.inputs:

@@ -81,6 +81,7 @@ class TensorParallelRunner:
                 for r in range(1, n):
                     self.group.comm.send_object(shards[r], r)
                 self.local = RankRunner(shards[0], self.spec, self.group.comm)
+                self.group.comm.gather_objects("loaded")   # every rank has built its pool
         except BaseException:
             if self.owns_group:
                 self.group.shutdown()
