@@ -3,7 +3,7 @@
     python benchmarks/bench_prefix_cache.py                     # SmolLM2-135M
     python benchmarks/bench_prefix_cache.py --model tiny-llama  # seconds, any machine
 
-Part 1, the shared-system-prompt workload (seed 002): 64 requests share a
+Part 1, the shared-system-prompt workload (lesson 4's, at scale): 64 requests share a
 512-token system prompt and each adds a 32-token question of its own. All
 arrive at once; each generates a few tokens. The same engine settings run it
 with the radix prefix cache on and off, and the script prints:

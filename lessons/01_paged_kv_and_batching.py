@@ -9,22 +9,20 @@ prompt of n characters is n tokens). We only use the public API, plus
 the KV tensors in `engine.runner.kv_caches` to see that the numbers are real.
 """
 
-from rich.console import Console
-from rich.text import Text
+from lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
 
-from nanoserve import EngineConfig, LLMEngine, SamplingParams
-from nanoserve.events import BlocksAllocated, ChunkScheduled, RequestAdmitted, RequestFinished
+BROKEN = breaks({
+    "contiguous": "assume a request's KV is contiguous from its first block (slot = table[0] * 4 + i)",
+    "prefill-first": "expect P's chunks to get the whole budget, as if decodes came after prefills",
+})
 
-console = Console(markup=False, highlight=False)  # plain text: "[i // 4]" is not markup
+from nanoserve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from nanoserve.events import BlocksAllocated, ChunkScheduled, RequestAdmitted, RequestFinished  # noqa: E402
+
 BS = 4  # block_size: tiny on purpose, so blocks fill up after a few tokens
 # The prefix cache (on by default) keeps finished requests' blocks for reuse; lesson 4 is about
 # it. Here it is off, so a finished request's blocks go straight back to the free queue.
 NO_CACHE = dict(enable_prefix_caching=False)
-
-
-def section(title: str, text: str) -> None:
-    console.rule(Text(title, style="bold"))
-    console.print(text.strip())
 
 
 def greedy(n: int) -> SamplingParams:
@@ -76,9 +74,9 @@ table_a = request(engine, "A")["block_table"]
 assert table_a != list(range(table_a[0], table_a[0] + len(table_a))), "A's blocks are not contiguous"
 print(engine)
 
-console.print(f"""
-A's table is {table_a}: B took the block in between when it crossed a block boundary
-one step earlier. Attention does not care: it finds every token through the table.
+say(f"""
+A's table is {table_a}: B took the blocks in between as both grew. Attention does not
+care: it finds every token through the table.
 Slot of token i = table[i // {BS}] * {BS} + i % {BS}. Let's check the K vectors really are there.
 We run A alone in a fresh engine (same weights, so the same K for the same token and
 position) and compare layer 0's K row by row: same vectors, different slots.
@@ -86,6 +84,8 @@ position) and compare layer 0's K row by row: same vectors, different slots.
 
 
 def slot(table: list[int], i: int) -> int:
+    if BROKEN == "contiguous":
+        return table[0] * BS + i                 # wrong: as if A's blocks were one after another
     return table[i // BS] * BS + i % BS
 
 
@@ -100,7 +100,9 @@ k_alone = alone.runner.kv_caches[0][0].flatten(0, 1)
 n = request(engine, "A")["num_computed_tokens"]
 for i in range(n):
     s1, s2 = slot(table_a, i), slot(table_alone, i)
-    assert (k_batched[s1] - k_alone[s2]).abs().max() < 1e-5, f"token {i}: slot {s1} vs {s2}"
+    assert (k_batched[s1] - k_alone[s2]).abs().max() < 1e-5, (
+        f"token {i}: slot {s1} of the batched engine holds another token's K. A request's KV is not "
+        f"contiguous: token i is in block table[i // {BS}], so slot = table[i // {BS}] * {BS} + i % {BS}")
     if i % BS == 0 or i == n - 1:
         console.print(f"  token {i:2d}: slot {s1:2d} in the batched engine, slot {s2:2d} alone: same K")
 never_used = sorted(set(range(16)) - allocated)
@@ -116,6 +118,7 @@ section("2. Continuous batching", """
 The batch is rebuilt every step. With max_num_seqs=2 only two requests run at a time:
 L (long), S (short) and W (waiting). When S finishes, W takes its seat in the very next
 step, while L keeps decoding. No one waits for the whole batch to drain.
+
 Legend: P = prefill chunk, d = decode, . = waiting in the queue.
 """)
 engine = LLMEngine(EngineConfig(**config, max_num_seqs=2))
@@ -183,13 +186,19 @@ def run_chunk_demo(**overrides):
     return eng, chunks, results, tokens
 
 
-engine, chunks, results, chunked = run_chunk_demo(max_num_batched_tokens=16)
+BUDGET = 16
+engine, chunks, results, chunked = run_chunk_demo(max_num_batched_tokens=BUDGET)
 for result in results:
     print(result)
     decodes = [e for e in result.events if isinstance(e, ChunkScheduled) and not e.is_prefill]
     assert [e.request_id for e in decodes] == ["D"], "D decodes in every step of P's prefill"
     assert result.stats.num_prefill_tokens + result.stats.num_decode_tokens <= 16
-assert [(start, n) for _, start, n in chunks] == [(0, 15), (15, 15), (30, 10)], chunks
+# D's decode comes first and takes 1 token of the budget; P's chunks get the rest.
+room = BUDGET if BROKEN == "prefill-first" else BUDGET - 1
+expected = [(start, min(room, len(LONG) - start)) for start in range(0, len(LONG), room)]
+assert [(start, n) for _, start, n in chunks] == expected, (
+    f"P's chunks are {[(s, n) for _, s, n in chunks]}, not {expected}: decodes are scheduled first, so "
+    f"D's 1 token comes out of the budget of {BUDGET} and P's chunks get the other {BUDGET - 1}")
 assert [s for s, _, _ in chunks] == [2, 3, 4], "three consecutive steps"
 
 engine, chunks_off, _, unchunked = run_chunk_demo(max_num_batched_tokens=64, enable_chunked_prefill=False)
@@ -201,9 +210,9 @@ assert chunked == unchunked, "chunking changes when KV is computed, never what t
 
 # ---------------------------------------------------------------------------
 section("4. Freeing", """
-When a request finishes, its blocks go back to the free queue (last block first, so a
-request's prefix blocks are reused last). After every request is done, every block of
-every engine in this lesson is free again and the bookkeeping invariants hold.
+When a request finishes, its blocks go back to the free queue, last block first. After
+every request is done, every block of every engine in this lesson is free again and the
+bookkeeping invariants hold.
 """)
 print(engine)
 for eng in engines:
@@ -212,9 +221,14 @@ for eng in engines:
     assert sorted(pool["free_queue"]) == list(range(pool["num_blocks"])), "every block is free"
     assert all(ref == 0 for ref in pool["ref_counts"]), "no block is referenced"
     eng.check_invariants()
-console.print(f"""Free queue of the last engine, next to be allocated first:
-{pool['free_queue']}
+console.print("Free queue of the last engine, next to be allocated first:")
+console.print(str(pool["free_queue"]))
+say("""
 Never-used blocks come first; then the freed ones, in the order they were released:
-first P's (last block first), then D's. A request's prefix blocks sit nearest the tail,
-so they are reused last: the prefix cache of a later lesson wants exactly that.""")
+first P's (last block first), then D's. The last-block-first order is vLLM's: its prefix
+cache finds freed blocks by a hash of their tokens and revives them from this queue, so
+a request's tail should be reused before its prefix. nanoserve never revives a freed
+block: its prefix cache (lesson 4) keeps its own reference on every block it caches, so
+with the cache on, a finished request's full blocks do not come here at all.
+""")
 console.print("All checks passed.", style="bold green")

@@ -6,31 +6,37 @@ A cheap proposer guesses k tokens; the target model scores all of them in one
 forward pass over k + 1 positions and keeps the longest prefix it agrees with,
 plus one token of its own. Sections 1 and 2 watch a real engine on `tiny-llama`
 (random weights) do this through its events; section 3 proves, with exact
-fractions, that the acceptance rule leaves the output distribution unchanged,
-and that a plausible-looking variant does not: the residual written in "seed
-000" (Algorithm 5 of one of the design notes this project started from).
+fractions, that the acceptance rule (Leviathan et al. 2023, arXiv:2211.17192;
+Chen et al. 2023, arXiv:2302.01318) leaves the output distribution unchanged,
+and that a plausible-looking variant of its residual does not.
 """
 
 from fractions import Fraction as F
 
-import torch
-from rich import box
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
 
-from nanoserve import EngineConfig, LLMEngine, SamplingParams
-from nanoserve.events import ChunkScheduled, DraftProposed, DraftVerified, KVTrimmed, TokenSampled
-from nanoserve.spec_decode import verify
+BROKEN = breaks({
+    "accept-all": "the engine's verify() accepts every draft, whatever the target says",
+    "scaled-residual": "on a rejection, sample from max(0, p - q * p(x)/q(x)) instead of max(0, p - q)",
+})
 
-console = Console(markup=False, highlight=False)  # plain text: "[10, 20]" is not markup
+import torch  # noqa: E402
+from rich import box  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+import nanoserve.spec_decode  # noqa: E402
+from nanoserve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from nanoserve.events import ChunkScheduled, DraftProposed, DraftVerified, KVTrimmed, TokenSampled  # noqa: E402
+from nanoserve.spec_decode import verify  # noqa: E402
+
+if BROKEN == "accept-all":
+    def accept_all(p, draft, q, greedy, generator):
+        """Wrong on purpose: every draft is kept, then a bonus token."""
+        return draft + [int(p[len(draft)].argmax())], len(draft)
+    nanoserve.spec_decode.verify = accept_all      # spec_decode.decide looks it up here
+
 BS = 4                                 # block_size: small, so rejected drafts can free whole blocks
 PROMPT = [10, 20, 30, 40, 50] * 4      # token ids: a pattern repeated
-
-
-def section(title: str, text: str) -> None:
-    console.rule(Text(title, style="bold"))
-    console.print(text.strip())
 
 
 def run(params: SamplingParams, **spec) -> tuple[list[int], object, list[dict]]:
@@ -100,14 +106,15 @@ plain, plain_metrics, _ = run(greedy)
 spec, metrics, steps = run(greedy, speculative_method="ngram", num_speculative_tokens=4)
 show_steps(steps)
 per_forward = len(spec) / metrics.num_sampling_steps
-console.print(f"""without speculation: {plain}
-with n-gram drafts:  {spec}
-{len(spec)} tokens in {metrics.num_sampling_steps} target forwards ({per_forward:.2f} per forward, \
+console.print(f"without speculation: {plain}")
+console.print(f"with n-gram drafts:  {spec}")
+say(f"""{len(spec)} tokens in {metrics.num_sampling_steps} target forwards ({per_forward:.2f} per forward, \
 {plain_metrics.num_sampling_steps} without); drafts accepted: \
 {metrics.num_accepted}/{metrics.num_drafted} = {metrics.acceptance_rate:.2f}.
 The random model does not continue the prompt's pattern, but it falls into loops of its
 own, and prompt lookup searches the output too: once a loop repeats, drafts are accepted.""")
-assert spec == plain, "greedy speculation gives exactly the tokens of plain greedy decoding"
+assert spec == plain, ("greedy speculation must give exactly the tokens of plain greedy decoding: a draft "
+                       "may only be kept where it equals the target's argmax")
 assert per_forward > 1, "more than one token per target forward"
 assert 0 < metrics.num_accepted < metrics.num_drafted, "some drafts accepted, some rejected"
 assert any(r.get("KVTrimmed") and r["KVTrimmed"].block_ids for r in steps), "a rejection gave back a block"
@@ -125,21 +132,22 @@ draft_spec = dict(speculative_method="draft", draft_num_layers=1, num_speculativ
 tokens, metrics, steps = run(hot, **draft_spec)
 show_steps(steps)
 assert "draft" not in steps[-1], "one token left before max_tokens: nothing to draft"
-console.print(f"""Step 1 is the prefill. Step {steps[-1]['step']} has no draft: a step can emit k + 1 tokens, so
+say(f"""Step 1 is the prefill. Step {steps[-1]['step']} has no draft: a step can emit k + 1 tokens, so
 drafts are capped at max_tokens - (tokens so far) - 1, which is 0 there.""")
 _, flat, _ = run(SamplingParams(max_tokens=24, temperature=1.0, seed=0, ignore_eos=True), **draft_spec)
-console.print(f"""temperature 0.1: acceptance {metrics.num_accepted}/{metrics.num_drafted} = \
-{metrics.acceptance_rate:.2f}, {len(tokens) / metrics.num_sampling_steps:.2f} tokens per forward
-temperature 1.0: acceptance {flat.num_accepted}/{flat.num_drafted} = {flat.acceptance_rate:.2f}
-With random weights, p and q are nearly flat over the 257 tokens at temperature 1, so they
+console.print(f"temperature 0.1: acceptance {metrics.num_accepted}/{metrics.num_drafted} = "
+              f"{metrics.acceptance_rate:.2f}, {len(tokens) / metrics.num_sampling_steps:.2f} tokens per forward")
+console.print(f"temperature 1.0: acceptance {flat.num_accepted}/{flat.num_drafted} = {flat.acceptance_rate:.2f}")
+say("""With random weights, p and q are nearly flat over the 257 tokens at temperature 1, so they
 almost agree. At 0.1 they are sharp, and 1 layer vs 2 layers disagree often. Sampled
 tokens differ from a plain run with the same seed (the random draws are used differently),
 but their distribution is the same: section 3 shows why.""")
 assert 0 < metrics.acceptance_rate < 1, "at temperature > 0 the draft is sometimes rejected"
+assert flat.acceptance_rate > metrics.acceptance_rate, "flatter p and q agree more: acceptance rises"
 assert any(r.get("DraftVerified") and not r["DraftVerified"].is_bonus for r in steps)
 
 # ---------------------------------------------------------------------------
-section("3. Why the rule is exact (and seed 000's is not)", """
+section("3. Why the rule is exact (and a scaled residual is not)", """
 One draft token x ~ q, then the rule. Exactly, with fractions, no sampling:
   P(emit y) = q(y) * min(1, p(y)/q(y))                      x = y was drafted and accepted
             + sum_x q(x) * (1 - min(1, p(x)/q(x))) * r_x(y)   x was rejected, y drawn from r_x
@@ -147,7 +155,7 @@ Correct rule:  r_x = normalise(max(0, p - q)), the same for every x.
   Accepting gives y exactly min(p(y), q(y)); the rejected mass is 1 - sum min(p, q)
   = sum max(0, p - q), so the residual adds max(0, p(y) - q(y)); and
   min(p, q) + max(0, p - q) = p. Output = p, whatever q is.
-Seed 000:      r_x = normalise(max(0, p - q * p(x)/q(x))), which depends on x and adds mass
+Scaled:        r_x = normalise(max(0, p - q * p(x)/q(x))), which depends on x and adds mass
   to tokens that already got all of theirs from acceptances.
 """)
 p = [F(2, 10), F(3, 10), F(5, 10)]
@@ -167,10 +175,13 @@ def output_distribution(residual) -> list[F]:
     return out
 
 
-correct = output_distribution(lambda x: [max(F(0), p[y] - q[y]) for y in range(3)])
-seed_000 = output_distribution(lambda x: [max(F(0), p[y] - q[y] * p[x] / q[x]) for y in range(3)])
-assert correct == p, "the exact rule reproduces p exactly"
-assert seed_000 != p, "seed 000's residual does not"
+scaled = output_distribution(lambda x: [max(F(0), p[y] - q[y] * p[x] / q[x]) for y in range(3)])
+correct = scaled if BROKEN == "scaled-residual" else \
+    output_distribution(lambda x: [max(F(0), p[y] - q[y]) for y in range(3)])
+assert correct == p, (f"the rule's output distribution is {[str(c) for c in correct]}, not p = "
+                      f"{[str(c) for c in p]}: the residual must be max(0, p - q), the same whichever x was "
+                      "rejected, so that acceptance (min(p, q)) plus residual (max(0, p - q)) adds up to p")
+assert scaled != p, "the scaled residual does not reproduce p"
 
 # Now the engine's own rule, nanoserve.spec_decode.verify, by sampling.
 N, g = 20_000, torch.Generator().manual_seed(0)
@@ -187,14 +198,14 @@ def tv(a, b) -> float:
     return 0.5 * sum(abs(float(x) - float(y)) for x, y in zip(a, b))
 
 
-table = Table("token", "p (target)", "q (draft)", "correct rule", "seed 000 rule",
+table = Table("token", "p (target)", "q (draft)", "correct rule", "scaled residual",
               f"verify(), {N} draws", box=box.SIMPLE, pad_edge=False)
 for y in range(3):
-    table.add_row(str(y), str(p[y]), str(q[y]), str(correct[y]), str(seed_000[y]), f"{sampled[y]:.3f}")
-table.add_row("TV from p", "", "", f"{tv(correct, p):.3f}", f"{tv(seed_000, p):.3f}", f"{tv(sampled, p):.3f}")
+    table.add_row(str(y), str(p[y]), str(q[y]), str(correct[y]), str(scaled[y]), f"{sampled[y]:.3f}")
+table.add_row("TV from p", "", "", f"{tv(correct, p):.3f}", f"{tv(scaled, p):.3f}", f"{tv(sampled, p):.3f}")
 console.print(table)
 assert tv(sampled, p) < 0.02, "verify() samples from p"
-assert tv(seed_000, p) > 0.05, "far more than sampling noise: a test at this size catches it"
-console.print("""The seed's formula over-produces token 1 (37/100 instead of 3/10) and under-produces
+assert tv(scaled, p) > 0.05, "far more than sampling noise: a test at this size catches it"
+say("""The scaled residual over-produces token 1 (37/100 instead of 3/10) and under-produces
 token 2. tests/test_spec_distribution.py runs the same check on the whole engine.""")
 console.print("All checks passed.", style="bold green")

@@ -12,20 +12,19 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")   # must be set before triton is imported
 
+from lesson import breaks, console, section  # noqa: E402  prose that fits your terminal; --break NAME
+
+BROKEN = breaks({
+    "wrong-kv-head": "query heads 3..5 read KV head 0 (the grouped-query mapping is h // 3)",
+    "average-splits": "combine the split-K partial results with equal weights instead of their lse",
+})
+
 import torch  # noqa: E402
-import triton  # noqa: E402
-from rich.console import Console  # noqa: E402
 
 from nanoserve.kernels import reference  # noqa: E402
 from nanoserve.kernels.triton_decode import _paged_decode_kernel, decode_attention  # noqa: E402
 
-console = Console(highlight=False)
 torch.manual_seed(0)
-
-
-def section(title: str, text: str) -> None:
-    console.rule(f"[bold]{title}")
-    console.print(text.strip(), markup=False)
 
 
 # A tiny paged cache: 12 blocks of 4 token slots, 2 KV heads of dimension 8.
@@ -65,9 +64,12 @@ for n, b, s in zip(positions.tolist(), blocks.tolist(), slots.tolist()):
 # The kernel computes exactly this: attention over the K/V rows at those slots.
 k_seq = k_cache.view(-1, HKV, D)[slots]             # [10, Hkv, D] gathered by slot
 v_seq = v_cache.view(-1, HKV, D)[slots]
-scores = (q[0, 3:6] @ k_seq[:, 1].T) * scale       # heads 3..5 read KV head 1
-by_hand = scores.softmax(-1) @ v_seq[:, 1]
-assert torch.allclose(by_hand, out[0, 3:6], atol=1e-5)
+kv_head = 0 if BROKEN == "wrong-kv-head" else 1
+scores = (q[0, 3:6] @ k_seq[:, kv_head].T) * scale  # heads 3..5 read KV head 1
+by_hand = scores.softmax(-1) @ v_seq[:, kv_head]
+assert torch.allclose(by_hand, out[0, 3:6], atol=1e-5), (
+    f"heads 3..5 read KV head {kv_head} by hand but not in the kernel: with {HQ} query heads and {HKV} KV "
+    f"heads, query head h reads KV head h // {HQ // HKV}, so heads 3..5 share KV head 1")
 console.print("softmax over the K/V rows at those slots reproduces the kernel's output for heads 3..5.")
 
 # ---------------------------------------------------------------------------
@@ -96,11 +98,15 @@ console.print(f"lse of sequence 0, head 3, per split: {lse[0, 3].tolist()}")
 console.print(f"lse of sequence 1, head 3, per split: {lse[1, 3].tolist()}  (3 tokens: splits 2 and 3 are empty)")
 assert torch.isinf(lse[1, :, 1:]).all(), "a split past the sequence's end has lse = -inf and weighs nothing"
 w = torch.softmax(lse, dim=-1)                       # exp(lse_s - max) / sum: the combine weights
+if BROKEN == "average-splits":
+    w = torch.isfinite(lse).float() / torch.isfinite(lse).float().sum(-1, keepdim=True)
 combined = (w.unsqueeze(-1) * torch.nan_to_num(part)).sum(dim=2)
-assert torch.allclose(combined, want, atol=1e-5)
+assert torch.allclose(combined, want, atol=1e-5), (
+    "the combined splits differ from the one-pass result: each split's output is normalised over its "
+    "own positions only, so it must be weighted by its share of the softmax mass, exp(lse_s) / sum exp(lse)")
 console.print("combined by their lse weights, the three partial results equal the one-pass result.")
 split_kernel = decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=3, block_n=4)
 assert torch.allclose(split_kernel, want, atol=1e-5)
 console.print(f"and the wrapper's own split path (decode_attention(..., num_splits=3)) agrees: grid "
               f"{(2, HKV, 3)} = {2 * HKV * 3} programs instead of {2 * HKV}.")
-console.print(f"\n[green]All checks passed[/] (triton {triton.__version__}, interpreter on CPU).")
+console.print("All checks passed (Triton's interpreter, on the CPU).", style="bold green")

@@ -6,7 +6,7 @@ Many requests start with the same tokens: a system prompt, few-shot examples,
 a shared document. The K and V of token i depend only on tokens 0..i, so those
 prefixes have the same KV in every request. The prefix cache keeps full KV
 blocks after they are computed, in a radix tree (SGLang's RadixAttention,
-seed 002), and a new request that starts with cached tokens shares those
+arXiv:2312.07104), and a new request that starts with cached tokens shares those
 blocks and skips their prefill.
 
 Every claim is checked with an `assert` against a real engine on `tiny-llama`
@@ -19,24 +19,23 @@ import hashlib
 import random
 import time
 
-from rich import box
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
 
-from nanoserve import EngineConfig, LLMEngine, SamplingParams
-from nanoserve.events import ChunkScheduled, PrefixMatched, RadixEvicted, RadixInserted, RadixSplit
+BROKEN = breaks({
+    "partial-blocks": "expect a hit to cover all of SYSTEM's 58 tokens, not just its whole blocks",
+    "tokens-only-key": "key a block by its own tokens only, without the hash of the blocks before it",
+})
 
-console = Console(markup=False, highlight=False)   # plain text: "[0, 1]" is not markup
+from rich import box  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from nanoserve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from nanoserve.events import ChunkScheduled, PrefixMatched, RadixEvicted, RadixInserted, RadixSplit  # noqa: E402
+
 BS = 8                                              # block_size: the cache works in whole blocks
 SYSTEM = "You are a helpful assistant. Answer briefly and politely. "   # 58 characters = 58 tokens
 QUESTIONS = ["What is 2+2?", "Name a colour.", "Say hello.", "Count to 3.", "Pick a fruit."]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)   # random weights: never stop early
-
-
-def section(title: str, text: str) -> None:
-    console.rule(Text(title, style="bold"))
-    console.print(text.strip())
 
 
 def run(engine: LLMEngine, arrivals: list[tuple[str, object]], per_step: int = 1, watch=None,
@@ -74,7 +73,7 @@ def engine(**config) -> LLMEngine:
 
 # ---------------------------------------------------------------------------
 section("1. One system prompt, five questions", f"""
-Seed 002's workload: every request is SYSTEM + a question. SYSTEM is {len(SYSTEM)} tokens, so it
+The workload the cache is made for: every request is SYSTEM + a question. SYSTEM is {len(SYSTEM)} tokens, so it
 fills {len(SYSTEM) // BS} whole blocks of {BS} and spills {len(SYSTEM) % BS} tokens into the next one. One question
 arrives per step. We run it twice, with enable_prefix_caching=False and with the cache on
 (the default), and count the prompt tokens each forward pass really computed.
@@ -106,14 +105,17 @@ for rid, prompt in arrivals:
     table.add_row(rid, str(len(prompt)), f"{hit.num_hit_tokens} ({len(hit.block_ids)} blocks)",
                   str(len(prompt) - hit.num_hit_tokens))
 console.print(table)
-whole_blocks = len(SYSTEM) // BS * BS
+whole_blocks = len(SYSTEM) // BS * BS                  # the cache keeps whole blocks only
+expected_hit = len(SYSTEM) if BROKEN == "partial-blocks" else whole_blocks
 assert hits["q0"].num_hit_tokens == 0, "the first request finds an empty cache"
-assert all(hits[rid].num_hit_tokens == whole_blocks for rid, _ in arrivals[1:]), "the rest hit SYSTEM's blocks"
+assert all(hits[rid].num_hit_tokens == expected_hit for rid, _ in arrivals[1:]), (
+    f"the later requests hit {hits['q1'].num_hit_tokens} tokens, not {expected_hit}: the cache holds whole "
+    f"blocks only, and SYSTEM's last {len(SYSTEM) % BS} tokens share a block with each question")
 assert on["prefill"] == sum(len(p) for _, p in arrivals) - sum(e.num_hit_tokens for e in hits.values())
 assert off["prefill"] == sum(len(p) for _, p in arrivals)
 assert on["tokens"] == off["tokens"], "the cache changes what is computed, never the output"
 assert on["prefill"] < 0.4 * off["prefill"]
-console.print(f"""Prompt tokens computed: {off['prefill']} without the cache, {on['prefill']} with it \
+say(f"""Prompt tokens computed: {off['prefill']} without the cache, {on['prefill']} with it \
 ({1 - on['prefill'] / off['prefill']:.0%} fewer).
 Greedy outputs are identical. Each hit is {whole_blocks} tokens, not {len(SYSTEM)}: the cache keeps whole
 blocks only, so the last {len(SYSTEM) % BS} tokens of SYSTEM share a block with each question and are
@@ -145,7 +147,7 @@ assert inserted_under == {"q1", "q2", "q3", "q4"}, "every later question hangs u
 # While all five run, each holds (locks) the system prompt's node: it cannot be evicted.
 lock_at_5 = {n["node_id"]: n["lock_count"] for n in at_step_5["nodes"]}
 assert lock_at_5[system_node] == 5
-console.print(f"""
+say(f"""
 q0 misses and its {len(arrivals[0][1]) // BS} full blocks become one node. q1 agrees with it for
 {len(SYSTEM) // BS} blocks, so that node is split at the block boundary: node {system_node} is now SYSTEM's
 blocks, with q0's rest below it, and q1's own blocks go in next to it. Every later question
@@ -153,14 +155,14 @@ adds one more child. After step 5 (print(engine.radix) at that moment), all five
 each holds the path to its deepest node: SYSTEM's node has lock 5, nothing on it can be
 evicted.""")
 console.print(at_step_5["tree"])
-console.print("""Decode blocks join the tree too, as soon as they fill (no request here shares them).
+say("""Decode blocks join the tree too, as soon as they fill (no request here shares them).
 The tree at the end, all requests finished:""")
 console.print(cached.radix)
 snap = cached.snapshot()["radix"]["nodes"]
 roots = [n for n in snap if n["parent_id"] == 0]
 assert len(roots) == 1 and roots[0]["node_id"] == system_node and roots[0]["num_tokens"] == whole_blocks
 assert all(n["lock_count"] == 0 for n in snap), "nothing runs: every node is unlocked, i.e. evictable"
-console.print("""Lock 0 everywhere: nothing runs, every cached block is held by the tree alone. The
+say("""Lock 0 everywhere: nothing runs, every cached block is held by the tree alone. The
 blocks stay in the pool (not free) until memory is needed; a late request still hits them:""")
 late = run(cached, [("late", SYSTEM + "Tell a joke.")])
 late_hit = of_type(late["events"], PrefixMatched)[0]
@@ -168,9 +170,9 @@ assert late_hit.num_hit_tokens == whole_blocks, "the cache outlives the requests
 console.print(f"late: hit {late_hit.num_hit_tokens} tokens, {late['prefill']} computed, with no other request running.")
 
 # ---------------------------------------------------------------------------
-section("3. Seed 002's numbers", """
-Seed 002: a 500-token system prompt and queries of about 50 tokens. Without sharing, N
-requests compute N x 550 prompt tokens; with it, 500 + N x 50: "a 91% reduction" at N = 1000.
+section("3. At scale: the arithmetic of a shared prefix", """
+A 500-token system prompt and queries of about 50 tokens. Without sharing, N requests
+compute N x 550 prompt tokens; with it, 500 + N x 50: about 91% fewer at N = 1000.
 We run N = 40 (random token ids, queries of 20-80 tokens, two arrivals per step, block_size
 16, one output token each: this is about prefill) and compare with the formula at the same N.
 """)
@@ -190,9 +192,11 @@ total = sum(len(p) for _, p in prompts)
 mean_query = total / N - S
 predicted = 1 - (S + N * mean_query) / (N * (S + mean_query))
 saving = 1 - measured["on"]["prefill"] / measured["off"]["prefill"]
-console.print(f"""prompt tokens computed: {measured['off']['prefill']} without the cache, \
+say(f"""prompt tokens computed: {measured['off']['prefill']} without the cache, \
 {measured['on']['prefill']} with it: {saving:.1%} fewer
-seed 002's formula for S={S}, N={N}, mean query {mean_query:.1f}: {predicted:.1%} fewer
+
+the formula for S={S}, N={N}, mean query {mean_query:.1f}: {predicted:.1%} fewer
+
 time for the whole run (no assert on it, machines differ): {measured['off']['seconds']:.2f} s vs \
 {measured['on']['seconds']:.2f} s, in {len(measured['off']['steps'])} vs {len(measured['on']['steps'])} steps""")
 assert measured["on"]["tokens"] == measured["off"]["tokens"]
@@ -209,14 +213,14 @@ def whole_block_saving(n: int, query: float) -> float:
 
 
 assert abs(whole_block_saving(N, mean_query) - saving) < 1e-9
-console.print(f"""The measured saving is exact arithmetic: every request but the first reuses {cached_part}
+say(f"""The measured saving is exact arithmetic: every request but the first reuses {cached_part}
 tokens ({S // BIG_BS} blocks of {BIG_BS}) and recomputes the other {S - cached_part} system tokens with its query; that
-is the only gap to the formula. At seed 002's N = 1000, mean query 50: formula \
+is the only gap to the formula. At N = 1000, mean query 50: formula \
 {1 - (S + 1000 * 50) / (1000 * (S + 50)):.1%}, whole blocks {whole_block_saving(1000, 50):.1%}.""")
 
 # ---------------------------------------------------------------------------
-section("4. Why a tree? What seed 001's hash chain would give", """
-vLLM (and seed 001's BlockManager) find cached blocks without a tree: each full block gets a
+section("4. Why a tree? What a hash chain would give", """
+vLLM and nano-vllm find cached blocks without a tree: each full block gets a
 hash of its tokens AND of the previous block's hash, and a dict maps hashes to blocks. A
 request's hit is its longest run of leading block hashes found in the dict (chain_hashes and
 chain_hit in the script: a dozen lines).
@@ -227,6 +231,8 @@ def chain_hashes(tokens: list[int], block_size: int) -> list[str]:
     """h_i = sha256(h_{i-1}, tokens of block i), for each full block: a hash names a whole prefix."""
     hashes, prev = [], ""
     for i in range(len(tokens) // block_size):
+        if BROKEN == "tokens-only-key":
+            prev = ""                            # wrong: forget the blocks before this one
         prev = hashlib.sha256(f"{prev}:{tokens[i * block_size:(i + 1) * block_size]}".encode()).hexdigest()
         hashes.append(prev)
     return hashes
@@ -251,7 +257,7 @@ for rid, prompt in arrivals:
     assert chain_hit(table, ids, BS) == hits[rid].num_hit_tokens, rid
     for i, h in enumerate(chain_hashes(ids, BS)):
         table.setdefault(h, (rid, i))
-console.print(f"""Same hits as the tree for q0..q4 (0, then {whole_blocks} each): both find the longest cached prefix
+say(f"""Same hits as the tree for q0..q4 (0, then {whole_blocks} each): both find the longest cached prefix
 of whole blocks. The dict ends with {len(table)} entries, one per distinct full prompt block, in no
 order; the tree holds the same blocks as SYSTEM's node with one child per question.
 
@@ -260,7 +266,9 @@ after a different first block:""")
 a_prompt, b_prompt = "AAAAAAAA" + "same 8 t", "BBBBBBBB" + "same 8 t"   # block 1 is identical text
 plain = lambda p: hashlib.sha256(p[BS:2 * BS].encode()).hexdigest()   # noqa: E731  tokens-only hash
 assert plain(a_prompt) == plain(b_prompt)
-assert chain_hashes(list(a_prompt.encode()), BS)[1] != chain_hashes(list(b_prompt.encode()), BS)[1]
+assert chain_hashes(list(a_prompt.encode()), BS)[1] != chain_hashes(list(b_prompt.encode()), BS)[1], (
+    "a and b get the same key for their second block, whose KV differs (see the K values below): a block's "
+    "key must name its whole prefix, h_i = hash(h_(i-1), tokens of block i)")
 kv_engine = engine(enable_prefix_caching=False)
 for rid, p in (("a", a_prompt), ("b", b_prompt)):
     kv_engine.add_request(rid, p + "!", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
@@ -278,7 +286,7 @@ radix_engine = engine()
 run(radix_engine, [("a", a_prompt + "!")])
 b_run = run(radix_engine, [("b", b_prompt + "!")])
 assert of_type(b_run["events"], PrefixMatched)[0].num_hit_tokens == 0, "the tree keys by path from the root"
-console.print("""Layer 0 agrees (same token at the same position), layer 1 does not: its K saw block 0. A
+say("""Layer 0 agrees (same token at the same position), layer 1 does not: its K saw block 0. A
 tokens-only key would hand b the wrong KV. The chain hash differs because block 0 differs; in
 the tree, b's first block matches no child of the root, so b misses too.
 
@@ -288,12 +296,13 @@ So what does the tree give that the chain does not?
     `nanoserve export --what radix`, print(engine.radix)).
   * Eviction that keeps every cached prefix whole: the tree evicts leaves only (section 5).
     A flat LRU over blocks must take care to evict a chain's tail before its head (vLLM frees
-    a request's blocks last block first, seed 004) or keep blocks nobody can ever hit.
+    a request's blocks last block first) or keep blocks nobody can ever hit.
   * Locks on nodes: a running request locks its path in one place.
+
 The chain's advantages: one dict probe per block, no splits, nothing to rebalance; matching
-is the same O(prompt blocks) in both. Note that seed 001's code as written drops a block's
-hash when its last user frees it, so it only shares between requests that overlap in time;
-the `late` request of section 2 would miss there.""")
+is the same O(prompt blocks) in both. Both keep a finished request's blocks findable: a hash
+chain leaves a freed block in the dict and revives it from the free queue on a hit, the tree
+keeps its own reference on the block, so it never reaches the free queue at all.""")
 
 # ---------------------------------------------------------------------------
 section("5. Eviction: least recently used leaves first", """
@@ -321,7 +330,7 @@ assert small_hits == [0] + [whole_blocks] * (len(small_hits) - 1), "SYSTEM's blo
 assert small_system["num_tokens"] == whole_blocks
 assert all(e.last_access < small_system["last_access"] for e in evictions), "the hot prefix is used last"
 assert [e.last_access for e in evictions] == sorted(e.last_access for e in evictions), "oldest first"
-console.print(f"""Evicted: old questions' leaves, oldest first (last_access {[e.last_access for e in evictions]}).
+say(f"""Evicted: old questions' leaves, oldest first (last_access {[e.last_access for e in evictions]}).
 SYSTEM's node is touched by every hit, so it is never the least recently used, and it is not a
 leaf while questions hang under it. Every question still hits {whole_blocks} tokens.""")
 freed = small.clear_prefix_cache()

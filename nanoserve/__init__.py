@@ -2,14 +2,39 @@
 
     from nanoserve import LLM, LLMEngine, EngineConfig, SamplingParams
 
-`import nanoserve` never imports textual: the TUI is a separate package.
+`import nanoserve` never imports textual: the TUI is a separate package. It
+does not import torch either until a name that needs it is used (PEP 562
+module `__getattr__`), so `nanoserve --help`, error messages and replaying a
+trace start in a fraction of a second.
 """
 
-from nanoserve.config import EngineConfig
-from nanoserve.engine import LLMEngine
-from nanoserve.llm import LLM
-from nanoserve.outputs import CompletionOutput, RequestOutput, StepResult
-from nanoserve.sampling_params import SamplingParams
+from __future__ import annotations
+
+import importlib
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "EngineConfig": "nanoserve.config",
+    "LLMEngine": "nanoserve.engine",
+    "LLM": "nanoserve.llm",
+    "CompletionOutput": "nanoserve.outputs",
+    "RequestOutput": "nanoserve.outputs",
+    "StepResult": "nanoserve.outputs",
+    "SamplingParams": "nanoserve.sampling_params",
+}
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "StepResult"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """Import the module defining `name` on first use, then keep the name here."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'nanoserve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -11,12 +11,15 @@ Every block is either
 * in use: `ref_count > 0`, held by that many block tables, or
 * free: `ref_count == 0`, sitting in the free queue.
 
-The free queue is a doubly linked list in LRU order (seed 004, vLLM's
-`FreeKVCacheBlockQueue`): allocation pops from the head, freeing appends to
-the tail, and any block can be unlinked in O(1) — the prefix cache needs that
-to revive a freed block that still holds useful KV. A request frees its blocks
-in reverse order, so its *last* blocks reach the head first and its prefix
-blocks stay around longest.
+The free queue is a doubly linked list in LRU order, like vLLM's
+`FreeKVCacheBlockQueue`: allocation pops from the head, freeing appends to
+the tail, and any block can be unlinked in O(1). A request frees its blocks
+in reverse order, as vLLM does. There the order matters: vLLM's prefix cache
+finds freed blocks by hash and revives them from the queue, so a request's
+tail should be reused before its prefix. In nanoserve no freed block is
+revived: the radix tree holds its own reference on every block it caches
+(`radix_cache.py`), so the order only decides which free block is handed out
+next.
 
 This module knows nothing about sequences, scheduling or tensors.
 """

@@ -8,18 +8,38 @@
     nanoserve serve --model smollm2              (then: nanoserve tui --attach http://127.0.0.1:8000)
 
 One prompt streams its text as it is generated; several prompts run as one
-continuous batch and print each completion as it finishes. Bad input (an
-unknown model, a bad setting) prints one clear line and exits with code 2.
+continuous batch and print each completion as it finishes.
+
+Bad input (an unknown model, a bad setting, a broken file) prints one line
+that names what was wrong, by its flag, and exits with code 2. The flags of
+`generate` that set an `EngineConfig` or `SamplingParams` field store into
+an argparse `dest` named after that field, so building the config and
+naming the flag in an error both come from the same definitions.
+
+Nothing heavy is imported at the top: `nanoserve --help` and the error paths
+never load torch or transformers.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from nanoserve.models.loader import ACCEPTED, TINY_MODELS, resolve_model_path
+from nanoserve.errors import FieldError
+from nanoserve.models.resolve import ACCEPTED, TINY_MODELS, resolve_model_path
 from nanoserve.scenarios import SCENARIOS
-from nanoserve.serve.command import add_serve_parser, run_serve
+from nanoserve.serve.command import add_serve_parser
+from nanoserve.threads import THREADS_ENV, apply_thread_policy
+from nanoserve.viz.text import plural
+
+
+ENGINE_GROUP, SAMPLING_GROUP = "engine", "sampling"   # `generate`'s argument groups
+
+
+def add_threads(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help=f"torch threads (default: ${THREADS_ENV}, else the CPU cores free right now)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,33 +54,49 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate completions. One prompt streams its text; several run as one continuous batch.",
     )
     gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (several prompts are batched)")
-    gen.add_argument("--model", "-m", default="tiny-llama", help=f"model to run: {ACCEPTED} (default: %(default)s)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default: %(default)s)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
-    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens, 0 = all (default: %(default)s)")
-    gen.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("-n", type=int, default=None,
-                     help="completions per prompt, forked from one prefill (default: 1, or every beam)")
-    gen.add_argument("--beam-width", type=int, default=0,
-                     help="beam search with this many beams (needs --temperature 0; default: off)")
-    gen.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
-    gen.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: fill 256 MB)")
-    gen.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step (default: %(default)s)")
-    gen.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
-    gen.add_argument("--no-prefix-caching", action="store_true", help="turn the radix prefix cache off")
-    gen.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute",
-                     help="what happens to a preempted request's KV (default: %(default)s)")
-    gen.add_argument("--speculative", choices=["ngram", "draft"], default=None,
-                     help="speculative decoding: n-gram prompt lookup, or a draft model (default: off)")
-    gen.add_argument("--num-speculative-tokens", "-k", type=int, default=4,
-                     help="tokens drafted per step with --speculative (default: %(default)s)")
-    gen.add_argument("--draft-model", default=None,
-                     help="draft model for --speculative draft (default: the target's first --draft-layers layers)")
-    gen.add_argument("--draft-layers", type=int, default=2, help="layers of the truncated draft (default: %(default)s)")
     gen.add_argument("--stats", action="store_true", help="print steps, tokens and throughput at the end")
+    add_threads(gen)
+    # Each flag below stores into a dest named after its dataclass field; `group_kwargs` reads the groups.
+    eng = gen.add_argument_group(ENGINE_GROUP, "settings of the engine (EngineConfig fields)")
+    eng.add_argument("--model", "-m", dest="model", default="tiny-llama",
+                     help=f"model to run: {ACCEPTED} (default: %(default)s)")
+    eng.add_argument("--dtype", dest="dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                     help="weights and KV cache (default: %(default)s)")
+    eng.add_argument("--device", dest="device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    eng.add_argument("--block-size", dest="block_size", type=int, default=16, metavar="N",
+                     help="tokens per KV block (default: %(default)s)")
+    eng.add_argument("--num-blocks", dest="num_blocks", type=int, default=None, metavar="N",
+                     help="KV blocks in the pool (default: fill 256 MB)")
+    eng.add_argument("--max-batched-tokens", dest="max_num_batched_tokens", type=int, default=512, metavar="N",
+                     help="token budget per step (default: %(default)s)")
+    eng.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                     help="turn the radix prefix cache off")
+    eng.add_argument("--preemption-mode", dest="preemption_mode", choices=["recompute", "swap"],
+                     default="recompute", help="what happens to a preempted request's KV (default: %(default)s)")
+    eng.add_argument("--speculative", dest="speculative_method", choices=["ngram", "draft"], default=None,
+                     help="speculative decoding: n-gram prompt lookup, or a draft model (default: off)")
+    eng.add_argument("--num-speculative-tokens", "-k", dest="num_speculative_tokens", type=int, default=4,
+                     metavar="K", help="tokens drafted per step with --speculative (default: %(default)s)")
+    eng.add_argument("--draft-model", dest="draft_model", default=None,
+                     help="draft model for --speculative draft (default: the target's first --draft-layers layers)")
+    eng.add_argument("--draft-layers", dest="draft_num_layers", type=int, default=2, metavar="N",
+                     help="layers of the truncated draft (default: %(default)s)")
+    smp = gen.add_argument_group(SAMPLING_GROUP, "how each prompt is completed (SamplingParams fields)")
+    smp.add_argument("--max-tokens", dest="max_tokens", type=int, default=64, metavar="N",
+                     help="tokens to generate per prompt (default: %(default)s)")
+    smp.add_argument("--temperature", dest="temperature", type=float, default=0.0, metavar="T",
+                     help="0 is greedy: the same text every run (default: %(default)s)")
+    smp.add_argument("--top-p", dest="top_p", type=float, default=1.0, metavar="P",
+                     help="nucleus sampling mass (default: %(default)s)")
+    smp.add_argument("--top-k", dest="top_k", type=int, default=0, metavar="K",
+                     help="keep the k most likely tokens, 0 = all (default: %(default)s)")
+    smp.add_argument("--seed", dest="seed", type=int, default=None, help="per-request seed for reproducible sampling")
+    smp.add_argument("--stop", dest="stop", action="append", default=[], help="stop string (repeatable)")
+    smp.add_argument("-n", dest="n", type=int, default=None,
+                     help="completions per prompt, forked from one prefill (default: 1, or every beam)")
+    smp.add_argument("--beam-width", dest="beam_width", type=int, default=0, metavar="N",
+                     help="beam search with this many beams (needs --temperature 0; default: off)")
 
     rec = sub.add_parser(
         "record", help="run a scenario on a model and record its events to a JSONL trace",
@@ -69,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rec.add_argument("--scenario", "-s", required=True, help=f"one of: {', '.join(SCENARIOS)}")
     rec.add_argument("--output", "-o", required=True, help="trace file to write (.jsonl)")
-    rec.add_argument("--model", "-m", default="tiny-llama", help="model to run (default: %(default)s)")
+    rec.add_argument("--model", "-m", dest="model", default="tiny-llama", help="model to run (default: %(default)s)")
+    add_threads(rec)
 
     exp = sub.add_parser(
         "export", help="draw the block tables, the pool or the radix tree at one step of a trace",
@@ -89,21 +126,66 @@ def build_parser() -> argparse.ArgumentParser:
                     "(no model needed). Press ? inside for the keys.",
     )
     src = tui.add_mutually_exclusive_group()
-    src.add_argument("--model", "-m", default=None, help="run this model live (default: tiny-llama)")
+    src.add_argument("--model", "-m", dest="model", default=None, help="run this model live (default: tiny-llama)")
     src.add_argument("--replay", "-r", default=None, metavar="TRACE", help="replay a recorded trace")
     src.add_argument("--attach", default=None, metavar="URL", help="watch a running `nanoserve serve` (read-only)")
     tui.add_argument("--scenario", "-s", default=None, help=f"start a live run with a scenario: {', '.join(SCENARIOS)}")
     tui.add_argument("--api-key", default=None, help="with --attach: the server's API key (default: $NANOSERVE_API_KEY)")
+    add_threads(tui)
 
-    add_serve_parser(sub)
+    add_threads(add_serve_parser(sub))
     return parser
+
+
+# -- errors: one line, by flag ------------------------------------------------------------
+
+
+def field_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """dest -> its flag (the long one), e.g. {"max_num_batched_tokens": "--max-batched-tokens"}, from `parser`."""
+    flags = {}
+    for action in parser._actions:           # argparse keeps no public list of a parser's arguments
+        if action.option_strings:
+            long = [s for s in action.option_strings if s.startswith("--")]
+            flags[action.dest] = (long or action.option_strings)[0]
+    return flags
+
+
+def subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subs.choices[command]
+
+
+def error_line(exc: BaseException, flags: dict[str, str]) -> str:
+    """The one line we print for a bad input: a FieldError names its flag; other text is joined into one line."""
+    if isinstance(exc, FieldError):
+        text = f"{flags.get(exc.field, exc.field)} {exc.text}"
+    elif isinstance(exc, OSError) and exc.strerror and exc.filename:
+        text = f"{exc.strerror}: {exc.filename}"
+    else:
+        text = str(exc) or type(exc).__name__
+    return "nanoserve: error: " + " ".join(text.split("\n"))
+
+
+def check_output(path: str, flag: str) -> None:
+    """A file we may write: not a directory, in a directory that exists."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; name a file in it, e.g. {target / 'trace.jsonl'}")
+    if not target.parent.is_dir():
+        raise ValueError(f"{flag} {path}: the directory {target.parent} does not exist")
+
+
+# -- commands -------------------------------------------------------------------------------
 
 
 def cmd_record(args: argparse.Namespace) -> int:
     from nanoserve.scenarios import get_scenario, record
 
     get_scenario(args.scenario)                       # a bad name fails before the model loads
+    check_output(args.output, "--output")
+    threads = apply_thread_policy(args.threads)
     steps = record(args.scenario, args.output, args.model)
+    say(threads.note())
     print(f"nanoserve: recorded {steps} steps of {args.scenario!r} to {args.output}", file=sys.stderr)
     return 0
 
@@ -111,41 +193,54 @@ def cmd_record(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from nanoserve.viz.graphviz import export_trace
 
+    if args.output is not None:
+        check_output(args.output, "--output")
     path = export_trace(args.trace, args.step, args.what, args.format, args.output)
     print(f"nanoserve: wrote {path}", file=sys.stderr)
     return 0
 
 
 def cmd_tui(args: argparse.Namespace) -> int:
-    try:
-        from nanoserve_tui.app import run_app
-    except ImportError as exc:
-        raise ValueError(f"the TUI needs textual: pip install -e '.[tui]' ({exc})") from exc
-    if args.attach is not None:
-        from nanoserve_tui.attach_app import run_attach
-        return run_attach(args.attach, args.api_key, scenario=args.scenario)
     if args.scenario is not None:
         from nanoserve.scenarios import get_scenario
         get_scenario(args.scenario)
     if args.model is not None and args.model not in TINY_MODELS:
         resolve_model_path(args.model, convert=False)   # a bad name fails here, before the app starts
+    try:
+        from nanoserve_tui.app import run_app
+        from nanoserve_tui.attach_app import run_attach
+    except ImportError as exc:
+        raise ValueError(f"the TUI could not be imported ({exc}); it needs textual: "
+                         "pip install 'textual>=0.80', or reinstall nanoserve (pip install .)") from exc
+    if args.attach is not None:
+        return run_attach(args.attach, args.api_key, scenario=args.scenario)
+    say(apply_thread_policy(args.threads).note())
     return run_app(model=args.model, replay=args.replay, scenario=args.scenario)
+
+
+def group_kwargs(parser: argparse.ArgumentParser, title: str, args: argparse.Namespace) -> dict:
+    """The values of the flags in argument group `title`, by dest: a dataclass's keyword arguments."""
+    group = next(g for g in parser._action_groups if g.title == title)
+    return {a.dest: getattr(args, a.dest) for a in group._group_actions}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import time
 
-    from nanoserve import EngineConfig, LLMEngine, SamplingParams
+    from nanoserve.config import EngineConfig
+    from nanoserve.sampling_params import SamplingParams
 
-    config = EngineConfig(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks,
-                          max_num_batched_tokens=args.max_batched_tokens, device=args.device,
-                          speculative_method=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                          draft_model=args.draft_model, draft_num_layers=args.draft_layers,
-                          enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=args.stop, beam_width=args.beam_width,
-                            n=args.n if args.n is not None else max(args.beam_width, 1))
+    parser = subparser(build_parser(), "generate")
+    sampling = group_kwargs(parser, SAMPLING_GROUP, args)
+    if sampling["n"] is None:
+        sampling["n"] = max(args.beam_width, 1)
+    params = SamplingParams(**sampling)               # bad settings fail before the model loads
+    config = EngineConfig(**group_kwargs(parser, ENGINE_GROUP, args))
+    threads = apply_thread_policy(args.threads)
+    from nanoserve.engine import LLMEngine
+
     engine = LLMEngine(config)
+    say(threads.note())                               # after the model loaded: errors stay one line
     prompts = args.prompts
     if args.chat:
         if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
@@ -176,19 +271,43 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     if completion.error:
                         print(f"nanoserve: request {out.request_id} failed: {completion.error}", file=sys.stderr)
     if args.stats:
-        elapsed = time.perf_counter() - t0
-        print(f"nanoserve: {steps} steps, {generated} tokens in {elapsed:.2f} s "
-              f"({generated / elapsed:.1f} tok/s)", file=sys.stderr)
-        cache = engine.prefix_cache_stats()
-        if cache["num_hit_tokens"]:
-            print(f"nanoserve: prefix cache reused {cache['num_hit_tokens']}/{cache['num_lookup_tokens']} prompt "
-                  f"tokens ({cache['hit_rate']:.0%})", file=sys.stderr)
-        spec = engine.spec_stats()
-        if spec["num_drafted"]:
-            print(f"nanoserve: speculative decoding accepted {spec['num_accepted']}/{spec['num_drafted']} drafted "
-                  f"tokens ({spec['acceptance_rate']:.0%}), {spec['tokens_per_forward']:.2f} tokens per forward",
-                  file=sys.stderr)
+        print_stats(engine, steps, generated, time.perf_counter() - t0)
     return 0
+
+
+def print_stats(engine, steps: int, generated: int, elapsed: float) -> None:
+    print(f"nanoserve: {plural(steps, 'step')}, {plural(generated, 'token')} in {elapsed:.2f} s "
+          f"({generated / elapsed:.1f} tokens/s on {plural(engine_threads(), 'thread')})", file=sys.stderr)
+    cache = engine.prefix_cache_stats()
+    if cache["num_hit_tokens"]:
+        print(f"nanoserve: prefix cache reused {cache['num_hit_tokens']}/{cache['num_lookup_tokens']} prompt "
+              f"tokens ({cache['hit_rate']:.0%})", file=sys.stderr)
+    spec = engine.spec_stats()
+    if spec["num_drafted"]:
+        print(f"nanoserve: speculative decoding accepted {spec['num_accepted']}/{spec['num_drafted']} drafted "
+              f"tokens ({spec['acceptance_rate']:.0%}), {spec['tokens_per_forward']:.2f} tokens per forward",
+              file=sys.stderr)
+
+
+def say(line: str | None) -> None:
+    if line:
+        print(line, file=sys.stderr, flush=True)
+
+
+def engine_threads() -> int:
+    import torch
+    return torch.get_num_threads()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from nanoserve.serve.command import run_serve
+
+    apply_thread_policy(args.threads)
+    return run_serve(args)
+
+
+COMMANDS = {"generate": cmd_generate, "record": cmd_record, "export": cmd_export, "tui": cmd_tui,
+            "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,12 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    commands = {"generate": cmd_generate, "record": cmd_record, "export": cmd_export, "tui": cmd_tui,
-                "serve": run_serve}
+    flags = field_flags(subparser(parser, args.command))
     try:
-        return commands[args.command](args)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:   # bad input: one clear line, no traceback wall
-        print(f"nanoserve: error: {exc}", file=sys.stderr)
+        return COMMANDS[args.command](args)
+    except (ValueError, OSError, RuntimeError) as exc:   # bad input: one clear line, no traceback wall
+        print(error_line(exc, flags), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -38,6 +38,7 @@ class CompletionOutput:
     finish_reason: str | None        # "stop", "length", "abort" or None while running
     delta: str = ""                  # text added in this step
     error: str | None = None         # why the engine gave up, when finish_reason is "abort" without a user abort
+    seq_id: str = ""                 # the sequence's own id, as every viewer names it: "r1", a fork "r1.1"
 
     @property
     def finished(self) -> bool:

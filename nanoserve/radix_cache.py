@@ -3,7 +3,7 @@
 Many requests start with the same tokens: a system prompt, a few-shot
 preamble, the conversation so far. Their KV is identical, because the K and V
 at position i depend only on tokens 0..i. The cache keeps those blocks in a
-*radix tree* (SGLang's RadixAttention, seed 002):
+*radix tree* (SGLang's RadixAttention, arXiv:2312.07104):
 
     root ─┬─ [You are a helpful | assistant. Answer ]   blocks (3, 7)
           │      ├─ [What is 2+2?]                      block  (9)
@@ -34,7 +34,7 @@ at position i depend only on tokens 0..i. The cache keeps those blocks in a
   the node). Evicting a leaf may make its parent an unlocked leaf, which is
   then a candidate too.
 
-vLLM (seed 001, 004) finds cached blocks differently: each full block gets a
+vLLM and nano-vllm find cached blocks differently: each full block gets a
 hash of its tokens *and of its prefix's hash*, and a dict maps hashes to
 blocks. Both find the same blocks; the tree shows the sharing structure
 directly, which is what nanoserve wants to draw (lesson 4 compares them).

@@ -23,7 +23,7 @@ from nanoserve.sequence import Sequence
 class Request:
     request_id: str
     params: SamplingParams
-    seed: int                                  # forks derive their RNG seeds from it
+    seed: int | None                           # forks derive their RNG seeds from it (set when queued)
     seqs: list[Sequence] = field(default_factory=list)   # every sequence it ran, pruned beams left out
     forked: bool = False                       # n > 1 / beam search: the prompt's sequence has been forked
     next_index: int = 1                        # the index the next fork gets ("<request_id>.<index>")
@@ -67,6 +67,7 @@ class Request:
                 cumulative_logprob=s.cumulative_logprob,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
                 finish_reason=s.status.finish_reason, delta=deltas.get(s.request_id, ""), error=s.error,
+                seq_id=s.request_id,
             )
             for i, s in enumerate(self.completions())
         ]

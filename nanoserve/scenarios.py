@@ -7,9 +7,23 @@ whole run to a JSONL trace that the TUI, the Graphviz exporter and the
 lessons replay without a model.
 
     nanoserve record --scenario memory-pressure -o pressure.jsonl
+    nanoserve record --scenario memory-pressure --model smollm2 -o pressure.jsonl
 
-They default to `tiny-llama` (instant, offline): a scenario is about the
-engine's decisions, not the text.
+Each scenario comes in two workloads, and the model decides which one runs:
+
+* `plain`, for any model, and the one the random tiny models (`tiny-llama`,
+  the default) run: short byte-level prompts, EOS ignored (random weights
+  may emit it at once). A scenario is about the engine's decisions, not the
+  text, so this is enough to see every mechanism, instantly and offline.
+* `chat`, for a model with a chat template (`smollm2`): real conversations
+  formatted with the model's own template, greedy and EOS honoured, so the
+  text reads well on a projector, with sizes chosen so the mechanism still
+  shows (a system prompt long enough to fill cached blocks, text the n-gram
+  proposer can copy, a pool small enough to preempt). `tests/test_scenarios.py`
+  checks every mechanism on both.
+
+This module imports no torch until a runner is built, so the command line
+can list the scenarios instantly.
 """
 
 from __future__ import annotations
@@ -17,35 +31,64 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nanoserve.config import EngineConfig
-from nanoserve.engine import LLMEngine
-from nanoserve.sampling_params import SamplingParams
-from nanoserve.trace import JsonlRecorder
+Message = dict          # {"role": "system" | "user" | "assistant", "content": str}
 
 
 @dataclass(slots=True)
 class Arrival:
     step: int                  # added just before this step runs (0: before the first)
     request_id: str
-    prompt: str | list[int]
+    prompt: str | list[int] | list[Message]   # text, token ids, or (chat workloads) messages
     params: dict = field(default_factory=dict)   # SamplingParams fields
+
+
+@dataclass(slots=True)
+class Workload:
+    config: dict               # EngineConfig fields (model excluded)
+    arrivals: list[Arrival]
 
 
 @dataclass(slots=True)
 class Scenario:
     name: str
     description: str           # one line: what to watch for
-    config: dict               # EngineConfig fields (model excluded)
-    arrivals: list[Arrival]
+    config: dict               # the plain workload's EngineConfig fields (model excluded)
+    arrivals: list[Arrival]    # the plain workload's requests
+    chat: Workload | None = None   # the workload for a model with a chat template (None: plain everywhere)
+
+    def workload(self, chat_model: bool) -> Workload:
+        """The workload to run: `chat` on a model with a chat template (when there is one), else plain."""
+        return self.chat if chat_model and self.chat is not None else Workload(self.config, self.arrivals)
 
 
+def user(text: str, system: str | None = None) -> list[Message]:
+    """One user turn (after a system prompt, if given): a chat workload's prompt."""
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+
+
+# -- plain prompts (tiny random models) ----------------------------------------------
 SYSTEM = "You are a helpful assistant. Answer briefly and politely. "
 TEXT = "The quick brown fox jumps over the lazy dog. "
+
+# -- chat prompts (smollm2) ----------------------------------------------------------
+TEACHER = ("You are a patient teacher in a class about how language models are served. Answer every question "
+           "in one or two short sentences of plain English, with no lists and no code.")
+ARTICLE = ("A serving engine keeps the keys and values of every token it has seen in a cache, so that each new "
+           "token only needs one step of attention instead of recomputing the whole prompt. The cache is cut "
+           "into fixed-size blocks, and each request has a table that maps its positions to blocks, like the "
+           "pages of an operating system. When memory runs out, the engine pauses a request, frees its blocks "
+           "and computes them again later.")
+# text to copy: the answer repeats the prompt, so n-gram lookup in the prompt guesses right
+PROVERBS = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single "
+            "step.")
+PAGED = ("A serving engine keeps the keys and values of every token in a cache. The cache is cut into blocks. "
+         "Each request has a block table.")
+GREEDY = dict(temperature=0)
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario(
         "continuous-batching",
-        "Requests arrive while others decode; finished ones leave and free their seats at once.",
+        "Requests arrive while others decode; a finished one frees its seat for the next at once.",
         dict(block_size=4, num_blocks=64, max_num_batched_tokens=32, max_num_seqs=4),
         [Arrival(0, "r1", "Hello there!", dict(max_tokens=12)),
          Arrival(0, "r2", "Paged attention", dict(max_tokens=6)),
@@ -53,59 +96,100 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
          Arrival(4, "r4", "Blocks and tables", dict(max_tokens=8)),
          Arrival(5, "r5", "One more request", dict(max_tokens=8)),
          Arrival(7, "r6", "Late arrival", dict(max_tokens=6))],
+        Workload(dict(block_size=8, num_blocks=96, max_num_batched_tokens=128, max_num_seqs=4),
+                 [Arrival(0, "r1", user("What is the capital of France?"), dict(GREEDY, max_tokens=24)),
+                  Arrival(0, "r2", user("Say hello in Spanish."), dict(GREEDY, max_tokens=12)),
+                  Arrival(2, "r3", user("Name three colours."), dict(GREEDY, max_tokens=16)),
+                  Arrival(4, "r4", user("What is the opposite of hot?"), dict(GREEDY, max_tokens=16)),
+                  Arrival(5, "r5", user("What do cats like to eat?"), dict(GREEDY, max_tokens=20)),
+                  Arrival(7, "r6", user("What colour is the sky?"), dict(GREEDY, max_tokens=12))]),
     ),
     Scenario(
         "memory-pressure",
-        "A pool too small for everyone: the newest running request is preempted and recomputed later.",
+        "A pool too small for everyone: the newest request is preempted, then recomputed.",
         dict(block_size=4, num_blocks=20, max_num_batched_tokens=32, max_num_seqs=6),
         [Arrival(0, f"r{i}", TEXT[: 10 + 4 * i], dict(max_tokens=16)) for i in range(5)],
+        Workload(dict(block_size=8, num_blocks=30, max_num_batched_tokens=128, max_num_seqs=6),
+                 [Arrival(0, f"r{i}", user(q), dict(GREEDY, max_tokens=40)) for i, q in enumerate([
+                     "Write a short poem about the sea.", "Tell me a story about a dragon.",
+                     "Describe the moon to a child.", "Explain how rain forms.", "Why is the sky blue?"])]),
     ),
     Scenario(
         "long-prompt",
-        "Chunked prefill: a long prompt is computed over several steps while short requests keep decoding.",
+        "Chunked prefill: a long prompt spreads over several steps while short ones decode.",
         dict(block_size=8, num_blocks=64, max_num_batched_tokens=24, max_num_seqs=4),
         [Arrival(0, "short1", "Hi!", dict(max_tokens=16)),
          Arrival(0, "short2", "Hey", dict(max_tokens=16)),
          Arrival(1, "long", TEXT * 3, dict(max_tokens=6))],
+        Workload(dict(block_size=8, num_blocks=96, max_num_batched_tokens=40, max_num_seqs=4),
+                 [Arrival(0, "short1", user("Hi! How are you?"), dict(GREEDY, max_tokens=24)),
+                  Arrival(0, "short2", user("What is a block?"), dict(GREEDY, max_tokens=24)),
+                  Arrival(3, "long", user("Summarise in one sentence: " + ARTICLE), dict(GREEDY, max_tokens=24))]),
     ),
     Scenario(
         "shared-system-prompt",
-        "Requests share one system prompt: the radix tree keeps its blocks, later requests skip its prefill.",
+        "One system prompt for all: its cached blocks are reused, later prefills skip it.",
         dict(block_size=8, num_blocks=96, max_num_batched_tokens=64, max_num_seqs=4),
         [Arrival(i, f"q{i}", SYSTEM + q, dict(max_tokens=8))
          for i, q in enumerate(["What is 2+2?", "Name a colour.", "Say hello.", "Count to 3.", "Pick a fruit."])],
+        Workload(dict(block_size=8, num_blocks=96, max_num_batched_tokens=128, max_num_seqs=4),
+                 [Arrival(i, f"q{i}", user(q, TEACHER), dict(GREEDY, max_tokens=32)) for i, q in enumerate([
+                     "What is a token?", "Why do we cache keys and values?", "What is a batch?",
+                     "What does a GPU do?", "What is a prompt?"])]),
     ),
     Scenario(
         "parallel-sampling",
-        "n=3 and a beam search fork one prompt: shared blocks (ref > 1), copy-on-write, pruned beams.",
+        "n=3 samples and a beam search fork one prompt: shared blocks, copy-on-write, pruning.",
         dict(block_size=4, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=8),
         [Arrival(0, "sample", "Once upon a time", dict(n=3, max_tokens=10, temperature=1.0, seed=1)),
          Arrival(1, "beam", "The best answer is", dict(beam_width=3, n=3, temperature=0, max_tokens=8,
                                                        min_tokens=8))],
+        Workload(dict(block_size=4, num_blocks=128, max_num_batched_tokens=128, max_num_seqs=8),
+                 [Arrival(0, "sample", user("Write a one-line slogan for a bakery."),
+                          dict(n=3, max_tokens=16, temperature=0.8, seed=1)),
+                  Arrival(1, "beam", user("Finish the sentence: the best way to learn is"),
+                          dict(beam_width=3, n=3, temperature=0, max_tokens=12))]),
     ),
     Scenario(
         "swap-preemption",
-        "A small pool with swap space: victims' KV moves to the CPU pool and back instead of being recomputed.",
+        "A small pool with swap space: victims' KV moves to the CPU pool and back.",
         dict(block_size=4, num_blocks=20, max_num_batched_tokens=32, max_num_seqs=6, preemption_mode="swap",
              num_cpu_blocks=16, enable_prefix_caching=False),
         [Arrival(0, f"r{i}", TEXT[: 10 + 4 * i], dict(max_tokens=16)) for i in range(5)],
+        Workload(dict(block_size=8, num_blocks=30, max_num_batched_tokens=128, max_num_seqs=6,
+                      preemption_mode="swap", num_cpu_blocks=32, enable_prefix_caching=False),
+                 [Arrival(0, f"r{i}", user(q), dict(GREEDY, max_tokens=40)) for i, q in enumerate([
+                     "Write a short poem about the sea.", "Tell me a story about a dragon.",
+                     "Describe the moon to a child.", "Explain how rain forms.", "Why is the sky blue?"])]),
     ),
     Scenario(
         "speculative-decoding",
-        "N-gram drafts on repetitive text: several tokens accepted per step, rejected drafts' KV trimmed.",
+        "N-gram drafts copied from the prompt: several tokens per step, rejected KV trimmed.",
         dict(block_size=4, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=4,
              speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3),
         [Arrival(0, "repeat", list(range(40, 52)) * 3, dict(max_tokens=24, temperature=0)),
          Arrival(0, "other", [7, 8, 9, 7, 8, 9, 7], dict(max_tokens=16, temperature=0))],
+        Workload(dict(block_size=8, num_blocks=96, max_num_batched_tokens=128, max_num_seqs=4,
+                      speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3),
+                 [Arrival(0, "repeat", user("Repeat this text exactly: " + PROVERBS), dict(GREEDY, max_tokens=40)),
+                  Arrival(0, "rewrite", user("Rewrite this paragraph, keeping every sentence: " + PAGED),
+                          dict(GREEDY, max_tokens=40))]),
     ),
     Scenario(
         "tensor-parallel",
-        "Two processes share the model (a worker starts first): each rank's pool has the same block "
+        "The model split over processes (workers start first): each rank's pool has the same block "
         "tables and its own KV heads; k switches rank.",
         dict(block_size=4, num_blocks=48, max_num_batched_tokens=32, max_num_seqs=6, tensor_parallel_size=2),
         [Arrival(0, "q0", SYSTEM + "What is 2+2?", dict(max_tokens=8)),
          Arrival(1, "q1", SYSTEM + "Name a colour.", dict(max_tokens=8)),
          Arrival(2, "fork", "Once upon a time,", dict(n=2, max_tokens=10, temperature=1.0, seed=1))],
+        # SmolLM2-135M has 9 query heads and 3 KV heads: 3 ranks (2 does not divide them).
+        Workload(dict(block_size=8, num_blocks=96, max_num_batched_tokens=128, max_num_seqs=6,
+                      tensor_parallel_size=3),
+                 [Arrival(0, "q0", user("What is a token?", TEACHER), dict(GREEDY, max_tokens=24)),
+                  Arrival(1, "q1", user("What is a batch?", TEACHER), dict(GREEDY, max_tokens=24)),
+                  Arrival(2, "fork", user("Write a one-line slogan for a bakery."),
+                          dict(n=2, max_tokens=16, temperature=0.8, seed=1))]),
     ),
 ]}
 
@@ -116,13 +200,24 @@ def get_scenario(name: str) -> Scenario:
     return SCENARIOS[name]
 
 
+def has_chat_template(tokenizer) -> bool:
+    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+
+
 class ScenarioRunner:
     """Steps an engine through a scenario: adds each request at its step, then steps."""
 
     def __init__(self, scenario: Scenario, model: str = "tiny-llama", loaded=None) -> None:
+        from nanoserve.config import EngineConfig
+        from nanoserve.engine import LLMEngine
+        from nanoserve.models.loader import load_model
+
         self.scenario = scenario
-        self.engine = LLMEngine(EngineConfig(model=model, **scenario.config), loaded=loaded)
-        self.pending = sorted(scenario.arrivals, key=lambda a: a.step)
+        loaded = loaded or load_model(model)
+        self.chat = has_chat_template(loaded.tokenizer) and scenario.chat is not None
+        workload = scenario.workload(self.chat)
+        self.engine = LLMEngine(EngineConfig(model=model, **workload.config), loaded=loaded)
+        self.pending = sorted(workload.arrivals, key=lambda a: a.step)
         self.add_due()                     # the first arrivals wait in the queue before step 1
 
     @property
@@ -131,10 +226,17 @@ class ScenarioRunner:
 
     def add_due(self) -> None:
         """Add the requests whose arrival step has come."""
+        from nanoserve.sampling_params import SamplingParams
+
         while self.pending and self.pending[0].step <= self.engine.step_count:
             a = self.pending.pop(0)
-            params = {"ignore_eos": True, **a.params}   # random weights may emit EOS at once
-            self.engine.add_request(a.request_id, a.prompt, SamplingParams(**params))
+            prompt = a.prompt
+            if self.chat:                  # messages -> the model's own chat format, as text
+                prompt = self.engine.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+                params = a.params          # a real model: its EOS ends the answer
+            else:
+                params = {"ignore_eos": True, **a.params}   # random weights may emit EOS at once
+            self.engine.add_request(a.request_id, prompt, SamplingParams(**params))
 
     def step(self):
         """Run one engine step, then add the requests due before the next; returns the StepResult."""
@@ -143,9 +245,11 @@ class ScenarioRunner:
         return result
 
 
-def record(name: str, path: str | Path, model: str = "tiny-llama", max_steps: int = 1000) -> int:
+def record(name: str, path: str | Path, model: str = "tiny-llama", max_steps: int = 1000, loaded=None) -> int:
     """Run scenario `name` to the end, writing every event to `path`; returns the number of steps."""
-    runner = ScenarioRunner(get_scenario(name), model)
+    from nanoserve.trace import JsonlRecorder
+
+    runner = ScenarioRunner(get_scenario(name), model, loaded=loaded)
     with runner.engine, JsonlRecorder(path) as recorder:   # (the engine stops any worker processes at the end)
         runner.engine.subscribe(recorder)
         steps = 0

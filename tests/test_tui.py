@@ -364,12 +364,72 @@ async def test_live_presets_restart_engine():
 
 
 @run_async
+async def test_live_restart_that_fails_keeps_the_old_engine_on_screen(monkeypatch):
+    """Regression: the old engine was unsubscribed before the new one was built; when building
+    failed, the view froze while the worker went on stepping the old engine."""
+    import nanoserve_tui.source as source_module
+
+    app = live_app()
+    async with app.run_test(size=WIDE) as pilot:
+        await wait_for(pilot, lambda: app.frame is not None)
+        await pilot.press("n")
+        await wait_for(pilot, lambda: step_of(app) == 1)
+
+        def no_room(*args, **kwargs):
+            raise RuntimeError("out of memory building the engine")
+
+        monkeypatch.setattr(source_module, "ScenarioRunner", no_room)
+        await pilot.press("p", "down", "enter")                  # memory-pressure: fails to build
+        await wait_for(pilot, lambda: "out of memory building the engine" in notices(app))
+        await pilot.press("n")                                    # the old engine still steps, on screen
+        await wait_for(pilot, lambda: step_of(app) == 2)
+        assert app.frame.state.num_blocks == 64 and app.source.description.startswith("continuous-batching")
+
+
+@run_async
+async def test_live_view_that_cannot_fold_restarts_from_the_engine(monkeypatch):
+    """Regression: a fold error on the UI thread escaped the error handling; now it is a notice and
+    the view starts afresh from an EngineSynced of the engine's state."""
+    import nanoserve_tui.source as source_module
+
+    app = live_app()
+    async with app.run_test(size=WIDE) as pilot:
+        await wait_for(pilot, lambda: app.frame is not None)
+        fold, broken = source_module.fold, []
+
+        def fold_that_fails_once(state, event):
+            if isinstance(event, StepFinished) and not broken:
+                broken.append(event)
+                raise ValueError("a viewer bug")
+            return fold(state, event)
+
+        monkeypatch.setattr(source_module, "fold", fold_that_fails_once)
+        await pilot.press("n")
+        await wait_for(pilot, lambda: "a viewer bug" in notices(app))
+        await wait_for(pilot, lambda: step_of(app) == 1)          # resynced: the state after step 1
+        assert set(app.frame.state.running) == {"r1", "r2"}
+        await pilot.press("n")
+        await wait_for(pilot, lambda: step_of(app) == 2)
+
+
+@run_async
 async def test_replay_preset_starts_a_live_run():
     app = replay_app()
     async with app.run_test(size=WIDE) as pilot:
         await pilot.press("p", "enter")                           # the first preset
         await wait_for(pilot, lambda: app.source.mode == "live" and app.frame.state.model == "tiny-llama"
                        and app.frame.state.num_blocks == 64)
+
+
+@run_async
+async def test_live_model_directory_loads_inside_the_app(tiny_llama_dir):
+    """A model directory goes through the real loader (and its progress line) on the worker thread."""
+    app = NanoserveApp(LiveSource(model=tiny_llama_dir, scenario="continuous-batching"))
+    async with app.run_test(size=WIDE) as pilot:
+        await wait_for(pilot, lambda: app.frame is not None or app.error is not None, timeout=60)
+        assert app.error is None and app.frame.state.model == tiny_llama_dir
+        await pilot.press("n")
+        await wait_for(pilot, lambda: step_of(app) == 1)
 
 
 @run_async
@@ -493,6 +553,101 @@ def test_memory_replay_frames_match_fold():
     events = memory_trace()
     source = ReplaySource(events)
     assert source.frame(source.last).state == fold_all(events) and source.final_step == 6
+
+
+# -- displays that do not mislead ----------------------------------------------------------
+
+
+def test_bars_are_measured_from_zero_on_a_fixed_scale():
+    from nanoserve_tui.widgets.metrics import bar_rows
+
+    assert bar_rows([1, 50, 100], 100, 3, 1) == [" ▄█"]          # 1 % is (almost) nothing, 100 % is full
+    assert bar_rows([1, 1, 1], 100, 3, 2) == ["   ", "   "]      # a flat 1 % does not fill the height
+    assert bar_rows([50], 100, 3, 2) == ["   ", "█  "]           # one column per step, oldest first
+
+
+def test_legend_and_help_say_what_they_mean():
+    from rich.console import Console
+
+    from nanoserve_tui.screens import PANELS, help_table
+    from nanoserve_tui.widgets.block_info import legend
+
+    key = legend(ReplaySource(read_trace(TRACE)).frame(3).state).plain
+    assert "underlined = this step" in key and not any(c.isdigit() for c in key)   # a sample, not a count
+    console = Console(width=200, record=True, color_system=None)
+    console.print(help_table("Panels", PANELS))
+    text = console.export_text()
+    assert "evictable; [blocks]; @step" in text and "; ;" not in text
+
+
+def test_event_log_shows_newlines_and_empty_tokens_one_way():
+    from nanoserve.events import TokenSampled
+    from nanoserve_tui.widgets.event_log import describe
+
+    assert describe(TokenSampled(1, "r1", 198, "\n", -0.5)) == "r1 token 198 '⏎' logprob -0.50"
+    assert describe(TokenSampled(1, "r1", 2, "", -0.1)) == "r1 token 2 ⟨no text⟩ logprob -0.10"
+
+
+def fits(strip_or_text, width: int) -> bool:
+    return (getattr(strip_or_text, "cell_length", None) or strip_or_text.cell_len) <= width
+
+
+@run_async
+async def test_narrow_screen_cuts_nothing():
+    """100x30: request lines, radix labels, panel titles, metric labels and the presets all fit."""
+    from nanoserve_tui.widgets.radix import evicted_label, node_label, root_label
+    from nanoserve_tui.widgets.requests import request_lines
+
+    app = memory_app()
+    async with app.run_test(size=NARROW) as pilot:
+        app.source.goto(5)
+        await pilot.pause()
+        state = app.frame.state
+        requests = app.query_one(RequestList)
+        width = requests.scrollable_content_region.width
+        for rid in state.requests:
+            first, _ = request_lines(state, rid, "#ffffff", width)
+            assert first.text.rstrip().endswith(str(state.requests[rid].num_computed_tokens) + (
+                " on CPU" if state.requests[rid].cpu_block_table else "")), first.text
+        tree = app.query_one(RadixTree)
+        room = tree.scrollable_content_region.width
+        assert fits(root_label(state, room - 3), room - 3)
+        locks = state.lock_counts()
+        for node in state.radix_nodes():
+            indent = 2 * len(state.radix_path(node.node_id)) + 2
+            assert fits(node_label(state, node, locks[node.node_id], room - indent - 1), room - indent - 1)
+        assert state.evicted_nodes
+        for node in state.evicted_nodes.values():
+            indent = 2 * (len(state.radix_path(node.parent_id)) + 1) + 2
+            label = evicted_label(node, room - indent - 1)
+            assert fits(label, room - indent - 1) and "evicted" in label.plain
+        for panel in app.query(".panel"):
+            assert len(panel.border_title or "") + 6 <= panel.size.width, panel.border_title
+        for key in ("tokens", "kv", "hit"):
+            label = app.query_one(f"#{key}-label")
+            assert len(str(label.render())) <= label.size.width, str(label.render())
+        await pilot.press("p")
+        options = app.screen.query_one("#scenarios")
+        await pilot.pause()
+        assert options.max_scroll_y == 0 and options.option_count == len(SCENARIOS)   # all seven, no scrolling
+
+
+@pytest.mark.parametrize("size", [WIDE, NARROW])
+def test_notices_do_not_cover_the_metrics(size):
+    from textual.widgets._toast import Toast
+
+    async def run():
+        app = replay_app()
+        async with app.run_test(size=size, notifications=True) as pilot:
+            await pilot.pause()
+            for n in range(3):
+                app.notify(f"notice {n}", timeout=30)
+            await pilot.pause(0.3)
+            metrics = app.query_one("#metrics").region
+            toasts = list(app.screen.query(Toast))
+            assert toasts and not any(t.region.overlaps(metrics) for t in toasts)
+
+    asyncio.run(run())
 
 
 # -- screenshots ------------------------------------------------------------------------

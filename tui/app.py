@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import sys
+from pathlib import Path
 
 from textual import on
 from textual.app import App, ComposeResult
@@ -23,6 +24,8 @@ from textual.reactive import reactive
 from textual.timer import Timer
 from textual.widgets import Footer, Static
 
+from nanoserve.trace import read_trace
+from nanoserve.trace_check import check_trace
 from nanoserve_tui.screens import AddRequestScreen, HelpScreen, ScenarioPicker
 from nanoserve_tui.source import (
     FrameReady, Frame, LiveSource, ReplaySource, Source, SourceStatus, Unsupported,
@@ -44,6 +47,7 @@ class NanoserveApp(App[None]):
     TITLE = "nanoserve"
     ENABLE_COMMAND_PALETTE = False
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (130, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (40, "-tall")]
     BINDINGS = [
         Binding("space", "step", "step"),
         Binding("n", "step", "step", show=False),
@@ -95,7 +99,7 @@ class NanoserveApp(App[None]):
         # left behind (5x the cost of drawing). Move those out of the collector's sight.
         gc.freeze()
         titles = {"pool-panel": "KV block pool", "tables-panel": "block tables (logical→physical)",
-                  "free-panel": "free queue (LRU)", "radix": "radix tree", "requests": "requests",
+                  "free-panel": "free queue", "radix": "radix tree", "requests": "requests",
                   "events": "events this step", "metrics": "metrics"}
         for widget_id, title in titles.items():
             self.query_one(f"#{widget_id}").border_title = title
@@ -290,8 +294,21 @@ def make_source(model: str | None = None, replay: str | None = None, scenario: s
     if replay is not None:
         if model is not None or scenario is not None:
             raise ValueError("--replay plays a recorded trace; it takes no --model or --scenario")
-        return ReplaySource.from_path(replay)
+        return replay_source(replay)
     return LiveSource(model=model, scenario=scenario)
+
+
+def replay_source(path: str | Path) -> ReplaySource:
+    """A checked trace's source: ValueError naming the file and the first event a viewer could not draw."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"trace not found: {path}")
+    events = read_trace(path)                 # ValueError("path:line: ...") on a corrupt line
+    check_trace(events, path)                 # field types, block ids inside the pool
+    try:
+        return ReplaySource(events, name=path.name)
+    except (KeyError, IndexError, TypeError, AttributeError, AssertionError) as exc:   # folds inconsistently
+        raise ValueError(f"{path}: the events do not replay ({type(exc).__name__}: {exc})") from None
 
 
 def run_app(model: str | None = None, replay: str | None = None, scenario: str | None = None) -> int:

@@ -6,9 +6,8 @@ Each request gets one colour, by arrival order, used everywhere it appears
 
 from __future__ import annotations
 
-import unicodedata
-
 from nanoserve.trace import ViewState
+from nanoserve.viz.text import shown as printable  # noqa: F401 -- one rendering of text for every panel
 
 # Background colours for request cells; black text reads well on all of them.
 REQUEST_COLOURS = (
@@ -36,13 +35,3 @@ EVICTED = "strike #e06c75"            # evicted (drawn once, under its former pa
 def request_colours(state: ViewState) -> dict[str, str]:
     """Request id -> its colour, by arrival order (stable over a run and its replay)."""
     return {rid: REQUEST_COLOURS[i % len(REQUEST_COLOURS)] for i, rid in enumerate(state.requests)}
-
-
-def printable(text: str) -> str:
-    """Text safe to draw in one cell per character: control and combining characters become '·'.
-
-    Random tiny models emit arbitrary bytes; a stray carriage return or
-    combining accent would otherwise break the layout.
-    """
-    return "".join(c if c.isprintable() and not unicodedata.combining(c) and
-                   unicodedata.east_asian_width(c) not in "WF" else "·" for c in text)

@@ -34,7 +34,7 @@ class AddRequestScreen(ModalScreen[dict | None]):
                     yield Input("16", type="integer", id="max-tokens")
                 with Vertical():
                     yield Label("temperature (0 = greedy)")
-                    yield Input("0.8", type="number", id="temperature")
+                    yield Input("0", type="number", id="temperature")   # as `nanoserve generate`
             yield Label("", id="error")
             with Horizontal(classes="buttons"):
                 yield Button("Add", variant="primary", id="add")
@@ -103,7 +103,8 @@ KEYS = [
     ("r", "run / pause (at the speed in the status line)"),
     ("+ / -", "faster / slower"),
     ("b / ←", "one step back (replay only; ← moves the block cursor while the pool grid has focus)"),
-    ("a", "add a request: prompt, max_tokens, temperature (live only)"),
+    ("a", "add a request: prompt, max_tokens, temperature (default 0: greedy, like `nanoserve generate`; "
+          "live only)"),
     ("x", "abort the selected request (live only)"),
     ("f", "fork the selected running request (live only): the copy shares every block, copy-on-write"),
     ("p", "scenario presets (live: restart the engine with one; replay: start a live run of one)"),
@@ -126,7 +127,8 @@ PANELS = [
     ("block tables", "per request, logical block → physical block; (3/4) marks a partly filled last block, "
                      "where the next tokens' K/V go; * a block shared with another request; swapped-out "
                      "requests list their CPU blocks."),
-    ("free queue", "free blocks, head (handed out next) first; freed and evicted blocks join the tail."),
+    ("free queue", "free blocks in LRU order, head (handed out next) first; freed and evicted blocks join the "
+                   "tail."),
     ("radix tree", "the prefix cache: each node a span of whole blocks, a path from the root a cached prefix. "
                    "\"lock N\": N live requests use it (it cannot be evicted), \"free\": evictable; [blocks]; "
                    "@step of its last use. Yellow = hit this step, green = new, struck through = evicted. "
@@ -134,9 +136,11 @@ PANELS = [
     ("requests", "running, waiting, swapped out (KV in the CPU pool) and finished: tokens generated of "
                  "max_tokens, prompt tokens, tokens with K/V in the cache, and the newest text."),
     ("events", "everything the engine decided this step, in order."),
-    ("metrics", "tokens computed per step (the title: tokens per second of the latest step), KV pool "
-                "usage, \"accepted\": the share of drafted tokens the target accepted (speculative decoding), "
-                "and \"cache hit\": prompt tokens served from the prefix cache / tokens looked up."),
+    ("metrics", "one bar per step, measured from zero on a fixed scale: tokens computed per step (the "
+                "scale: the run's largest step; the title: tokens per second of the latest step), KV blocks "
+                "in use (0-100 % of the pool), \"accepted\": the share of drafted tokens the target accepted "
+                "(speculative decoding), and \"cache hit\": prompt tokens served from the prefix cache / "
+                "tokens looked up."),
 ]
 
 
@@ -146,7 +150,7 @@ def help_table(title: str, rows: list[tuple[str, str]]) -> Table:
     table.add_column(style="bold #e5c07b", no_wrap=True)
     table.add_column(ratio=1)
     for name, text in rows:
-        table.add_row(name, text)
+        table.add_row(Text(name), Text(text))    # plain text: "[blocks]" is not markup
     return table
 
 

@@ -15,6 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from textual.widgets._footer import FooterKey
+
 from nanoserve import events as ev
 from nanoserve.scenarios import SCENARIOS, record
 from nanoserve.trace import read_trace
@@ -62,6 +64,11 @@ async def shoot(trace: Path, step: int, size: tuple[int, int], out: Path, select
         if select is not None:
             app.query_one(PoolGrid).selected = app.frame.state.requests[select].block_table[-1]
         await pilot.pause(0.2)
+        for _ in range(100):          # the footer fills its keys in a later refresh (slower on a busy machine)
+            if app.query(FooterKey):
+                break
+            await pilot.pause(0.1)
+        await pilot.pause(0.1)
         out.write_text(app.export_screenshot(title=f"nanoserve tui --replay {trace.name}  (step {step})"))
 
 

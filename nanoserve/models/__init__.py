@@ -1,5 +1,18 @@
-"""Model implementations (GPT-2, Llama) over the paged KV cache, and their loader."""
+"""Model implementations (GPT-2, Llama) over the paged KV cache, and their loader.
 
-from nanoserve.models.loader import LoadedModel, load_model
+resolve.py  model names to directories (no torch import: the CLI's errors stay fast)
+loader.py   load_model: our GPT2 / Llama with the weights of a transformers model
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __all__ = ["LoadedModel", "load_model"]
+
+
+def __getattr__(name: str):
+    """`from nanoserve.models import load_model` imports torch only when asked."""
+    if name in __all__:
+        return getattr(importlib.import_module("nanoserve.models.loader"), name)
+    raise AttributeError(f"module 'nanoserve.models' has no attribute {name!r}")

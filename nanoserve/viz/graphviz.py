@@ -35,6 +35,7 @@ from graphviz import Digraph
 
 from nanoserve.events import StepFinished, StepStarted
 from nanoserve.trace import ViewState, fold, read_trace, synced_event
+from nanoserve.trace_check import check_trace
 
 # (light fill, dark line) per request, in arrival order. No gold or red here:
 # gold marks shared blocks and red marks blocks touched this step.
@@ -182,14 +183,16 @@ def pool_dot(state: ViewState, columns: int | None = None) -> str:
     legend = "".join(f'<TD BGCOLOR="{fill}"{extra}>{text}</TD>' for fill, text, extra in swatches)
     g.node("legend", _html_table([f'<TR><TD BORDER="0"><B>legend</B></TD>{legend}</TR>'], spacing=4))
 
-    # the free queue: allocation takes from the head, freed blocks join the tail
+    # the free queue: allocation takes from the head, freed blocks join the tail; wrapped at the
+    # grid's width so a long queue does not make the picture wider than the pool
     queue = state.free_queue[:MAX_QUEUE_IDS]
-    ids = "".join(f'<TD BORDER="0">→</TD><TD BGCOLOR="{FREE_FILL}">{b}</TD>' for b in queue)
+    cells = [f'<TD BORDER="0">→</TD><TD BGCOLOR="{FREE_FILL}">{b}</TD>' for b in queue]
     hidden = len(state.free_queue) - len(queue)
-    more = f'<TD BORDER="0">→ … {hidden} more</TD>' if hidden else ""
-    empty = "" if queue else '<TD BORDER="0"><I>(empty)</I></TD>'
-    g.node("free_queue", _html_table([f'<TR><TD BORDER="0"><B>free queue: head</B></TD>{ids}{more}{empty}'
-                                      f'<TD BORDER="0">→ <B>tail</B></TD></TR>'], spacing=2))
+    lines = (["".join(cells[i:i + columns]) for i in range(0, len(cells), columns)]
+             or ['<TD BORDER="0"><I>(empty)</I></TD>'])
+    lines[-1] += (f'<TD BORDER="0">→ … {hidden} more</TD>' if hidden else "") + '<TD BORDER="0">→ <B>tail</B></TD>'
+    labels = ['<TD BORDER="0"><B>free queue: head</B></TD>'] + ['<TD BORDER="0"></TD>'] * (len(lines) - 1)
+    g.node("free_queue", _html_table([f'<TR>{label}{line}</TR>' for label, line in zip(labels, lines)], spacing=2))
     g.edge("legend", "grid", style="invis")
     g.edge("grid", "free_queue", style="invis")
     if state.num_cpu_blocks:
@@ -228,16 +231,20 @@ def state_at(trace_path: str | Path, step: int | None = None) -> ViewState:
         raise FileNotFoundError(f"trace not found: {path} (write one with "
                                 f"`nanoserve record --scenario memory-pressure -o {path.name}`)")
     events = read_trace(path)                      # ValueError on a corrupt line
+    check_trace(events, path)                      # ... on wrong field types or block ids outside the pool
     last = max((e.step for e in events if isinstance(e, StepFinished)), default=0)
     if step is not None and not 0 <= step <= last:
         raise ValueError(f"step {step} is not in {path}: its steps run from 0 to {last}")
     state = None
-    for event in events:
-        if step == 0 and isinstance(event, StepStarted):
-            break                                  # step 0: the state before anything ran
-        state = fold(state, event)
-        if step is not None and isinstance(event, StepFinished) and event.step == step:
-            break
+    try:
+        for event in events:
+            if step == 0 and isinstance(event, StepStarted):
+                break                              # step 0: the state before anything ran
+            state = fold(state, event)
+            if step is not None and isinstance(event, StepFinished) and event.step == step:
+                break
+    except (KeyError, IndexError, TypeError, AttributeError, AssertionError) as exc:   # inconsistent events
+        raise ValueError(f"{path}: the events do not replay ({type(exc).__name__}: {exc})") from None
     if state is None:
         raise ValueError(f"{path} has no events; a trace starts with EngineSynced")
     return state

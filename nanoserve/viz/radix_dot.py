@@ -19,6 +19,7 @@ from __future__ import annotations
 import html
 
 from nanoserve.view import ROOT, ViewState
+from nanoserve.viz.text import shown
 from nanoserve.viz.graphviz import CACHED_FILL, TOUCHED_LINE, _colours, _graph, _html_table
 
 LOCKED_LINE = "#08519c"
@@ -29,10 +30,10 @@ SPAN_CHARS = 32          # text shown per node before "…"
 
 def span_label(text: str, limit: int = SPAN_CHARS) -> str:
     """A span's text for an HTML label: quoted, newlines visible, escaped, cut at `limit` characters."""
-    shown = "".join(c if c.isprintable() else ("⏎" if c == "\n" else "·") for c in text)
-    if len(shown) > limit:
-        shown = shown[:limit - 1] + "…"
-    return html.escape(f"“{shown}”")
+    text = shown(text)
+    if len(text) > limit:
+        text = text[:limit - 1] + "…"
+    return html.escape(f"“{text}”")
 
 
 def _no_tree(state: ViewState) -> None:

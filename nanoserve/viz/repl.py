@@ -20,6 +20,8 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
+from nanoserve.viz.text import shown, token_text
+
 PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta",
            "bright_green", "bright_yellow", "bright_blue", "bright_red"]
 
@@ -138,7 +140,7 @@ def render_radix(nodes: list[dict]):
                                                  f"{evictable} evictable", "dim")), guide_style="dim")
     branch = {0: tree}
     for n in nodes:
-        span = "".join(c if c.isprintable() else ("⏎" if c == "\n" else "·") for c in n["text"])
+        span = shown(n["text"])
         span = span if len(span) <= 40 else span[:39] + "…"
         label = Text.assemble((repr(span), "bold" if n["lock_count"] else "green"),
                               (f"  #{n['node_id']} · {n['num_tokens']} tokens · blocks "
@@ -168,10 +170,10 @@ def render_step_result(result):
     lines = [head]
     for out in result.outputs:
         for c in out.outputs:        # several with n > 1, forks or beam search
-            name = out.request_id + (f" #{c.index}" if len(out.outputs) > 1 else "")
+            name = c.seq_id or out.request_id          # the name every panel uses: r1, r1.1, ...
             line = Text(f"  {name}: ", style="bold")
-            line.append(repr(c.delta) if c.delta else f"+token {c.token_ids[-1] if c.token_ids else '-'}",
-                        style="cyan")
+            token = f"token {c.token_ids[-1]} " if c.token_ids else ""
+            line.append(f"{token}{token_text(c.delta)}", style="cyan")
             if c.finish_reason:
                 line.append(f"  finished: {c.finish_reason}" + (f" ({c.error})" if c.error else ""), style="magenta")
             lines.append(line)

@@ -59,7 +59,7 @@ def legend(state: ViewState | None) -> Text:
     if state is not None and state.prefix_caching:
         parts += [("   ", Style.parse(f"on {CACHED}")), " cached  "]
     parts += [("   ", Style.parse("on #61afef")), ("   ", Style.parse("on #98c379")), " per request  ",
-              ("12", Style.parse("bold underline")), " touched this step"]
+              ("underlined", Style.parse("bold underline")), " = this step"]
     return Text.assemble(*parts)
 
 

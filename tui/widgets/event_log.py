@@ -13,6 +13,7 @@ from rich.style import Style
 from textual.strip import Strip
 
 from nanoserve import events as ev
+from nanoserve.viz.text import plural, token_text
 from nanoserve_tui.palette import printable
 from nanoserve_tui.widgets.lines import LinesView, wrap
 
@@ -44,10 +45,11 @@ def describe(e: ev.Event) -> str:
         case ev.StepStarted():
             return f"step {e.step}: {e.num_waiting} waiting, {e.num_running} running"
         case ev.StepFinished():
-            return (f"{e.num_seqs} seqs, {e.num_prefill_tokens} prefill + {e.num_decode_tokens} decode tokens, "
-                    f"{e.num_free_blocks} blocks free")
+            return (f"{plural(e.num_seqs, 'sequence')}, {e.num_prefill_tokens} prefill + {e.num_decode_tokens} "
+                    f"decode tokens, {plural(e.num_free_blocks, 'block')} free")
         case ev.RequestAdded():
-            return f"{e.request_id}: {e.num_prompt_tokens} prompt tokens, max {e.max_tokens} {printable(e.prompt)[:40]!r}"
+            return (f"{e.request_id}: {plural(e.num_prompt_tokens, 'prompt token')}, max {e.max_tokens} "
+                    f"{printable(e.prompt)[:40]!r}")
         case ev.ChunkScheduled():
             kind = "prefill" if e.is_prefill else "decode"
             return f"{e.request_id} {kind} tokens {e.start}-{e.start + e.num_tokens - 1}"
@@ -60,7 +62,7 @@ def describe(e: ev.Event) -> str:
                 return f"{e.request_id} (swap): its KV moves to the CPU pool"
             return f"{e.request_id} ({e.mode}): {e.num_tokens_lost} tokens of KV to compute again"
         case ev.TokenSampled():
-            return f"{e.request_id} token {e.token_id} {printable(e.text)!r} logprob {e.logprob:.2f}"
+            return f"{e.request_id} token {e.token_id} {token_text(e.text)} logprob {e.logprob:.2f}"
         case ev.RequestFinished():
             return f"{e.request_id} {e.finish_reason} after {e.num_output_tokens} tokens" + (
                 f": {printable(e.error)}" if e.error else "")

@@ -21,7 +21,8 @@ FRESH, OLD, DIM, BOLD = Style.parse("bold #e5c07b"), Style.parse("#9a9a9a"), Sty
 def free_queue_lines(state: ViewState, width: int) -> list[Strip]:
     queue, touched = state.free_queue, state.touched_blocks
     head = Strip([Segment(f"{len(queue)}/{state.num_blocks} free", BOLD)]
-                 + ([Segment(", head first", DIM)] if width >= 24 else []))   # narrow: the count only
+                 + ([Segment(", LRU order, head first", DIM)] if width >= 34 else
+                    [Segment(", head first", DIM)] if width >= 24 else []))   # narrow: the count only
     pieces = []
     for n, block_id in enumerate(queue[:SHOWN]):
         label = f"{block_id}" if n == 0 else f" {block_id}"

@@ -29,34 +29,58 @@ DIM, LOCKED = Style(dim=True), Style.parse("bold")
 UNLOCKED = Style.parse("#8787d7")   # the pool's "cached" hue, lighter to read as text: evictable
 
 
-def span(text: str) -> str:
-    """A node's text, quoted, one cell per character, cut to SPAN characters."""
-    shown = printable(text.replace("\n", "⏎"))
-    return "“" + (shown if len(shown) <= SPAN else shown[:SPAN - 1] + "…") + "”"
+def span(text: str, limit: int = SPAN) -> str:
+    """A node's text, quoted, one cell per character, cut to `limit` characters."""
+    shown = printable(text)
+    return "“" + (shown if len(shown) <= limit else shown[:limit - 1] + "…") + "”"
 
 
-def node_label(state: ViewState, node: RadixNodeView, lock: int) -> Text:
-    """`“You are a helpful”  lock 2  [0 1]  @5`, styled by lock and this step's marks."""
+def node_label(state: ViewState, node: RadixNodeView, lock: int, room: int | None = None) -> Text:
+    """`“You are a helpful” lock 2 [0 1] @5`, styled by lock and this step's marks.
+
+    With `room` (cells), the label fits it: the text span gets shorter first (down to 6
+    characters), then the step goes, then the block list is cut short, then left out.
+    """
     mark = HIT if node.node_id in state.hit_nodes else NEW if node.node_id in state.inserted_nodes else None
-    text = Text(span(node.text), Style.parse(mark) if mark else LOCKED if lock else UNLOCKED)
-    text.append(f" lock {lock}" if lock else " free", Style.parse("#56b6c2") if lock else DIM)
-    text.append(f" [{' '.join(map(str, node.block_ids))}] @{node.last_access}", DIM)
+    status = f" lock {lock}" if lock else " free"
+    blocks, step = f" [{' '.join(map(str, node.block_ids))}]", f" @{node.last_access}"
+    limit = SPAN
+    if room is not None:
+        if room - len(status + blocks + step) - 2 < 6:
+            step = ""
+        if room - len(status + blocks) - 2 < 6 and len(node.block_ids) > 1:
+            blocks = f" [{node.block_ids[0]} …]"
+        if room - len(status + blocks) - 2 < 3:          # very narrow: the text and the lock matter most
+            blocks = ""
+        limit = max(1, min(SPAN, room - len(status + blocks + step) - 2))
+    text = Text(span(node.text, limit), Style.parse(mark) if mark else LOCKED if lock else UNLOCKED)
+    text.append(status, Style.parse("#56b6c2") if lock else DIM)
+    text.append(blocks + step, DIM)
     return text
 
 
-def evicted_label(node: RadixNodeView) -> Text:
-    return Text.assemble((span(node.text), Style.parse(EVICTED)),
-                         (f" evicted [{' '.join(map(str, node.block_ids))}]", Style.parse("#e06c75")))
+def evicted_label(node: RadixNodeView, room: int | None = None) -> Text:
+    """`“Hi Hello x” evicted [2]`: a node gone this step, drawn once where it was; fits `room` cells."""
+    tail = f" evicted [{' '.join(map(str, node.block_ids))}]"
+    if room is not None and room - len(tail) - 2 < 6:
+        tail = " evicted"
+    limit = SPAN if room is None else max(1, min(SPAN, room - len(tail) - 2))
+    return Text.assemble((span(node.text, limit), Style.parse(EVICTED)), (tail, Style.parse("#e06c75")))
 
 
-def root_label(state: ViewState) -> Text:
+def root_label(state: ViewState, room: int | None = None) -> Text:
+    """`root 16 nodes, 17 blocks · hit 27%`, shorter when `room` (cells) asks for it."""
     if not state.prefix_caching:
         return Text("root", DIM)
     nodes = state.radix_nodes()
     rate = state.cache_hit_rate()
     hit = "–" if rate is None else f"{rate:.0%}"
-    return Text.assemble(("root", "bold"), (f" {len(nodes)} nodes, {sum(len(n.block_ids) for n in nodes)} "
-                                            f"blocks · hit {hit}", DIM))
+    blocks = sum(len(n.block_ids) for n in nodes)
+    for detail in (f" {len(nodes)} nodes, {blocks} blocks · hit {hit}", f" {len(nodes)} nodes · hit {hit}",
+                   f" {len(nodes)} nodes"):
+        if room is None or 4 + len(detail) <= room:
+            break
+    return Text.assemble(("root", "bold"), (detail, DIM))
 
 
 def signature(state: ViewState, locks: dict[int, int]) -> tuple:
@@ -79,16 +103,20 @@ class RadixTree(Tree[int]):
         self._shown: tuple | None = None
         self.root.expand()
 
+    def on_resize(self) -> None:
+        self.watch_state(self.state)
+
     def watch_state(self, state: ViewState | None) -> None:
         if state is None:
             return
         locks = state.lock_counts()
-        key = signature(state, locks)
+        width = self.scrollable_content_region.width
+        key = (width, signature(state, locks))
         if key == self._shown:
             return
         self._shown = key
         self.clear()
-        self.root.set_label(root_label(state))
+        self.root.set_label(root_label(state, room=width - 3 if width else None))
         if not state.prefix_caching:
             self.root.add_leaf(Text(OFF, DIM))
             return
@@ -96,10 +124,13 @@ class RadixTree(Tree[int]):
         nodes = state.radix_nodes()
         for node in nodes[:MAX_NODES]:
             parent = branch.get(node.parent_id, self.root)
-            label = node_label(state, node, locks[node.node_id])
+            indent = 2 * len(state.radix_path(node.node_id)) + 2    # tree guides and the expand arrow
+            label = node_label(state, node, locks[node.node_id], room=width - indent - 1 if width else None)
             branch[node.node_id] = parent.add(label, data=node.node_id, expand=True, allow_expand=bool(node.children))
         for node in state.evicted_nodes.values():
-            branch.get(node.parent_id, self.root).add_leaf(evicted_label(node), data=node.node_id)
+            indent = 2 * (len(state.radix_path(node.parent_id)) + 1) + 2
+            branch.get(node.parent_id, self.root).add_leaf(
+                evicted_label(node, room=width - indent - 1 if width else None), data=node.node_id)
         if len(nodes) > MAX_NODES:
             self.root.add_leaf(Text(f"… {len(nodes) - MAX_NODES} more nodes", DIM))
         if not nodes and not state.evicted_nodes:

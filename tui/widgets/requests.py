@@ -36,14 +36,18 @@ def request_lines(state: ViewState, rid: str, colour: str, width: int) -> tuple[
     total = str(req.max_tokens) if req.max_tokens else "?"
     bar = BAR if width >= 60 else BAR // 2                       # narrow panels: a shorter bar
     filled = min(bar, round(bar * req.num_output_tokens / req.max_tokens)) if req.max_tokens else 0
-    first = Strip([
-        Segment(f" {rid} ", Style.parse(f"#000000 on {colour}")), Segment(" "),
-        Segment(f"{req.status.removeprefix('finished_'):<8} ", Style.parse(STATUS_STYLE.get(req.status, "none"))),
-        Segment("━" * filled, Style.parse(colour)), Segment("━" * (bar - filled), EMPTY_BAR),
-        Segment(f" {req.num_output_tokens}/{total}"),
-        Segment(f" · prompt {req.num_prompt_tokens} · KV {req.num_computed_tokens}"
-                + (" on CPU" if req.cpu_block_table else ""), DIM),
-    ]).crop(0, width)
+    head = [Segment(f" {rid} ", Style.parse(f"#000000 on {colour}")), Segment(" "),
+            Segment(f"{req.status.removeprefix('finished_'):<8} ", Style.parse(STATUS_STYLE.get(req.status, "none")))]
+    bars = [Segment("━" * filled, Style.parse(colour)), Segment("━" * (bar - filled), EMPTY_BAR), Segment(" ")]
+    cpu = " on CPU" if req.cpu_block_table else ""
+    # the roomiest line that fits: with the bar, without it, then "p" for "prompt"
+    for middle, prompt in ((bars, "prompt "), ([], "prompt "), ([], "p")):
+        tail = [Segment(f"{req.num_output_tokens}/{total}"),
+                Segment(f" · {prompt}{req.num_prompt_tokens} · KV {req.num_computed_tokens}{cpu}", DIM)]
+        first = Strip(head + middle + tail)
+        if first.cell_length <= width:
+            break
+    first = first.crop(0, width)
     room = max(8, width - 3)
     out = printable(req.output_text)
     out = out if len(out) <= room else "…" + out[-(room - 1):]   # the newest text stays visible

