@@ -40,7 +40,7 @@ def add_workload(engine: LLMEngine) -> None:
 
 
 def scheduling(events) -> list:
-    """The engine's decisions, without timings and without the TP events (which TP=1 does not have).
+    """The engine's decisions, without timings and without the TP events and fields (which TP=1 does not have).
     Log-probabilities are rounded: the ranks sum partial products in another order (~1e-6 apart)."""
     out = []
     for e in events:
@@ -48,6 +48,8 @@ def scheduling(events) -> list:
             e = dataclasses.replace(e, duration_s=0.0)
         elif isinstance(e, ev.TokenSampled):
             e = dataclasses.replace(e, logprob=round(e.logprob, 3))
+        elif isinstance(e, ev.EngineSynced):          # (a subscriber's first event; TP=2 lists its ranks)
+            e = dataclasses.replace(e, ranks=())
         if not isinstance(e, (ev.CollectiveOps, ev.RankPoolState)):
             out.append(e)
     return out

@@ -42,10 +42,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanoserve import intake
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.group import WorkerGroup
 from nanoserve.distributed.kv_transfer import adopt, digest, export_blocks, payload_shape
 from nanoserve.engine import LLMEngine
+from nanoserve.errors import FieldError
 from nanoserve.models.loader import LoadedModel, load_model
 from nanoserve.outputs import RequestOutput, StepResult
 from nanoserve.sampling_params import SamplingParams
@@ -179,23 +181,17 @@ class DisaggregatedEngine:
     # -- requests ----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
-        """Queue a request for the prefill engine; it decodes here once its KV arrives."""
-        params = params or SamplingParams()
-        if request_id in self.waiting or request_id in self.decode.groups or request_id in self.decode.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = self._check(prompt, params)
+        """Queue a request for the prefill engine; it decodes here once its KV arrives.
+        Raises FieldError (naming the argument or field) and changes nothing on bad input."""
+        if request_id in self.waiting or any(s.handoff.request_id == request_id for s in self.staged):
+            raise FieldError("request_id", f"{request_id!r} is already in use")
+        # The decode engine's own checks (id, prompt, params, limits), without adding anything to it.
+        prepared = intake.prepare(self.decode, request_id, prompt, params)
+        params = prepared.request.params
+        if params.use_beam_search:
+            raise FieldError("beam_width", "beam search does not run disaggregated (its beams fork every step)")
         self.waiting[request_id] = (prompt, params)
-        self.new.append((request_id, token_ids))
-
-    def _check(self, prompt, params: SamplingParams) -> list[int]:
-        """The decode engine's own checks, without adding anything to it."""
-        text, token_ids = self.decode._tokenize(prompt)
-        max_len = self.decode.config.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {max_len}")
-        if params.num_seqs > self.decode.config.max_num_seqs or params.use_beam_search:
-            raise ValueError("disaggregation takes requests of at most max_num_seqs sequences, without beam search")
-        return token_ids
+        self.new.append((request_id, list(prepared.seq.prompt_token_ids)))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting) or bool(self.staged) or self.decode.has_unfinished_requests()

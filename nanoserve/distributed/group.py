@@ -43,13 +43,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanoserve.distributed.comm import Communicator
+from nanoserve.errors import EngineBroken
 
 START_TIMEOUT_S = 180.0   # spawn + import torch and transformers: ~6 s alone, much more on a busy machine
 OP_TIMEOUT_S = 60.0       # the longest any one collective may wait for a rank
 STOP_TIMEOUT_S = 5.0      # a worker told to stop gets this long before it is killed
 
 
-class WorkerDied(RuntimeError):
+class WorkerDied(EngineBroken):
     """A worker process of a distributed engine is gone (or never came up); the engine cannot go on."""
 
 
