@@ -1,27 +1,25 @@
-"""The distributed pictures and traces: `python docs/img/make_distributed_pictures.py`.
+"""The distributed pictures' workloads, and the traces: `python docs/img/make_distributed_pictures.py`.
 
-* tp-split.svg: how layer 0 of tiny-llama's weights and one request's KV are
-  split over 2 ranks (nanoserve/viz/tp_dot.py, drawn from the real shards and
-  a real request of a tensor-parallel engine);
-* tui-tensor-parallel.svg / tui-disaggregated.svg: the TUI replaying a
-  tensor-parallel run (the ranks bar) and the decode side of a disaggregated
-  run (the KV handoffs);
-* tests/data/tui-tensor-parallel.jsonl, tests/data/tui-disaggregated.jsonl:
-  those two traces, which tests/test_distributed_view.py replays.
+* `split_source()`: the DOT of tp-split.svg, how layer 0 of tiny-llama's
+  weights and one request's KV are split over 2 ranks (nanoserve/viz/tp_dot.py,
+  drawn from the real shards and a real request of a tensor-parallel engine);
+* `record_disaggregated()`: the decode side's events of a disaggregated run,
+  which tui-disaggregated.svg shows.
 
-tests/test_distributed_view.py checks that the committed split picture has
-every label the code draws today.
+`python docs/generate.py distributed` draws both pictures (and
+tests/test_docs.py checks them against a fresh run); the tensor-parallel TUI
+screenshot is the `screens` job's. Run as a script, this file writes
+tests/data/tui-tensor-parallel.jsonl and tests/data/tui-disaggregated.jsonl,
+the traces tests/test_distributed_view.py replays.
 """
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 from nanoserve import EngineConfig, LLMEngine, SamplingParams
-from nanoserve import events as ev
 from nanoserve.models.loader import load_model
-from nanoserve.trace import JsonlRecorder, read_trace
+from nanoserve.trace import JsonlRecorder
 
 ROOT = Path(__file__).resolve().parents[2]
 IMG = ROOT / "docs" / "img"
@@ -66,18 +64,12 @@ def record_disaggregated(path: Path) -> None:
 
 
 def main() -> None:
+    """Write the two traces tests/test_distributed_view.py replays (the pictures: docs/generate.py)."""
     from nanoserve.scenarios import record
-    from nanoserve.viz.graphviz import render
-    from nanoserve_tui.screenshots import shoot, showcase_step
 
-    SPLIT.write_bytes(render(split_source(), "svg"))
     record("tensor-parallel", TP_TRACE)
-    step = showcase_step("tensor-parallel", read_trace(TP_TRACE))
-    asyncio.run(shoot(TP_TRACE, step, (160, 50), IMG / "tui-tensor-parallel.svg", select="fork"))
     record_disaggregated(DISAGG_TRACE)
-    arrived = [e.step for e in read_trace(DISAGG_TRACE) if isinstance(e, ev.KVTransferred)]
-    asyncio.run(shoot(DISAGG_TRACE, arrived[1] + 1, (160, 50), IMG / "tui-disaggregated.svg"))
-    print(f"wrote {SPLIT.name}, tui-tensor-parallel.svg (step {step}), tui-disaggregated.svg, and the traces")
+    print(f"wrote {TP_TRACE.relative_to(ROOT)} and {DISAGG_TRACE.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
