@@ -18,6 +18,7 @@ from nanoserve import EngineConfig, SamplingParams
 from nanoserve import events as ev
 from nanoserve.distributed import WorkerDied
 from nanoserve.distributed.disaggregated import DisaggregatedEngine
+from nanoserve.errors import FieldError
 from nanoserve.runner import kv_bytes_per_block
 from nanoserve.trace import fold_all
 
@@ -99,6 +100,21 @@ def test_seeded_sampling_and_n_forks_equal_a_single_engine(tiny_llama, llama_pai
     params = SamplingParams(n=3, max_tokens=10, temperature=0.8, seed=11)
     assert disaggregated(llama_pair, PROMPTS[:3], params) == \
         single_engine(tiny_llama, PROMPTS[:3], params, num_blocks=96, **CONFIG)
+
+
+def test_a_bad_request_is_a_field_error_and_changes_nothing(llama_pair):
+    llama_pair.add_request("dup", "Hello", GREEDY)
+    cases = [("dup", "Hi", GREEDY, "request_id"), ("e", "", GREEDY, "prompt"),
+             ("big", "x" * 10_000, GREEDY, "prompt"), ("beam", "Hi", SamplingParams(beam_width=2, temperature=0, max_tokens=4),
+                                                      "beam_width")]
+    for rid, prompt, params, field in cases:
+        with pytest.raises(FieldError) as info:
+            llama_pair.add_request(rid, prompt, params)
+        assert info.value.field == field
+    assert list(llama_pair.waiting) == ["dup"] and [rid for rid, _ in llama_pair.new] == ["dup"]
+    while llama_pair.has_unfinished_requests():
+        llama_pair.step()
+    llama_pair.check_invariants()
 
 
 def test_a_tight_decode_pool_makes_handoffs_wait(tiny_gpt2, gpt2_tight_pair):
