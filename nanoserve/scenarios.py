@@ -188,7 +188,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
                       tensor_parallel_size=3),
                  [Arrival(0, "q0", user("What is a token?", TEACHER), dict(GREEDY, max_tokens=24)),
                   Arrival(1, "q1", user("What is a batch?", TEACHER), dict(GREEDY, max_tokens=24)),
-                  Arrival(2, "fork", user("Write a one-line slogan for a bakery."),
+                  Arrival(2, "fork", user("Write a one-line slogan for a small bakery."),   # 41 tokens: a partial block
                           dict(n=2, max_tokens=16, temperature=0.8, seed=1))]),
     ),
 ]}
