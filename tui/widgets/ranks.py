@@ -5,9 +5,10 @@ block tables (so the grid above is the same on every rank) holding only
 its own KV heads. The bar shows one chip per rank (its KV heads, what it
 wrote, copied and swapped this step; ✓ when every rank's slot ledger has the
 same digest, i.e. the pools hold the same tokens in the same slots), the
-selected rank highlighted (`k` switches), then this step's collectives. With
-disaggregation it lists the latest KV handoffs into this engine's pool:
-which request, from which blocks of the sender's pool to which of ours.
+selected rank highlighted (`k` switches), then this step's collectives (kind,
+calls, bytes). With disaggregation it lists the latest KV handoffs into this
+engine's pool: which request, from which blocks of the sender's pool to which
+of ours.
 
 `ranks_text` is a plain function of a `ViewState`, for tests and benchmarks.
 """
@@ -70,8 +71,9 @@ def ranks_text(state: ViewState, selected: int = 0) -> Text:
         else:
             lines.append(Text.assemble(("this step ", "bold"),
                                        (" · ".join(f"rank {r} {w}" for r, w in work.items()), "dim")))
-        ops = " · ".join(f"{kind}×{count} {size(num_bytes)} {1000 * seconds:.0f}ms"
-                         for kind, count, num_bytes, seconds in state.collectives)
+        # Kind, calls and bytes (their times are in the CollectiveOps events: a width that changed with
+        # every step would make the line wrap differently from one step to the next).
+        ops = " · ".join(f"{kind}×{count} {size(num_bytes)}" for kind, count, num_bytes, _ in state.collectives)
         lines.append(Text.assemble(("collectives ", "bold"), (ops or "none this step", "dim")))
     if state.transfers:
         line = Text.assemble(("KV in ", "bold"))
