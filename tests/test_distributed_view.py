@@ -21,7 +21,7 @@ import torch
 
 from nanoserve import events as ev
 from nanoserve.distributed.layers import attach
-from nanoserve.distributed.sharding import describe_shard, shard_model, vocab_slice
+from nanoserve.distributed.sharding import describe_shard, shard_model, split_plan, vocab_slice
 from nanoserve.trace import fold_all, read_trace
 from nanoserve.viz.tp_dot import split_dot
 
@@ -136,7 +136,7 @@ def test_shards_compute_the_full_layer(tiny_llama):
 
 def test_split_picture_is_drawn_from_the_shards(tiny_llama, tiny_gpt2):
     request = {"request_id": "q0", "num_computed_tokens": 10, "block_table": [3, 7, 9]}
-    source = split_dot(tiny_llama.model, 2, request, block_size=4, num_blocks=48)
+    source = split_dot(split_plan(tiny_llama.model, 2), request, block_size=4, num_blocks=48)
     for r in range(2):
         shard = describe_shard(shard_model(tiny_llama.model, r, 2))
         k = next(w for w in shard if w["name"] == "k_proj")
@@ -145,7 +145,7 @@ def test_split_picture_is_drawn_from_the_shards(tiny_llama, tiny_gpt2):
         assert f"KV heads {r} only" in source
     assert source.count("all-reduce (sum)") == 3 and "gather to rank 0" in source
     assert "block 9" in source and "tokens 8–9 (2/4)" in source
-    gpt2 = split_dot(tiny_gpt2.model, 2)
+    gpt2 = split_dot(split_plan(tiny_gpt2.model, 2))
     assert "rows 0–31, 64–95, 128–159 (heads 0–1 of q, k and v)" in gpt2
 
 

@@ -36,6 +36,7 @@ SPLIT_PROMPT, SPLIT_STEPS = "The KV cache, split by heads.", 3
 
 def split_source() -> str:
     """The DOT source of tp-split.svg, from a real tensor-parallel engine's request."""
+    from nanoserve.distributed.sharding import split_plan
     from nanoserve.viz.tp_dot import split_dot
 
     loaded = load_model("tiny-llama")
@@ -44,7 +45,7 @@ def split_source() -> str:
         for _ in range(SPLIT_STEPS):
             engine.step()
         request = engine.snapshot()["requests"][0]
-    return split_dot(loaded.model, 2, request, block_size=SPLIT_CONFIG["block_size"],
+    return split_dot(split_plan(loaded.model, 2), request, block_size=SPLIT_CONFIG["block_size"],
                      num_blocks=SPLIT_CONFIG["num_blocks"])
 
 

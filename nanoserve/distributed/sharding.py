@@ -181,3 +181,13 @@ def describe_shard(shard: nn.Module, layer: int = 0) -> list[dict]:
                             shape=tuple(module.weight.shape), owned=((module.start, module.end),), axis="ids",
                             collective="gather to rank 0"))
     return out
+
+
+def split_plan(model: nn.Module, n: int, layer: int = 0) -> dict:
+    """Plain data about the whole split over `n` ranks, for viewers (viz/tp_dot.py draws it): the
+    model's head counts and sizes, and per rank its KV heads and `describe_shard` of layer `layer`."""
+    hq, hkv = head_counts(model)
+    shards = [shard_model(model, r, n) for r in range(n)]
+    return dict(model=type(model).__name__, layer=layer, num_heads=hq, num_kv_heads=hkv, head_dim=model.head_dim,
+                num_layers=model.num_layers, element_size=next(model.parameters()).element_size(),
+                ranks=[dict(kv_heads=tuple(s.kv_heads), weights=describe_shard(s, layer)) for s in shards])

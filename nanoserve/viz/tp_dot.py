@@ -1,7 +1,8 @@
 """A Graphviz picture of tensor parallelism: how one layer's weights and one request's KV are split.
 
+    from nanoserve.distributed.sharding import split_plan
     from nanoserve.viz.tp_dot import split_dot
-    dot = split_dot(model, 2, request=engine.snapshot()["requests"][0], block_size=16)
+    dot = split_dot(split_plan(model, 2), request=engine.snapshot()["requests"][0], block_size=16)
 
 One column per rank, top to bottom in the order a token's hidden state
 meets them: the vocab-parallel embedding, the column-parallel projections
@@ -12,8 +13,9 @@ collectives that join them (all-reduce, gather). Under each attention node,
 the request's block table as that rank's pool holds it: the same block ids
 on every rank, each holding only the rank's KV heads.
 
-Everything is read from the real shards (`sharding.shard_model` for each
-rank, `describe_shard`), so the picture cannot disagree with the code.
+Everything is read from the real shards: `sharding.split_plan` splits the
+model as the engine does and describes each rank's shard as plain data, which
+is all this viewer reads, so the picture cannot disagree with the code.
 """
 
 from __future__ import annotations
@@ -21,9 +23,6 @@ from __future__ import annotations
 import html
 
 from graphviz import Digraph
-from torch import nn
-
-from nanoserve.distributed.sharding import describe_shard, head_counts, shard_model
 
 FONT = "Helvetica"
 RANK_FILL = ["#c6dbef", "#c7e9c0", "#dadaeb", "#fdd0a2"]
@@ -74,17 +73,17 @@ def _kv_table(rank: int, kv_heads: tuple[int, ...], request: dict | None, block_
     return '<<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0" CELLPADDING="3">' + "".join(rows) + "</TABLE>>"
 
 
-def split_dot(model: nn.Module, n: int, request: dict | None = None, block_size: int = 16,
-              num_blocks: int = 0, layer: int = 0) -> str:
-    """DOT source: layer `layer` of `model` split over `n` ranks, and `request`'s KV (a snapshot's request)."""
-    shards = [shard_model(model, r, n) for r in range(n)]
-    described = [describe_shard(s, layer) for s in shards]
-    hq, hkv = head_counts(model)
-    elem = next(model.parameters()).element_size()
+def split_dot(plan: dict, request: dict | None = None, block_size: int = 16, num_blocks: int = 0) -> str:
+    """DOT source: one layer split over the ranks of `plan` (`sharding.split_plan`), and `request`'s KV
+    (a snapshot's request)."""
+    n, layer, head_dim = len(plan["ranks"]), plan["layer"], plan["head_dim"]
+    described = [r["weights"] for r in plan["ranks"]]
+    hq, hkv = plan["num_heads"], plan["num_kv_heads"]
+    elem = plan["element_size"]
     g = Digraph("tp_split")
     g.attr(rankdir="TB", newrank="true", fontname=FONT, fontsize="15", labelloc="t", nodesep="0.35", ranksep="0.3",
-           label=f"tensor parallelism over {n} ranks: layer {layer} of {type(model).__name__} "
-                 f"({hq} query heads, {hkv} KV heads, head_dim {model.head_dim})")
+           label=f"tensor parallelism over {n} ranks: layer {layer} of {plan['model']} "
+                 f"({hq} query heads, {hkv} KV heads, head_dim {head_dim})")
     g.attr("node", fontname=FONT, fontsize="11", shape="box", style="rounded,filled")
     g.attr("edge", arrowsize="0.6")
     names = [w["name"] for w in described[0]]
@@ -94,12 +93,12 @@ def split_dot(model: nn.Module, n: int, request: dict | None = None, block_size:
                    color="#737373", fontname=FONT)
             fill = RANK_FILL[r % len(RANK_FILL)]
             for w in weights:
-                c.node(f"r{r}_{w['name']}", _label(w, model.head_dim), fillcolor=fill)
+                c.node(f"r{r}_{w['name']}", _label(w, head_dim), fillcolor=fill)
             q_heads = range(r * hq // n, (r + 1) * hq // n)
             c.node(f"r{r}_attn", f"attention over query heads {_runs(((q_heads.start, q_heads.stop),))}\n"
                                  f"(reads K/V through the block table)", fillcolor="white")
-            c.node(f"r{r}_kv", _kv_table(r, shards[r].kv_heads, request, block_size, num_blocks,
-                                         model.head_dim, model.num_layers, elem), shape="plaintext", style="")
+            c.node(f"r{r}_kv", _kv_table(r, plan["ranks"][r]["kv_heads"], request, block_size, num_blocks,
+                                         head_dim, plan["num_layers"], elem), shape="plaintext", style="")
             c.edge(f"r{r}_kv", f"r{r}_attn", style="dashed", arrowhead="none")
     # The order a hidden state meets them, in groups (a group's members run side by side); a
     # collective joins every rank's column.
