@@ -334,6 +334,7 @@ class LiveSource(Source):
                                 severity="error", timeout=30)
                 self._flush(runner, stepped=command == "step", description=self._description)
         finally:
+            runner.engine.shutdown()                        # (a tensor-parallel engine's worker processes)
             if self._recorder:
                 self._recorder.close()
 
@@ -356,6 +357,7 @@ class LiveSource(Source):
                                  components=self.components)
             for unsubscribe in self._unsubscribe:
                 unsubscribe()
+            runner.engine.shutdown()                        # (a tensor-parallel engine's worker processes)
             self._buffer.clear()                            # (nothing of the old engine's is pending)
             runner, self.scenario = new, scenario
             self._unsubscribe = self._listen(runner)        # sends EngineSynced: the view starts afresh

@@ -109,10 +109,10 @@ LAB = Lab(
     module="nanoserve.scheduler",
     blanks={
         "Scheduler._schedule_running": "decodes = running sequences with 1 uncomputed token, prefills = those "
-                                       "still prefilling; for each (decodes first) while budget > 0: skip one "
-                                       "that is no longer RUNNING; num_new = min(uncomputed + drafts, budget); "
-                                       "keep the drafts that fit; if self._reserve(...) add the chunk "
-                                       "(self._add_chunk) and subtract num_new; return the budget left",
+                                       "still prefilling; for each (decodes first) while plan.budget > 0: skip "
+                                       "one that is no longer RUNNING; num_new = min(uncomputed + drafts, "
+                                       "plan.budget); keep the drafts that fit; if self._reserve(...) add the "
+                                       "chunk (self._add_chunk) and subtract num_new from plan.budget",
         "Scheduler._chunk_size": "num_new = tokens not yet computed (nor cached); if it exceeds the budget: the "
                                  "budget with chunked prefill on, else 0 (wait for a step with room)",
     },
