@@ -42,7 +42,7 @@ from nanoserve.request import Request
 from nanoserve.runner import ModelRunner, RunInput, kv_bytes_per_block
 from nanoserve.sampler import SampledToken, Sampler, SamplingRow
 from nanoserve.spec_decode import Drafts, build_proposer
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, to_pairs
 from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence, SequenceStatus
 from nanoserve.trace import EventBus, synced_event
@@ -128,7 +128,8 @@ class LLMEngine:
         self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params)
         self.scheduler.add(seq)
         shown = engine_state.prompt_text(text, token_ids, self.tokenizer)   # token ids: their text
-        self._emit(ev.RequestAdded(self.step_count, request_id, shown, len(token_ids), params.max_tokens))
+        self._emit(ev.RequestAdded(self.step_count, request_id, shown, len(token_ids), params.max_tokens,
+                                   tuple(token_ids) if text is None else (), to_pairs(params, seed), priority))
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -171,12 +172,13 @@ class LLMEngine:
             return f"request {request_id!r} has already finished"
         return f"no unfinished request {request_id!r}"
 
-    def fork(self, request_id: str) -> str:
+    def fork(self, request_id: str, seed: int | None = None) -> str:
         """Fork a running sequence at its current position; returns the new sequence's id.
 
         The fork joins the same request as one more completion. It shares every
         block of its parent (nothing is copied until one of them writes into a
-        shared, partly filled block) and continues with its own random stream.
+        shared, partly filled block) and continues with its own random stream,
+        seeded by `seed` (default: a seed drawn from the engine's RNG).
         Raises KeyError for an unknown or finished request, ValueError when the
         sequence cannot be forked now; the engine is unchanged then.
         """
@@ -192,7 +194,8 @@ class LLMEngine:
         if self.scheduler.seats_used + 1 > self.config.max_num_seqs:
             raise ValueError(f"no free seat for a fork: max_num_seqs={self.config.max_num_seqs} sequences "
                              "already run")
-        seed = int(torch.randint(2**62, (1,), generator=self._rng))
+        if seed is None:
+            seed = int(torch.randint(2**62, (1,), generator=self._rng))
         return self._fork_seq(seq, seed).request_id
 
     def _fork_seq(self, parent: Sequence, seed: int) -> Sequence:
@@ -202,7 +205,7 @@ class LLMEngine:
         while child_id in self.requests or child_id in self.groups:   # a user's request may have this id
             child_id = group.fork_id()
         child = parent.fork(child_id, torch.Generator().manual_seed(seed))
-        self.kv.fork(parent, child)
+        self.kv.fork(parent, child, seed)
         self.scheduler.running.append(child)
         group.seqs.append(child)
         self.requests[child_id] = child

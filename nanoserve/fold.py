@@ -42,7 +42,8 @@ def synced_event(snapshot: dict) -> ev.EngineSynced:
     cpu_pool = snapshot.get("cpu_pool") or {}
     return ev.EngineSynced(snapshot["step"], snapshot["model"], pool["num_blocks"], pool["block_size"],
                            tuple(pool["ref_counts"]), tuple(pool["free_queue"]), requests, nodes,
-                           bool(radix.get("enabled", False)), cpu_pool.get("num_blocks", 0))
+                           bool(radix.get("enabled", False)), cpu_pool.get("num_blocks", 0),
+                           tuple((name, value) for name, value in snapshot.get("config", ())))
 
 
 def _synced_state(e: ev.EngineSynced) -> ViewState:
