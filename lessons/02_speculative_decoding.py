@@ -33,7 +33,7 @@ if BROKEN == "accept-all":
     def accept_all(p, draft, q, greedy, generator):
         """Wrong on purpose: every draft is kept, then a bonus token."""
         return draft + [int(p[len(draft)].argmax())], len(draft)
-    nanoserve.spec_decode.verify = accept_all      # the engine's verify_chunk looks it up here
+    nanoserve.spec_decode.verify = accept_all      # spec_decode.decide looks it up here
 
 BS = 4                                 # block_size: small, so rejected drafts can free whole blocks
 PROMPT = [10, 20, 30, 40, 50] * 4      # token ids: a pattern repeated

@@ -71,15 +71,17 @@ meta = batch.meta
 console.print(f"input_ids     {batch.input_ids.tolist()}")
 console.print(f"positions     {batch.positions.tolist()}")
 console.print(f"slot_mapping  {meta.slot_mapping.tolist()}")
+group = meta.decode_groups[0]                       # decodes attended together (up to 8 neighbours)
 console.print(f"decodes: {meta.num_decodes}, their block tables (padded with block 0) "
-              f"{meta.decode_block_tables.tolist()}, lengths {meta.decode_seq_lens.tolist()}")
+              f"{group.block_tables.tolist()}, lengths {group.seq_lens.tolist()}")
 for p in meta.prefills:
-    console.print(f"prefill chunk: rows {p.query_start}..{p.query_start + p.num_query - 1} of the row, "
+    console.print(f"prefill chunk: rows {p.start}..{p.end - 1} of the row, "
                   f"context_len {p.context_len} (cached prefix + chunk), block table {p.block_table.tolist()}")
 console.print(f"logits_indices {batch.logits_indices.tolist()}: the rows whose logits come back")
 
 assert hit.request_id == "hit" and hit.num_hit_tokens == len(SYSTEM) // BS * BS
 assert meta.num_decodes == 2 and [len(x.token_ids) for x in inputs].count(1) == 2, "two decodes"
+assert len(meta.decode_groups) == 1 and group.end - group.start == 2, "two decodes, one group"
 order = sorted(inputs, key=lambda x: len(x.token_ids) > 1)          # decodes first, as the runner lays them out
 row = 0
 for x in order:
@@ -94,7 +96,7 @@ for x in order:
     assert meta.slot_mapping[row:row + n].tolist() == slots, "slot = table[pos // bs] * bs + pos % bs"
     row += n
 prefill = meta.prefills[0]
-assert prefill.query_start == 2 and prefill.context_len == chunks["hit"].start + chunks["hit"].num_tokens
+assert prefill.start == 2 and prefill.context_len == chunks["hit"].start + chunks["hit"].num_tokens
 assert batch.logits_indices.tolist() == [0, 1, batch.input_ids.numel() - 1], \
     "logits for each decode and for the last token of the chunk, which reaches the prompt's end"
 say(f"""The row holds {batch.input_ids.numel()} tokens: the decodes at rows 0 and 1, then "hit"'s chunk,
@@ -122,13 +124,13 @@ for i in range(mask.shape[0]):
         f"query {i} (position {start + i}) sees keys {keys[mask[i]].tolist()}: the chunk's queries attend to "
         f"the cached prefix too (positions 0..{start - 1}, read from the shared blocks), so key j is visible "
         "to query i exactly when j <= start + i")
-dmask = meta.decode_mask[:, 0, 0]                   # [decodes, padded blocks * block_size]
+dmask = group.mask[:, 0, 0]                         # [decodes, padded blocks * block_size]
 for b in range(meta.num_decodes):
-    console.print(f"  decode {b}: {int(meta.decode_seq_lens[b])} real slots of {dmask.shape[1]} gathered  "
+    console.print(f"  decode {b}: {int(group.seq_lens[b])} real slots of {dmask.shape[1]} gathered  "
                   + "".join("█" if v else "·" for v in dmask[b].tolist()))
-    assert int(dmask[b].sum()) == int(meta.decode_seq_lens[b]), "a decode sees exactly its own tokens"
-short = int(meta.decode_seq_lens.argmin())
-assert meta.decode_block_tables[short, -1] == 0 and dmask[short, -BS:].sum() == 0, "padding: block 0, masked"
+    assert int(dmask[b].sum()) == int(group.seq_lens[b]), "a decode sees exactly its own tokens"
+short = int(group.seq_lens.argmin())
+assert group.block_tables[short, -1] == 0 and dmask[short, -BS:].sum() == 0, "padding: block 0, masked"
 say("""The decodes' tables are padded to the longest with block 0; the mask hides the padding and
 the unused slots of each last block.""")
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.sampler import SampledToken
-from nanoserve.sequence import Sequence
+from nanoserve.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -90,19 +90,32 @@ def ranked(seqs: list[Sequence], length_penalty: float) -> list[Sequence]:
     return sorted(seqs, key=lambda s: score(s, length_penalty), reverse=True)
 
 
+def ready(group) -> bool:
+    """Can `group` take its beam step? Every live beam is running and has its next-token scores.
+
+    A beam that was preempted waits to be readmitted (and, after recompute, to have its
+    scores again), so that forks always share real blocks of a running parent.
+    """
+    live = group.live
+    return bool(live) and all(s.status is SequenceStatus.RUNNING and s.beam_logprobs is not None for s in live)
+
+
 def step(engine, group, outputs: dict) -> None:
     """Every live beam of `group` has its next-token scores: keep the best continuations.
 
     The engine does the forking, appending and pruning; `outputs` gets the request's output.
+    At most as many beams continue as the request has seats: its own, plus any free one
+    (after a user aborted one beam, its seat may have gone to another request).
     """
+    if not ready(group):
+        return
     live = group.live
-    if not live or any(s.beam_logprobs is None for s in live):
-        return   # a beam was preempted before computing: wait for it
     params = group.params
     end_ids = set(params.stop_token_ids)
     if engine.eos_token_id is not None and not params.ignore_eos:
         end_ids.add(engine.eos_token_id)
-    keep, ended = select(live, params.beam_width, end_ids)
+    seats = engine.config.max_num_seqs - engine.scheduler.seats_used + sum(s.seats for s in live)
+    keep, ended = select(live, min(params.beam_width, seats), end_ids)
     group.forked = True
     for s in live:
         s.seats = 1
@@ -113,7 +126,7 @@ def step(engine, group, outputs: dict) -> None:
             used.add(c.beam.request_id)
             moves.append((c.beam, c))
         else:                                              # another one, or an ended hypothesis: a fork
-            moves.append((engine._fork_seq(c.beam, group.seed), c))
+            moves.append((engine._fork_seq(c.beam, torch.Generator().manual_seed(group.seed)), c))
     for s in live:
         if s.request_id not in used:
             outputs[group.request_id] = engine._prune(s)

@@ -1,14 +1,20 @@
 """EngineConfig: every setting of an engine, validated in one place.
 
-The config only checks values that make sense on their own. Settings that
-depend on the model (its maximum context, its KV head count) are resolved by
-the engine after loading, in `resolve()`, which fills in `num_blocks` and
-`max_model_len` and rejects combinations that could never run.
+The config checks each value's type and range on its own (`__post_init__`; a
+bad one raises `FieldError` naming the field, which the CLI turns into its
+flag). Settings that depend on the model (its maximum context, its KV head
+count) are resolved by the engine after loading, in `resolve()`, which fills
+in `num_blocks` and `max_model_len`, rejects combinations that could never
+run, and refuses pools larger than the KV budget or the machine's free
+memory before a single block is allocated.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from nanoserve import validation as v
+from nanoserve.errors import FieldError
 
 
 @dataclass(slots=True)
@@ -40,42 +46,37 @@ class EngineConfig:
     draft_num_layers: int = 2           # layers kept when the draft is the truncated target
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
+        """Check every field's type and range; a bad one raises FieldError naming it."""
+        self.model = v.text("model", self.model)
+        v.choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        self.device = _check_device(self.device)
+        self.block_size = v.integer("block_size", self.block_size, minimum=1)
+        self.num_blocks = v.optional_integer("num_blocks", self.num_blocks, minimum=1)
+        self.kv_cache_memory_mb = v.number("kv_cache_memory_mb", self.kv_cache_memory_mb)
         if self.kv_cache_memory_mb <= 0:
-            raise ValueError(f"kv_cache_memory_mb must be positive, got {self.kv_cache_memory_mb}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.preemption_policy not in ("newest", "priority", "shortest_remaining"):
-            raise ValueError("preemption_policy must be 'newest', 'priority' or 'shortest_remaining', "
-                             f"got {self.preemption_policy!r}")
-        if self.num_cpu_blocks is not None and self.num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
-        if not isinstance(self.fast_paths, bool):
-            raise ValueError(f"fast_paths must be True or False, got {self.fast_paths!r}")
-        if self.attention_backend not in ("torch", "triton", "auto"):
-            raise ValueError(f"attention_backend must be 'torch', 'triton' or 'auto', got {self.attention_backend!r}")
+            raise FieldError("kv_cache_memory_mb", f"must be positive, got {self.kv_cache_memory_mb}")
+        self.max_num_seqs = v.integer("max_num_seqs", self.max_num_seqs, minimum=1)
+        self.max_num_batched_tokens = v.integer("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
+        self.max_model_len = v.optional_integer("max_model_len", self.max_model_len, minimum=2)
+        v.boolean("enable_chunked_prefill", self.enable_chunked_prefill)
+        v.boolean("enable_prefix_caching", self.enable_prefix_caching)
+        v.choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
+        v.choice("preemption_policy", self.preemption_policy, ("newest", "priority", "shortest_remaining"))
+        self.num_cpu_blocks = v.optional_integer("num_cpu_blocks", self.num_cpu_blocks, minimum=0)
+        v.boolean("fast_paths", self.fast_paths)
+        v.choice("attention_backend", self.attention_backend, ("torch", "triton", "auto"))
+        self.seed = v.integer("seed", self.seed, minimum=0, maximum=2**64 - 1)
 
-        if self.speculative_method not in (None, "ngram", "draft"):
-            raise ValueError(f"speculative_method must be None, 'ngram' or 'draft', got {self.speculative_method!r}")
-        if self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens (k) must be at least 1, got {self.num_speculative_tokens}")
-        if self.ngram_min < 1:
-            raise ValueError(f"ngram_min must be at least 1, got {self.ngram_min}")
+        v.choice("speculative_method", self.speculative_method, (None, "ngram", "draft"))
+        self.num_speculative_tokens = v.integer("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
+        self.ngram_min = v.integer("ngram_min", self.ngram_min, minimum=1)
+        self.ngram_max = v.integer("ngram_max", self.ngram_max, minimum=1)
         if self.ngram_min > self.ngram_max:
-            raise ValueError(f"n-gram bounds need ngram_min <= ngram_max, got {self.ngram_min} > {self.ngram_max}")
-        if self.draft_num_layers < 1:
-            raise ValueError(f"draft_num_layers must be at least 1, got {self.draft_num_layers}")
+            raise FieldError("ngram_min", f"must be <= ngram_max (n-gram bounds need ngram_min <= ngram_max), "
+                                          f"got {self.ngram_min} > {self.ngram_max}")
+        if self.draft_model is not None:
+            v.text("draft_model", self.draft_model)
+        self.draft_num_layers = v.integer("draft_num_layers", self.draft_num_layers, minimum=1)
 
     def resolved_backend(self) -> str:
         """The attention backend this config runs: "auto" is Triton on CUDA (when installed), else torch."""
@@ -87,23 +88,74 @@ class EngineConfig:
                 return "triton"
         return "torch"
 
-    def resolve(self, model_max_len: int, bytes_per_block: int) -> None:
-        """Fill in num_blocks and max_model_len once the model is known."""
-        if self.num_blocks is None:
-            self.num_blocks = max(1, int(self.kv_cache_memory_mb * 2**20) // bytes_per_block)
-        if self.num_cpu_blocks is None:
-            self.num_cpu_blocks = self.num_blocks if self.preemption_mode == "swap" else 0
-        pool_tokens = self.num_blocks * self.block_size
-        if self.max_model_len is None:
-            limit = min(model_max_len, pool_tokens)
+    def resolve(self, model_max_len: int, bytes_per_block: int, draft_bytes_per_block: int = 0) -> None:
+        """Fill in num_blocks and max_model_len once the model is known.
+
+        `bytes_per_block` is the KV of one block in every layer; `draft_bytes_per_block` the
+        draft model's (speculative decoding keeps a second pool as large). The pools are
+        checked against the KV budget and the machine's free memory here, before anything
+        is allocated; on a FieldError the config is left as it was.
+        """
+        num_blocks = self.num_blocks
+        if num_blocks is None:
+            budget = int(self.kv_cache_memory_mb * 2**20)
+            if bytes_per_block > budget:
+                raise FieldError("block_size", f"of {self.block_size} tokens makes one KV block "
+                                               f"{_size(bytes_per_block)}, more than kv_cache_memory_mb="
+                                               f"{self.kv_cache_memory_mb:g}: lower it or raise the budget")
+            num_blocks = budget // bytes_per_block
+        num_cpu_blocks = self.num_cpu_blocks
+        if num_cpu_blocks is None:
+            num_cpu_blocks = num_blocks if self.preemption_mode == "swap" else 0
+        self._check_memory(num_blocks, num_cpu_blocks, bytes_per_block, draft_bytes_per_block)
+        pool_tokens = num_blocks * self.block_size
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = min(model_max_len, pool_tokens)
             if not self.enable_chunked_prefill:
                 # Without chunking a whole prompt must fit in one step's budget.
-                limit = min(limit, self.max_num_batched_tokens)
-            self.max_model_len = limit
-        elif self.max_model_len > model_max_len:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's {model_max_len} positions")
-        elif not self.enable_chunked_prefill and self.max_model_len > self.max_num_batched_tokens:
-            raise ValueError(
-                f"with chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
-                f">= max_model_len ({self.max_model_len}) or a long prompt could never be scheduled"
-            )
+                max_model_len = min(max_model_len, self.max_num_batched_tokens)
+        elif max_model_len > model_max_len:
+            raise FieldError("max_model_len", f"of {max_model_len} exceeds the model's {model_max_len} positions")
+        elif not self.enable_chunked_prefill and max_model_len > self.max_num_batched_tokens:
+            raise FieldError("max_num_batched_tokens",
+                             f"({self.max_num_batched_tokens}) must be >= max_model_len ({max_model_len}) "
+                             "with chunked prefill off, or a long prompt could never be scheduled")
+        self.num_blocks, self.num_cpu_blocks, self.max_model_len = num_blocks, num_cpu_blocks, max_model_len
+
+    def _check_memory(self, num_blocks: int, num_cpu_blocks: int, bytes_per_block: int, draft_bytes: int) -> None:
+        """Refuse pools the machine cannot hold (KV tensors plus about 100 bytes of bookkeeping per block)."""
+        device_kv = num_blocks * (bytes_per_block + draft_bytes)              # on `device`
+        host = num_cpu_blocks * bytes_per_block + (2 * num_blocks + num_cpu_blocks) * _BOOKKEEPING_BYTES
+        pools = f"{num_blocks} blocks of {self.block_size} tokens, {_size(bytes_per_block)} each"
+        if num_cpu_blocks:
+            pools += f" and {num_cpu_blocks} CPU blocks for swapping"
+        field = "num_blocks" if self.num_blocks is not None else "kv_cache_memory_mb"
+        cpu_field = "num_cpu_blocks" if self.num_cpu_blocks is not None else field
+        if self.device.startswith("cuda"):
+            checks = [(field, device_kv, self.device), (cpu_field, host, "cpu")]
+        else:   # one memory for both: blame the larger part
+            checks = [(cpu_field if host > device_kv else field, device_kv + host, "cpu")]
+        for name, need, device in checks:
+            have = v.available_memory(device)
+            if have is not None and need > have:
+                raise FieldError(name, f"asks for {_size(need)} on {device} for the KV cache and its bookkeeping "
+                                       f"({pools}); only {_size(have)} is free")
+
+
+_BOOKKEEPING_BYTES = 100   # a Block object and its place in the pool's lists
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} bytes"
+
+
+def _check_device(device) -> str:
+    """"cpu", "cuda" or "cuda:N", and a CUDA device only where torch sees one (`loader.check_device`)."""
+    from nanoserve.models.loader import check_device   # (here, not at the top: the loader imports a lot)
+
+    check_device(v.text("device", device))
+    return device

@@ -14,7 +14,10 @@ might be the start of a stop string, and the text a user sees never contains
 a stop string, not even half of one for a step.
 
 When a stop string appears, the text is cut just before it and the sequence
-stops. The engine owns the other stop conditions (EOS, stop ids, max_tokens).
+stops. Before `min_tokens` tokens nothing stops a request (vLLM's rule too):
+a stop string that is complete before then is ordinary text, and only a
+match that ends in text from token `min_tokens` on counts. The engine owns
+the other stop conditions (EOS, stop ids, max_tokens).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class IncrementalDetokenizer:
         self.released = 0    # how much of `text` has been handed out
         self.prefix_offset = 0   # the decode window starts at this token ...
         self.read_offset = 0     # ... and the tokens before this one are already in `text`
+        self.stop_floor = 0      # a stop string must end after this many characters (text before min_tokens)
 
     def _new_text(self, ids: list[int]) -> str:
         """Text added by the tokens from read_offset on ("" while a character is incomplete)."""
@@ -49,11 +53,15 @@ class IncrementalDetokenizer:
             return "", False
         text = self.text + self._new_text(output_token_ids)
         stopped = False
-        if check_stop and self.stop:
+        if not check_stop:
+            self.stop_floor = len(text)   # nothing in here may stop the request, even later
+        elif self.stop:
             # Only the tail can hold a new stop string: start a little before the old end
-            # (a few characters more, in case the last character was incomplete before).
+            # (a few characters more, in case the last character was incomplete before),
+            # and never where the match would end inside the text before min_tokens.
             search_from = max(0, len(self.text) - self.hold - 4)
-            hits = [i for i in (text.find(s, search_from) for s in self.stop) if i >= 0]
+            hits = [i for i in (text.find(s, max(search_from, self.stop_floor - len(s) + 1)) for s in self.stop)
+                    if i >= 0]
             if hits:
                 text, stopped = text[: min(hits)], True
         self.text = text

@@ -5,42 +5,66 @@
     while engine.has_unfinished_requests():
         result = engine.step()
 
-One `step()` is:
+One `step()` has three phases:
 
-    drafts  = proposer.propose(...)     (speculative decoding only) guesses for decoding requests
-    plan    = scheduler.schedule()      who runs, how many tokens each, which blocks
-    batch   = runner.prepare(plan)      flat token row + slot mapping + block tables
-    logits  = runner.run(batch)         one forward; attention reads K/V through block tables
-    tokens  = sampler(logits, rows)     one token for every sequence whose chunk reached its end
-              or verify(drafts)         (speculative) accepted drafts + one, rejected KV trimmed
-    postprocess                         append tokens, detokenize, check stops, free finished
+    plan     drafts = proposer.propose(...)   (speculative decoding only) guesses for decoding requests
+             plan   = scheduler.schedule()    who runs, how many tokens each, which blocks
+    compute  runner: block copies and swaps, then one forward over the flat token row
+             (attention reads K/V through block tables), then the token choice
+             (choose.py: sample, or verify drafts, or beam scores)
+    commit   append tokens, detokenize, check stops, fork, free finished, cache full blocks
 
-The engine owns request bookkeeping, stop conditions and events; it delegates
-blocks to the pool, batching to the scheduler, tensors to the runner and
-token choice to the sampler. `LLM` (in `llm.py`) wraps it for offline batches.
+A step is all or nothing, by construction rather than by luck:
+
+* *plan* is bookkeeping the scheduler does every step (the state machine
+  tests check it after every operation); it allocates blocks but computes
+  nothing. (Raising there would be a bookkeeping bug: nothing undoes it.)
+* *compute* changes no bookkeeping at all: it only writes KV into the blocks
+  the plan gave and advances the requests' RNGs. If it raises (out of memory,
+  a kernel error, Ctrl-C; the draft model's forward counts too),
+  `step_rollback.py` undoes the plan (RNGs restored, uncomputed blocks given
+  back, draft caches dropped) and `step()` raises `StepFailed` naming the
+  requests and the cause; they keep their tokens and the next step runs them
+  again.
+* *commit* is per request: if one request's logits are not a distribution
+  (NaN) or its postprocessing raises, that request alone is finished with
+  finish_reason "abort" and an `error`, its blocks released; the others go on.
+* A subscriber that raises cannot interrupt any of this: its exception is
+  held until the operation is complete, then raised as `SubscriberError`.
+
+`add_request`, `abort_request` and `fork` check everything that can fail
+before they change anything (`intake.py` builds a request without touching
+the engine). The engine owns request bookkeeping, stop conditions and events;
+it delegates blocks to the KV manager, batching to the scheduler, tensors to
+the runner and token choice to the sampler. `LLM` (in `llm.py`) wraps it for
+offline batches.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import time
 from collections.abc import Callable, Sequence as Seq
 
 import torch
 
-import copy
-
-from nanoserve import beam_search, engine_state, events as ev, spec_decode
+from nanoserve import engine_state, events as ev, intake, spec_decode, step_rollback
+from nanoserve import validation as v
 from nanoserve.attention import prepare_backend
 from nanoserve.block_pool import BlockPool
+from nanoserve.choose import Choice, choose
+from nanoserve.commit import commit
 from nanoserve.config import EngineConfig
 from nanoserve.detokenizer import IncrementalDetokenizer
+from nanoserve.errors import SubscriberError
 from nanoserve.models.loader import LoadedModel, load_model
 from nanoserve.kv_manager import KVManager
 from nanoserve.outputs import RequestOutput, StepResult, StepStats
 from nanoserve.radix_cache import RadixCache
 from nanoserve.request import Request
 from nanoserve.runner import ModelRunner, RunInput, kv_bytes_per_block
-from nanoserve.sampler import SampledToken, Sampler, SamplingRow
+from nanoserve.sampler import SampledToken, Sampler
 from nanoserve.spec_decode import Drafts, build_proposer
 from nanoserve.sampling_params import SamplingParams, to_pairs
 from nanoserve.scheduler import Scheduler
@@ -56,15 +80,23 @@ class LLMEngine:
 
         `loaded` reuses an already loaded model (e.g. several engines in a test).
         """
-        self.config = config = config or EngineConfig(**kwargs)
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        # A private copy, checked again: resolve() fills it in, the caller's object stays as it was.
+        self.config = config = dataclasses.replace(config) if config is not None else EngineConfig(**kwargs)
         dtype = DTYPES[config.dtype]
         self.loaded = loaded or load_model(config.model, dtype, config.device, config.seed)
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_id = self.loaded.eos_token_id
         model = self.loaded.model
-        config.resolve(model.max_positions, kv_bytes_per_block(model, config.block_size, dtype))
+        block_bytes = kv_bytes_per_block(model, config.block_size, dtype)
+        draft_bytes = 0   # the draft model's pool: as many blocks (a truncated target: fewer layers)
+        if config.speculative_method == "draft":
+            draft_bytes = block_bytes * min(config.draft_num_layers, model.num_layers) // model.num_layers \
+                if config.draft_model is None else block_bytes
+        config.resolve(model.max_positions, block_bytes, draft_bytes)   # FieldError before any allocation
         self.pool = BlockPool(config.num_blocks, config.block_size)
-        self.bus = EventBus()
+        self.bus = EventBus(hold_errors=True)   # a raising viewer never stops a step half way
         # The radix prefix cache (None when off) and the CPU pool for swap preemption (None without swap space).
         self.radix = RadixCache(self.pool, self._emit, self._span_text) if config.enable_prefix_caching else None
         self.cpu_pool = BlockPool(config.num_cpu_blocks, config.block_size) if config.num_cpu_blocks else None
@@ -93,61 +125,30 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
-        """Queue a request. Raises ValueError (and changes nothing) on bad input.
+        """Queue a request. Raises FieldError (a ValueError naming the argument or field) and
+        changes nothing on bad input.
 
         `priority` matters with preemption_policy="priority": the lowest is preempted first.
         """
-        params = params or SamplingParams()
-        if request_id in self.requests or request_id in self.groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
-        max_len = self.config.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {max_len}, "
-                             "which leaves no room to generate")
-        if params.num_seqs > self.config.max_num_seqs:
-            raise ValueError(f"{'beam_width' if params.use_beam_search else 'n'}={params.num_seqs} sequences "
-                             f"cannot run together with max_num_seqs={self.config.max_num_seqs}")
-        if params.use_beam_search:
-            worst = params.num_seqs * self.pool.blocks_needed(0, min(max_len, len(token_ids) + params.max_tokens))
-            if worst > self.pool.num_blocks:
-                raise ValueError(f"beam search with {params.num_seqs} beams may need {worst} blocks; "
-                                 f"the pool has {self.pool.num_blocks}")
-        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
-        seq = Sequence(request_id, text, token_ids, params, generator=torch.Generator().manual_seed(seed),
-                       priority=priority, seats=params.num_seqs)
-        if arrival_time is not None:
-            seq.arrival_time = arrival_time
-        if params.logprobs is not None:
-            seq.logprobs = []
-        self.groups[request_id] = Request(request_id, params, seed, [seq])
-        self._finished_ids.discard(request_id)
-        self.requests[request_id] = seq
-        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params)
-        self.scheduler.add(seq)
-        shown = engine_state.prompt_text(text, token_ids, self.tokenizer)   # token ids: their text
-        self._emit(ev.RequestAdded(self.step_count, request_id, shown, len(token_ids), params.max_tokens,
-                                   tuple(token_ids) if text is None else (), to_pairs(params, seed), priority))
+        self.enqueue(intake.prepare(self, request_id, prompt, params, arrival_time, priority))
+        self._raise_subscriber_errors()
 
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError(f"model {self.config.model!r} has no tokenizer: pass the prompt as token ids")
-            token_ids = self.tokenizer(prompt).input_ids
-            if not token_ids:
-                raise ValueError("prompt is empty after tokenization")
-            return prompt, list(token_ids)
-        token_ids = [int(t) for t in prompt]
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        return None, token_ids
+    def enqueue(self, prepared: intake.PreparedRequest) -> None:
+        """Queue a request `intake.prepare` built and checked (nothing here can fail)."""
+        seq, request = prepared.seq, prepared.request
+        rid = request.request_id
+        if request.seed is None:   # unseeded: a seed from the engine's RNG, so runs are reproducible
+            request.seed = int(torch.randint(2**62, (1,), generator=self._rng))
+            seq.generator = torch.Generator().manual_seed(request.seed)
+        self.groups[rid] = request
+        self._finished_ids.discard(rid)
+        self.requests[rid] = seq
+        self.detokenizers[rid] = prepared.detokenizer
+        self.scheduler.add(seq)
+        shown = engine_state.prompt_text(seq.prompt, seq.prompt_token_ids, self.tokenizer)   # token ids: their text
+        given_ids = tuple(seq.prompt_token_ids) if seq.prompt is None else ()   # what a replay adds again
+        self._emit(ev.RequestAdded(self.step_count, rid, shown, seq.num_prompt_tokens, request.params.max_tokens,
+                                   given_ids, to_pairs(request.params, request.seed), seq.priority))
 
     def abort_request(self, request_id: str) -> RequestOutput:
         """Stop a request (all its sequences) now and free their blocks.
@@ -155,6 +156,7 @@ class LLMEngine:
         Takes a request id, or one sequence's id ("r1.2") to stop just that fork.
         Raises KeyError for an unknown id.
         """
+        v.text("request_id", request_id)
         if request_id in self.groups:
             seqs = self.groups[request_id].live
         elif request_id in self.requests:
@@ -165,6 +167,7 @@ class LLMEngine:
         for seq in seqs:
             self._emit(ev.RequestAborted(self.step_count, seq.request_id))
             out = self._finish(seq, SequenceStatus.FINISHED_ABORTED, delta="")
+        self._raise_subscriber_errors(out)
         return out
 
     def _unknown(self, request_id: str) -> str:
@@ -178,11 +181,12 @@ class LLMEngine:
         The fork joins the same request as one more completion. It shares every
         block of its parent (nothing is copied until one of them writes into a
         shared, partly filled block) and continues with its own random stream,
-        seeded by `seed` (default: a seed drawn from the engine's RNG).
-        Raises KeyError for an unknown or finished request, ValueError when the
+        seeded by `seed` (default: a seed drawn from the engine's RNG; a replay
+        passes the one the first run drew). Raises KeyError for an unknown or finished request, ValueError when the
         sequence cannot be forked now; the engine is unchanged then.
         """
-        seq = self.requests.get(request_id)
+        seq = self.requests.get(v.text("request_id", request_id))
+        seed = v.optional_integer("seed", seed, minimum=0, maximum=2**64 - 1)
         if seq is None:
             raise KeyError(self._unknown(request_id))
         if seq.params.use_beam_search:
@@ -196,15 +200,18 @@ class LLMEngine:
                              "already run")
         if seed is None:
             seed = int(torch.randint(2**62, (1,), generator=self._rng))
-        return self._fork_seq(seq, seed).request_id
+        child_id = self._fork_seq(seq, torch.Generator().manual_seed(seed), seed).request_id
+        self._raise_subscriber_errors(child_id)
+        return child_id
 
-    def _fork_seq(self, parent: Sequence, seed: int) -> Sequence:
-        """A new running sequence of the same request, sharing `parent`'s tokens, text and blocks."""
+    def _fork_seq(self, parent: Sequence, generator: torch.Generator, seed: int = -1) -> Sequence:
+        """A new running sequence of the same request, sharing `parent`'s tokens, text and blocks.
+        (`seed`, the seed of `generator` when the caller knows it, goes into the Forked event.)"""
         group = self.groups[parent.group_id]
         child_id = group.fork_id()
         while child_id in self.requests or child_id in self.groups:   # a user's request may have this id
             child_id = group.fork_id()
-        child = parent.fork(child_id, torch.Generator().manual_seed(seed))
+        child = parent.fork(child_id, generator)
         self.kv.fork(parent, child, seed)
         self.scheduler.running.append(child)
         group.seqs.append(child)
@@ -221,96 +228,83 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> StepResult:
+        """Plan, compute, commit one step (all or nothing: see the module docstring)."""
         t0 = time.perf_counter()
         self.step_count += 1
         self.scheduler.step = self.step_count
-        self._deltas = {}
+        self._deltas, outputs = {}, {}
         self._emit(ev.StepStarted(self.step_count, len(self.scheduler.waiting), len(self.scheduler.running)))
-        drafts = spec_decode.propose(self) if self.proposer else Drafts()
-        # Token counts when the drafts were made: what a rollback returns the draft cache to.
+        rngs = step_rollback.RngStates(self.scheduler.running)   # drafting and sampling draw from these
+        try:
+            drafts = spec_decode.propose(self) if self.proposer else Drafts()   # the draft model's forward
+        except BaseException as exc:
+            self._fail_step(exc, t0, None, rngs, outputs)
         drafted_at = {rid: self.requests[rid].num_tokens for rid in drafts.tokens}
-        plan = self.scheduler.schedule(drafts.tokens)
-        # Block moves the plan needs before the forward: swap out first (those device blocks may be
-        # handed to someone else in this very step), then swap in, then copy-on-write copies.
-        self.runner.swap_out(plan.swap_out)
-        self.runner.swap_in(plan.swap_in)
-        self.runner.copy_blocks(plan.copies)
-        outputs: dict[str, RequestOutput] = {}
+        plan = self.scheduler.schedule(drafts.tokens)                           # bookkeeping only
         for seq in plan.failed:
             outputs[seq.group_id] = self._finish(seq, seq.status, delta="")
         for seq in plan.preempted:
             if self.proposer:
                 self.proposer.release(seq.request_id)   # its draft KV goes with its target KV
-        num_drafted, num_accepted = self._forward(plan, drafts, outputs) if plan.chunks else (0, 0)
+        rngs.save(c.seq for c in plan.chunks)
+        try:
+            chosen = self._compute(plan, drafts)
+        except BaseException as exc:
+            self._fail_step(exc, t0, plan, rngs, outputs)
+        self.scheduler.update(plan)                          # the KV of every real token is written
+        counts = commit(self, chosen, outputs)
         if self.proposer:   # drafts that were proposed but not run (no budget left) roll back too
             ran = {c.seq.request_id for c in plan.chunks if c.draft_token_ids}
             for rid in drafts.tokens.keys() - ran:
                 if rid in self.requests:
                     self.proposer.accepted(self.requests[rid], drafted_at[rid], 0)
         self.scheduler.cache_blocks()      # blocks that filled this step join the prefix cache
-        prefill = sum(c.num_tokens for c in plan.chunks if c.is_prefill)
+        result = self._end_step(t0, plan, outputs, counts)
+        self._raise_subscriber_errors(result)
+        return result
+
+    def _fail_step(self, exc: BaseException, t0: float, plan, rngs, outputs: dict) -> None:
+        """The compute phase raised: undo the plan, close the step, raise StepFailed (or Ctrl-C as is)."""
+        lost = step_rollback.undo(self, plan, rngs)
+        result = self._end_step(t0, plan, outputs, (0, 0), computed=False)
+        err = step_rollback.failure(self, exc, plan, lost, result)
+        if err is exc:
+            raise
+        raise err from exc
+
+    def _compute(self, plan, drafts: Drafts) -> list[Choice]:
+        """Block moves, the forward, the token choice: tensors and RNGs only, no bookkeeping."""
+        # Swap out first (those device blocks may be handed to someone else in this very step),
+        # then swap in, then copy-on-write copies.
+        self.runner.swap_out(plan.swap_out)
+        self.runner.swap_in(plan.swap_in)
+        self.runner.copy_blocks(plan.copies)
+        plan.moved = True
+        if not plan.chunks:
+            return []
+        inputs = [RunInput(c.token_ids(), c.start, c.seq.block_table,
+                           num_logits=1 + len(c.draft_token_ids) if c.samples else 0) for c in plan.chunks]
+        logits = self.runner.run(self.runner.prepare(inputs))   # [rows, vocab], in chunk order
+        return choose(self, plan.chunks, inputs, logits, drafts)
+
+    def _end_step(self, t0: float, plan, outputs: dict[str, RequestOutput], counts: tuple[int, int],
+                  computed: bool = True) -> StepResult:
+        """Stats, the StepFinished event, and the StepResult (a failed step computed no tokens)."""
+        chunks = plan.chunks if plan is not None and computed else []
+        prefill = sum(c.num_tokens for c in chunks if c.is_prefill)
+        num_tokens = sum(c.num_tokens for c in chunks)
         stats = StepStats(
-            step=self.step_count, num_seqs=len(plan.chunks), num_prefill_tokens=prefill,
-            num_decode_tokens=plan.num_tokens - prefill, num_preempted=len(plan.preempted),
+            step=self.step_count, num_seqs=len(chunks), num_prefill_tokens=prefill,
+            num_decode_tokens=num_tokens - prefill, num_preempted=len(plan.preempted) if plan else 0,
             num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
             num_free_blocks=self.pool.num_free_blocks, num_blocks=self.pool.num_blocks,
-            duration_s=time.perf_counter() - t0, num_drafted=num_drafted, num_accepted=num_accepted,
+            duration_s=time.perf_counter() - t0, num_drafted=counts[0], num_accepted=counts[1],
             num_swapped=len(self.scheduler.swapped),
         )
         self._emit(ev.StepFinished(self.step_count, stats.num_seqs, prefill, stats.num_decode_tokens,
                                    stats.num_free_blocks, stats.duration_s))
         events, self._events = self._events, []
         return StepResult(list(outputs.values()), events, stats)
-
-    def _forward(self, plan, drafts: Drafts, outputs: dict[str, RequestOutput]) -> tuple[int, int]:
-        """Run the model on the plan, choose tokens, postprocess. Returns (drafted, accepted)."""
-        inputs = [RunInput(c.token_ids(), c.start, c.seq.block_table,
-                           num_logits=1 + len(c.draft_token_ids) if c.samples else 0) for c in plan.chunks]
-        logits = self.runner.run(self.runner.prepare(inputs))   # [rows, vocab], in chunk order
-        self.scheduler.update(plan)                              # the KV of every real token is written
-        # Split the logits rows: plain chunks sample one token together, drafted ones verify,
-        # beams wait until every beam of their request has its scores.
-        plain, spec, beams, row = [], [], [], 0
-        for c, x in zip(plan.chunks, inputs):
-            if x.num_logits:
-                if c.draft_token_ids:
-                    spec.append((c, row))
-                else:
-                    (beams if c.seq.params.use_beam_search else plain).append((c.seq, row))
-                row += x.num_logits
-        if plain:
-            self._sample(plain, logits, outputs)
-        drafted = accepted = 0
-        for c, r in spec:
-            tokens = spec_decode.verify_chunk(self, c, logits[r : r + 1 + len(c.draft_token_ids)], drafts)
-            drafted += len(c.draft_token_ids)
-            accepted += len(tokens) - 1
-            outputs[c.seq.group_id] = self._append_tokens(c.seq, tokens)
-        self._spec_totals["drafted"] += drafted
-        self._spec_totals["accepted"] += accepted
-        for seq, r in beams:
-            seq.beam_logprobs = beam_search.next_logprobs(logits[r], seq, self.eos_token_id)
-        for group_id in dict.fromkeys(seq.group_id for seq, _ in beams):
-            beam_search.step(self, self.groups[group_id], outputs)
-        return drafted, accepted
-
-    def _sample(self, plain: list[tuple[Sequence, int]], logits: torch.Tensor,
-                outputs: dict[str, RequestOutput]) -> None:
-        """One token for each (sequence, logits row). A request with n > 1 forks here, when its
-        prompt is done: the n sequences share the prompt's blocks and sample from the same row."""
-        pairs = []
-        for seq, r in plain:
-            pairs.append((seq, r))
-            group = self.groups[seq.group_id]
-            if group.needs_fork:
-                group.forked, seq.seats = True, 1
-                pairs += [(self._fork_seq(seq, (group.seed * 1_000_003 + i) % 2**62), r)
-                          for i in range(1, group.params.n)]
-        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator, self.eos_token_id)
-                for s, _ in pairs]
-        sampled = self.sampler(logits[[r for _, r in pairs]], rows)
-        for (seq, _), token in zip(pairs, sampled):
-            outputs[seq.group_id] = self._append_tokens(seq, [token])
 
     def _prune(self, seq: Sequence) -> RequestOutput:
         """Drop a beam: free its blocks, forget it (it is no completion of the request)."""
@@ -381,7 +375,9 @@ class LLMEngine:
             self._emit(ev.RequestFinished(self.step_count, seq.request_id, seq.status.finish_reason,
                                           seq.num_output_tokens, seq.error or ""))
         group = self.groups[seq.group_id]
-        if group.finished:
+        # The request ends when the engine has closed its last sequence (not when the last one's
+        # status says finished: the scheduler may fail two forks of a request in one step).
+        if not any(s.request_id in self.requests for s in group.seqs):
             del self.groups[group.request_id]
             self._finished_ids.add(group.request_id)
         return group.output(self._deltas)
@@ -394,10 +390,18 @@ class LLMEngine:
             self.bus.publish(event)
 
     def subscribe(self, callback: Callable[[ev.Event], None]) -> Callable[[], None]:
-        """Call `callback` with every event from now on, first an EngineSynced; returns unsubscribe."""
-        unsubscribe = self.bus.subscribe(callback)
-        callback(self._synced())
-        return unsubscribe
+        """Call `callback` with every event from now on, first an EngineSynced; returns unsubscribe.
+
+        If `callback` raises, the engine keeps going and so does delivery (to it and to
+        everyone else); the operation that emitted the event raises SubscriberError once done.
+        """
+        callback(self._synced())   # (raises here, before anything is subscribed)
+        return self.bus.subscribe(callback)
+
+    def _raise_subscriber_errors(self, result=None) -> None:
+        """After an operation: raise what subscribers raised during it (the operation itself is done)."""
+        self.bus.raise_held(lambda text: SubscriberError(
+            f"{text} (the engine completed the operation and delivered every event)", result))
 
     def _synced(self) -> ev.EngineSynced:
         return synced_event(self.snapshot())
@@ -426,7 +430,9 @@ class LLMEngine:
 
     def clear_prefix_cache(self) -> int:
         """Evict every cached block nobody is using; returns how many went back to the free queue."""
-        return self.radix.clear() if self.radix else 0
+        freed = self.radix.clear() if self.radix else 0
+        self._raise_subscriber_errors(freed)
+        return freed
 
     def __rich__(self):
         from nanoserve.viz.repl import render_engine

@@ -3,6 +3,8 @@
 `snapshot()` is the plain-data state every viewer can start from (the TUI's
 `EngineSynced` event is built from it); `check_invariants()` is what the tests
 call after every step. Both read the engine and change nothing.
+`fold_mismatches(view, snapshot)` says where a viewer's folded state differs
+from a snapshot (nothing, if the events told the whole story).
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ def check_invariants(engine) -> None:
     engine.scheduler.check_invariants()
     if engine.proposer:
         engine.proposer.check_invariants()
+        for rid, st in getattr(engine.proposer, "states", {}).items():   # a draft model's own KV
+            seq = engine.requests.get(rid)
+            assert seq is not None, f"draft KV kept for {rid}, which is not an unfinished sequence"
+            assert st.num_computed < seq.num_tokens, (f"draft KV of {rid} covers {st.num_computed} of its "
+                                                      f"{seq.num_tokens} tokens: a proposal would have nothing to feed")
     queues = engine.scheduler.running + list(engine.scheduler.waiting) + list(engine.scheduler.swapped)
     live = {s.request_id for s in queues}
     assert live == set(engine.requests), f"queues {sorted(live)} != sequences {sorted(engine.requests)}"
@@ -62,3 +69,34 @@ def check_invariants(engine) -> None:
         assert engine.pool.num_used_blocks == cached, \
             f"{engine.pool.num_used_blocks - cached} blocks leaked with no requests"
         assert engine.cpu_pool is None or engine.cpu_pool.num_used_blocks == 0, "CPU blocks leaked"
+
+
+def fold_mismatches(state, snap: dict) -> list[str]:
+    """Every difference between a folded view and `engine.snapshot()`; empty when they agree."""
+    out = []
+
+    def same(what, got, want):
+        if got != want:
+            out.append(f"{what}: fold {got!r} != engine {want!r}")
+
+    pool = snap["pool"]
+    same("ref counts", state.ref_counts, pool["ref_counts"])
+    same("free queue", state.free_queue, pool["free_queue"])
+    for queue in ("running", "waiting", "swapped"):
+        same(queue, getattr(state, queue), snap[queue])
+    live = sorted(rid for rid, v in state.requests.items() if not v.status.startswith("finished"))
+    same("live requests", live, sorted(r["request_id"] for r in snap["requests"]))
+    for r in snap["requests"]:
+        view = state.requests.get(r["request_id"])
+        if view is None:
+            continue
+        for name in ("status", "block_table", "num_computed_tokens", "num_output_tokens", "output_text",
+                     "cache_node", "cpu_block_table", "num_prompt_tokens", "max_tokens"):
+            same(f"{r['request_id']}.{name}", getattr(view, name), r[name])
+    if snap["radix"]["enabled"]:
+        nodes = {n["node_id"]: (n["parent_id"], n["block_ids"], n["num_tokens"], n["lock_count"])
+                 for n in snap["radix"]["nodes"]}
+        locks = state.lock_counts()
+        folded = {n.node_id: (n.parent_id, n.block_ids, n.num_tokens, locks[n.node_id]) for n in state.radix_nodes()}
+        same("radix tree", folded, nodes)
+    return out

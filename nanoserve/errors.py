@@ -22,3 +22,29 @@ class FieldError(ValueError):
         super().__init__(f"{field} {text}")
         self.field = field   # the dataclass field (or "prompt"), e.g. "block_size"
         self.text = text     # what is wrong with it, e.g. "must be at least 1, got 0"
+
+
+class StepFailed(RuntimeError):
+    """`engine.step()` could not compute its step (the forward pass or the token choice raised).
+
+    The engine undid the step's plan before raising: the requests named in
+    `request_ids` keep every token they had and run again from the next step,
+    `check_invariants()` holds, and `result` is the step's StepResult (its
+    events, and the outputs of requests the scheduler finished before the
+    failure). The original exception is the `__cause__`.
+    """
+
+    def __init__(self, text: str, request_ids: tuple[str, ...] = (), result=None) -> None:
+        super().__init__(text)
+        self.request_ids = request_ids
+        self.result = result
+
+
+class SubscriberError(RuntimeError):
+    """An event subscriber raised. The engine never lets a viewer stop it half way: it finished
+    the operation (and delivered every event to every subscriber) first. `result` is what the
+    operation returned (a StepResult for `step()`); the subscriber's exception is the `__cause__`."""
+
+    def __init__(self, text: str, result=None) -> None:
+        super().__init__(text)
+        self.result = result

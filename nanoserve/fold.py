@@ -67,7 +67,7 @@ def _synced_state(e: ev.EngineSynced) -> ViewState:
 def _finish(state: ViewState, req: RequestView, reason: str) -> None:
     if reason not in FINISHED_STATUS:
         raise ValueError(f"unknown finish reason {reason!r} for request {req.request_id!r}")
-    if req.request_id in state.finished:
+    if req.status.startswith("finished"):
         return  # RequestAborted then RequestFinished("abort"): count it once
     req.status, req.finish_reason = FINISHED_STATUS[reason], reason
     req.cache_node = ROOT             # a finished request holds no cache node
@@ -76,6 +76,19 @@ def _finish(state: ViewState, req: RequestView, reason: str) -> None:
         if req.request_id in queue:
             queue.remove(req.request_id)
     state.finished.append(req.request_id)
+
+
+def _new_request(state: ViewState, req: RequestView, queue: list[str]) -> None:
+    """A request view joins `queue`. An id can be reused once its request has finished: the new
+    request replaces the old one's view (and its place in the finished list)."""
+    rid = req.request_id
+    old = state.requests.pop(rid, None)
+    if old is not None and not old.status.startswith("finished"):
+        raise ValueError(f"request {rid!r} added while the one with that id is still {old.status}")
+    if rid in state.finished:
+        state.finished.remove(rid)
+    state.requests[rid] = req
+    queue.append(rid)
 
 
 def _take(state: ViewState, block_id: int) -> None:
@@ -147,13 +160,12 @@ def _fork(state: ViewState, event: ev.Forked) -> None:
     parent = state.requests.get(event.parent_id)
     if parent is None:
         raise ValueError(f"Forked from unknown request {event.parent_id!r}")
-    rid = event.request_id
-    state.requests[rid] = RequestView(rid, parent.prompt, parent.num_prompt_tokens, parent.max_tokens,
-                                      parent.status, parent.output_text, parent.num_output_tokens,
-                                      parent.num_computed_tokens, list(event.block_ids), None, parent.cache_node)
+    child = RequestView(event.request_id, parent.prompt, parent.num_prompt_tokens, parent.max_tokens,
+                        parent.status, parent.output_text, parent.num_output_tokens,
+                        parent.num_computed_tokens, list(event.block_ids), None, parent.cache_node)
     for block_id in event.block_ids:
         _take(state, block_id)                        # shared: one more holder each
-    (state.waiting if parent.status == "waiting" else state.running).append(rid)
+    _new_request(state, child, state.waiting if parent.status == "waiting" else state.running)
     state.touched_blocks.update(event.block_ids)
 
 
@@ -258,8 +270,7 @@ def fold(state: ViewState | None, event: ev.Event) -> ViewState:
     elif isinstance(event, _RADIX_EVENTS):
         _fold_radix(state, event)
     elif isinstance(event, ev.RequestAdded):
-        state.requests[rid] = RequestView(rid, event.prompt, event.num_prompt_tokens, event.max_tokens)
-        state.waiting.append(rid)
+        _new_request(state, RequestView(rid, event.prompt, event.num_prompt_tokens, event.max_tokens), state.waiting)
     elif isinstance(event, ev.Forked):
         _fork(state, event)
     elif req is None:  # every other event is about a request we must know
@@ -273,14 +284,15 @@ def fold(state: ViewState | None, event: ev.Event) -> ViewState:
     elif isinstance(event, ev.ChunkScheduled):
         req.num_computed_tokens = event.start + event.num_tokens
     elif isinstance(event, ev.Preempted):
-        state.running.remove(rid)
+        # From running; or from swapped when a failed step never ran its swap-out copy.
+        (state.swapped if rid in state.swapped else state.running).remove(rid)
         req.cache_node = ROOT                         # a preempted request lets go of its cache node
         if event.mode == "swap":                      # KV moves to the CPU pool (SwappedOut follows)
             state.swapped.append(rid)
             req.status = "swapped"
         else:                                         # KV dropped: admitted first again, recomputed
             state.waiting.insert(0, rid)
-            req.status, req.num_computed_tokens = "waiting", 0
+            req.status, req.num_computed_tokens, req.cpu_block_table = "waiting", 0, []
     elif isinstance(event, ev.KVTrimmed):
         req.num_computed_tokens = event.num_computed_tokens   # rejected drafts' KV is gone
     elif isinstance(event, ev.TokenSampled):

@@ -175,13 +175,14 @@ class KVManager:
 
     # -- release ----------------------------------------------------------------------------
 
-    def release(self, seq: Sequence) -> None:
-        """Drop everything `seq` holds on the device: its cache locks and its blocks.
+    def release(self, seq: Sequence, keep_kv: bool = True) -> None:
+        """Drop everything `seq` holds: its cache locks, its device blocks, its CPU blocks.
 
         Its filled blocks go into the prefix cache first (their KV is valid, whether it
-        finished, was aborted or preempted), so a later request, or its own recompute, hits them.
+        finished, was aborted or preempted), so a later request, or its own recompute, hits
+        them; `keep_kv=False` skips that, for KV a failed step left unwritten.
         """
-        if seq.block_table:
+        if seq.block_table and keep_kv:
             self.cache_full_blocks(seq)
         if seq.cache_node is not None:
             self._relock(seq, None)

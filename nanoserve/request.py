@@ -23,7 +23,7 @@ from nanoserve.sequence import Sequence
 class Request:
     request_id: str
     params: SamplingParams
-    seed: int                                  # forks derive their RNG seeds from it
+    seed: int | None                           # forks derive their RNG seeds from it (set when queued)
     seqs: list[Sequence] = field(default_factory=list)   # every sequence it ran, pruned beams left out
     forked: bool = False                       # n > 1 / beam search: the prompt's sequence has been forked
     next_index: int = 1                        # the index the next fork gets ("<request_id>.<index>")

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from nanoserve import validation as v
+from nanoserve.errors import FieldError
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -21,7 +24,8 @@ class SamplingParams:
     min_p: float = 0.0              # drop tokens whose probability is below min_p * p(most likely)
     max_tokens: int = 16            # generate at most this many tokens
     min_tokens: int = 0             # EOS and stop_token_ids are masked until this many are generated
-    stop: list[str] = field(default_factory=list)          # stop strings; never part of the text
+    stop: list[str] = field(default_factory=list)          # stop strings; never part of the text (one that
+                                    # is complete before min_tokens is ordinary text: it stops nothing)
     stop_token_ids: list[int] = field(default_factory=list)  # extra token ids that end the request
     ignore_eos: bool = False        # keep going past the model's EOS token
     presence_penalty: float = 0.0   # subtract this from logits of tokens already generated
@@ -36,51 +40,55 @@ class SamplingParams:
     length_penalty: float = 1.0     # as in Hugging Face: > 0 favours longer, < 0 shorter finished beams
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
+        """Check every field's type and range; a bad one raises FieldError naming it."""
+        self.n = v.integer("n", self.n, minimum=1)
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "length_penalty"):
+            setattr(self, name, v.number(name, getattr(self, name)))   # finite: NaN would poison the sampler
+        for name in ("top_k", "max_tokens", "min_tokens", "beam_width"):
+            setattr(self, name, v.integer(name, getattr(self, name)))
+        self.logprobs = v.optional_integer("logprobs", self.logprobs, minimum=0)
+        self.seed = v.optional_integer("seed", self.seed, minimum=0, maximum=2**64 - 1)
+        v.boolean("ignore_eos", self.ignore_eos)
+        v.boolean("skip_special_tokens", self.skip_special_tokens)
+        self.stop = _stop_strings(self.stop)
+        self.stop_token_ids = v.token_ids("stop_token_ids", [] if self.stop_token_ids is None else self.stop_token_ids)
         if self.beam_width:
             self._check_beam()
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+            raise FieldError("temperature", f"must be >= 0 (0 means greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise FieldError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (both: off) or a positive count, got {self.top_k}")
+            raise FieldError("top_k", f"must be -1, 0 (both: off) or a positive count, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise FieldError("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise FieldError("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+            raise FieldError("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+            raise FieldError("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+            raise FieldError("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise FieldError("repetition_penalty", f"must be > 0 (1 is off), got {self.repetition_penalty}")
 
     def _check_beam(self) -> None:
         """Beam search picks the most likely continuations: sampling settings contradict it."""
         if self.beam_width < 1:
-            raise ValueError(f"beam_width must be 0 (off) or at least 1, got {self.beam_width}")
+            raise FieldError("beam_width", f"must be 0 (off) or at least 1, got {self.beam_width}")
         if self.n > self.beam_width:
-            raise ValueError(f"beam search returns at most beam_width={self.beam_width} completions, asked n={self.n}")
+            raise FieldError("n", f"is {self.n}, but beam search returns at most beam_width={self.beam_width} "
+                                  "completions")
         defaults = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
                     "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-        clashes = [f"{name}={getattr(self, name)}" for name, off in defaults.items()
+        clashes = [name for name, off in defaults.items()
                    if getattr(self, name) != off and not (name == "top_k" and self.top_k == -1)]
         if clashes:
-            raise ValueError(f"beam search keeps the most likely continuations and does not sample; "
-                             f"these settings contradict it: {', '.join(clashes)} (use temperature=0, the rest "
-                             "at their defaults)")
+            raise FieldError(clashes[0], "contradicts beam search, which keeps the most likely continuations "
+                             f"and does not sample: {', '.join(f'{n}={getattr(self, n)}' for n in clashes)} "
+                             "(use temperature=0, the rest at their defaults)")
 
     @property
     def use_beam_search(self) -> bool:
@@ -95,6 +103,23 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the choice is a plain argmax (temperature 0)."""
         return self.temperature == 0.0
+
+
+def _stop_strings(stop) -> list[str]:
+    """`stop` as a list of non-empty strings (one string alone is a list of one)."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if isinstance(stop, (bytes, bytearray)) or not isinstance(stop, (list, tuple)):
+        raise FieldError("stop", f"must be a str or a list of str, got {stop!r} ({type(stop).__name__})")
+    for s in stop:
+        if not isinstance(s, str):
+            raise FieldError("stop", f"must hold only strings, got {s!r} ({type(s).__name__}); "
+                                     "token ids go in stop_token_ids")
+        if not s:
+            raise FieldError("stop", "strings must be non-empty")
+    return list(stop)
 
 
 def to_pairs(params: SamplingParams, seed: int | None = None) -> tuple[tuple[str, object], ...]:

@@ -29,7 +29,12 @@ victim that is not already in this step's batch, chosen by
 With `preemption_mode="recompute"` the victim's blocks are freed and it waits
 at the front of the queue to recompute its KV; with "swap" its KV is copied to
 the CPU pool and back later (falling back to recompute when the CPU pool is
-full). Waiting sequences never preempt anyone. A sequence that could not fit
+full). Waiting sequences never preempt a sequence that is making progress.
+A *stuck* beam makes none: a running beam that has its next-token scores and
+waits, holding a seat and blocks, for a sibling that was preempted. Stuck
+beams (of other requests) are the first victims, for running and waiting
+sequences alike, or a beam search could hold its blocks while the others
+preempt each other, or two beam searches wait on each other, forever. A sequence that could not fit
 even in an empty pool is failed with an error instead of retried forever.
 
 The scheduler moves sequences between queues; `kv_manager.py` does the block
@@ -85,6 +90,7 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) device blocks
     swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, CPU block) copies
     swap_in: list[tuple[int, int]] = field(default_factory=list)    # (CPU block, device block) copies
+    moved: bool = False   # set by the engine once the runner has carried out copies and swaps
 
     @property
     def num_tokens(self) -> int:
@@ -153,10 +159,9 @@ class Scheduler:
             num_new = self._chunk_size(seq, budget)
             need = len(seq.cpu_block_table) + self.pool.blocks_needed(len(seq.cpu_block_table),
                                                                        seq.num_computed_tokens + num_new)
-            if (not num_new and seq.num_uncomputed_tokens) or need > self.kv.num_available_blocks \
-                    or self.seats_used + seq.seats > self.config.max_num_seqs:
+            if (not num_new and seq.num_uncomputed_tokens) or not self._make_room(seq, need, None, scheduled, out):
                 break
-            self.swapped.popleft()
+            self.swapped.remove(seq)      # (idle beams _make_room swapped out joined the queue's end)
             self.kv.swap_in(seq)
             seq.set_status(SequenceStatus.RUNNING)
             self.running.append(seq)
@@ -173,18 +178,20 @@ class Scheduler:
                 self._fail(seq, out, f"needs {seq.num_tokens} tokens of KV but the whole pool holds "
                                      f"{self.pool.num_blocks * self.pool.block_size}")
                 continue
-            if self.seats_used + seq.seats > self.config.max_num_seqs:
-                break
+            if not self._make_room(seq, 0, None, scheduled, out):
+                break                                  # no seat
             node, cached = self.kv.match(seq)          # the longest cached prefix (no blocks change yet)
             num_cached = len(cached) * self.pool.block_size
             num_new = self._chunk_size(seq, budget, num_cached)
             if not num_new:
                 break                                  # the whole prompt must wait for a step with room
             need = self.pool.blocks_needed(len(cached), num_cached + num_new)
-            if need > self.kv.num_available_blocks - self.kv.evictable_in_path(node) \
-                    and not self._preempt_idle(seq, need, node, scheduled, out):
+            if not self._make_room(seq, need, node, scheduled, out):
                 break                                  # admission only when the blocks are there
-            self.waiting.popleft()
+            if out.preempted and self.kv.cache is not None:   # preempted beams' blocks joined the cache:
+                node, cached = self.kv.match(seq)            # match again (same or longer prefix)
+                num_new = self._chunk_size(seq, budget, len(cached) * self.pool.block_size)
+            self.waiting.remove(seq)   # not popleft(): beams _make_room preempted went to the front
             seq.set_status(SequenceStatus.RUNNING)
             self.running.append(seq)
             self.emit(ev.RequestAdmitted(self.step, seq.request_id))
@@ -202,13 +209,31 @@ class Scheduler:
             return budget if self.config.enable_chunked_prefill else 0
         return num_new
 
-    def _preempt_idle(self, seq: Sequence, need: int, node, scheduled: set[str], out: SchedulerOutput) -> bool:
-        """Beam search only: beams that wait for a preempted sibling hold blocks and compute nothing.
-        Preempt them (newest first) so the sibling can come back; True once `need` blocks are there."""
-        idle = [s for s in self.running if s.num_uncomputed_tokens == 0 and s.request_id not in scheduled]
-        while idle and need > self.kv.num_available_blocks - self.kv.evictable_in_path(node):
-            self._preempt(idle.pop(), out)
-        return need <= self.kv.num_available_blocks - self.kv.evictable_in_path(node)
+    def _make_room(self, seq: Sequence, need: int, node, scheduled: set[str], out: SchedulerOutput) -> bool:
+        """Are there seats for `seq` and `need` blocks (beyond what admitting `node`'s path frees)?
+
+        If not, preempt *stuck* beams, newest first: running beams that computed their scores and
+        wait, holding seats and blocks, for a sibling that is not running (it was preempted
+        because memory was short). Without this, two beam searches could wait on each other's
+        seats forever. A beam of `seq`'s own request is never preempted for it (that would
+        only swap which sibling waits), nor one whose siblings all run (it waits one step).
+        """
+        def short() -> bool:
+            return (self.seats_used + seq.seats > self.config.max_num_seqs or
+                    need > self.kv.num_available_blocks - self.kv.evictable_in_path(node))
+        if not short():
+            return True
+        stuck = self._stuck_beams(scheduled, seq.group_id)
+        while stuck and short():
+            self._preempt(stuck.pop(), out)
+        return not short()
+
+    def _stuck_beams(self, scheduled: set[str], other_than: str) -> list[Sequence]:
+        """Running beams (of requests other than `other_than`) that have their scores and wait for a
+        sibling that is not running: they hold seats and blocks and compute nothing. Oldest first."""
+        waiting_for = {s.group_id for s in (*self.waiting, *self.swapped)} - {other_than}
+        return [s for s in self.running if s.num_uncomputed_tokens == 0 and s.group_id in waiting_for
+                and s.request_id not in scheduled]
 
     def _reserve(self, seq: Sequence, num_new: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         """Get blocks for `num_new` more tokens of a running `seq`, preempting others if needed.
@@ -216,9 +241,10 @@ class Scheduler:
         Returns False when `seq` itself had to be preempted (or failed).
         """
         while self.kv.blocks_to_write(seq, num_new) > self.kv.num_available_blocks:
-            victim = self._victim(scheduled)
-            if victim is seq and self.kv.num_available_blocks + len(seq.block_table) >= self.pool.num_blocks:
-                # Nobody else holds a block and it still does not fit: it never will.
+            victim = self._victim(seq, scheduled)
+            if victim is seq and self.pool.blocks_needed(0, seq.num_computed_tokens + num_new) > self.pool.num_blocks:
+                # It would not fit even alone in the pool: it never will. (Otherwise it waits
+                # for room like any victim; blocks it shares with a fork do not count against it.)
                 self.running.remove(seq)
                 self._fail(seq, out, f"needs more than the {self.pool.num_blocks} blocks of the pool")
                 return False
@@ -228,8 +254,12 @@ class Scheduler:
         self.kv.grow(seq, num_new)
         return True
 
-    def _victim(self, scheduled: set[str]) -> Sequence:
-        """The running sequence to preempt, by `preemption_policy` (never one already in this batch)."""
+    def _victim(self, seq: Sequence, scheduled: set[str]) -> Sequence:
+        """The running sequence to preempt for `seq`: a stuck beam of another request first (it
+        makes no progress anyway), else one by `preemption_policy`; never one already in this batch."""
+        stuck = self._stuck_beams(scheduled, seq.group_id)
+        if stuck:
+            return stuck[-1]
         candidates = [(i, s) for i, s in enumerate(self.running) if s.request_id not in scheduled]
         policy = self.config.preemption_policy
         if policy == "priority":
@@ -265,6 +295,17 @@ class Scheduler:
         seq.set_status(SequenceStatus.WAITING)
         self.emit(ev.Preempted(self.step, seq.request_id, "recompute", lost))
         self.kv.release(seq)
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+
+    def drop_kv(self, seq: Sequence) -> None:
+        """A failed step left `seq`'s KV unwritten (its block copies never ran): send it back to
+        the front of the queue to recompute, keeping nothing of that KV (not even in the cache)."""
+        lost = seq.num_computed_tokens
+        (self.running if seq.status is SequenceStatus.RUNNING else self.swapped).remove(seq)
+        seq.set_status(SequenceStatus.WAITING)
+        self.emit(ev.Preempted(self.step, seq.request_id, "recompute", lost))
+        self.kv.release(seq, keep_kv=False)
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
 

@@ -9,6 +9,7 @@ and where it is in its life:
        ▲                  │
        └───preempt────────┘            (any unfinished state) ──abort──▶ FINISHED_ABORTED
     RUNNING ──swap out──▶ SWAPPED ──swap in──▶ RUNNING
+                          SWAPPED ──(a failed step never ran the copy)──▶ WAITING
 
 Preemption by recompute sends a RUNNING sequence back to WAITING with its
 blocks freed and `num_computed_tokens = 0`; its generated tokens are kept and
@@ -63,7 +64,7 @@ _FINISH_REASON = {
 _TRANSITIONS = {
     SequenceStatus.WAITING: {SequenceStatus.RUNNING, SequenceStatus.FINISHED_ABORTED},
     SequenceStatus.RUNNING: {SequenceStatus.WAITING, SequenceStatus.SWAPPED, *_FINISHED},
-    SequenceStatus.SWAPPED: {SequenceStatus.RUNNING, SequenceStatus.FINISHED_ABORTED},
+    SequenceStatus.SWAPPED: {SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED_ABORTED},
 }
 
 

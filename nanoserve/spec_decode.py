@@ -31,9 +31,11 @@ Two proposers share one interface, `propose(seqs, limits) -> Drafts`:
                         own block pool and paged KV cache, sampling k tokens
 
 The engine schedules the drafts and runs the forward; this module owns
-proposing, the acceptance rule, and (at its end) the engine's two calls into it:
-`propose` before scheduling, and `verify_chunk` after the forward, which also
-rolls back the KV written for rejected positions.
+proposing, the acceptance rule, and (at its end) the engine's calls into it:
+`propose` before scheduling, `decide` after the forward (which tokens are
+accepted: no bookkeeping changes, so a failed step has nothing to undo), and
+`apply` when the step commits, which rolls back the KV written for rejected
+positions.
 """
 
 from __future__ import annotations
@@ -201,11 +203,17 @@ class DraftModelProposer:
         return drafts
 
     def accepted(self, seq: Sequence, num_tokens_before: int, num_accepted: int) -> None:
-        """Keep draft KV only for tokens the request really has now; free the rest."""
+        """Keep draft KV only for tokens the request really has now, never its last one; free the rest.
+
+        The next proposal starts by feeding the draft model the request's last token (it needs
+        that token's logits), so the draft cache must stop short of it. After a verify the last
+        token is the new one and this holds anyway; after drafts that were never run (no budget
+        left) nothing was appended, and without the bound the cache would cover every token.
+        """
         st = self.states.get(seq.request_id)
         if st is None:
             return
-        st.num_computed = min(st.num_computed, num_tokens_before + num_accepted)
+        st.num_computed = min(st.num_computed, num_tokens_before + num_accepted, seq.num_tokens - 1)
         keep = self.pool.blocks_needed(0, st.num_computed)
         self.pool.free(st.block_table[keep:])
         del st.block_table[keep:]
@@ -263,34 +271,41 @@ def build_proposer(config, loaded, dtype: torch.dtype):
 def propose(engine) -> Drafts:
     """The engine's step, before scheduling: drafts for every running request that is decoding."""
     k, max_len = engine.config.num_speculative_tokens, engine.config.max_model_len
+    pool_tokens = engine.pool.num_blocks * engine.pool.block_size
     seqs = [s for s in engine.scheduler.running   # beams are scored together, one token per step
             if s.num_uncomputed_tokens == 1 and not s.params.use_beam_search]
-    # Never draft past max_tokens or max_model_len: one step emits up to k + 1 tokens.
+    # Never draft past max_tokens or max_model_len: one step emits up to k + 1 tokens. Nor past
+    # what the whole pool holds: the drafts' KV must fit with the request's own.
     limits = {s.request_id: max(0, min(k, s.params.max_tokens - s.num_output_tokens - 1,
-                                       max_len - s.num_tokens - 1)) for s in seqs}
+                                       max_len - s.num_tokens - 1, pool_tokens - s.num_tokens)) for s in seqs}
     drafts = engine.proposer.propose(seqs, limits)
     for rid, tokens in drafts.tokens.items():
         engine._emit(ev.DraftProposed(engine.step_count, rid, engine.proposer.method, tuple(tokens)))
     return drafts
 
 
-def verify_chunk(engine, chunk, logits: torch.Tensor, drafts: Drafts) -> list[SampledToken]:
-    """The engine's step, after the forward: exact acceptance of a chunk's drafts; the KV of the
-    rejected ones is rolled back (target and draft caches) and the tokens come back to be appended."""
+def decide(engine, chunk, logits: torch.Tensor, drafts: Drafts) -> tuple[list[SampledToken], int]:
+    """The step's compute phase: exact acceptance of a chunk's drafts against logits [len(drafts) + 1, V].
+    Returns (tokens to append: the accepted drafts plus one, number accepted); changes no bookkeeping."""
     seq, draft = chunk.seq, chunk.draft_token_ids
     n = len(draft)
     rows = sampling_rows(seq, draft, engine.eos_token_id, n + 1)
     q = drafts.q.get(seq.request_id)
     tokens, accepted = verify(engine.sampler.probs(logits, rows), draft, q[:n] if q is not None else None,
                               seq.params.greedy, seq.generator)
+    return engine.sampler.report(logits[: len(tokens)], tokens, rows[: len(tokens)]), accepted
+
+
+def apply(engine, chunk, tokens: list[SampledToken], accepted: int) -> None:
+    """The step's commit phase: the last real token and the accepted drafts have valid KV, the rejected
+    positions do not: roll those back (target and draft caches) and say so. The engine appends `tokens`."""
+    seq, n = chunk.seq, len(chunk.draft_token_ids)
     num_tokens_before = seq.num_tokens
     seq.num_drafted += n
     seq.num_accepted += accepted
-    # The last real token and the accepted drafts have valid KV; the rejected positions do not.
     seq.num_computed_tokens += accepted
     freed = engine.kv.trim(seq)
     engine.proposer.accepted(seq, num_tokens_before, accepted)
     engine._emit(ev.DraftVerified(engine.step_count, seq.request_id, n, accepted,
-                                  accepted if accepted < n else -1, tokens[-1], accepted == n))
+                                  accepted if accepted < n else -1, tokens[-1].token_id, accepted == n))
     engine._emit(ev.KVTrimmed(engine.step_count, seq.request_id, seq.num_computed_tokens, n - accepted, freed))
-    return engine.sampler.report(logits[: len(tokens)], tokens, rows[: len(tokens)])

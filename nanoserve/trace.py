@@ -37,14 +37,20 @@ __all__ = [
 class EventBus:
     """Synchronous publish/subscribe for engine events.
 
-    A subscriber that raises is not silenced: the exception propagates out of
-    `publish` (and so out of `engine.step()`), and later subscribers do not get
-    that event. A broken viewer should be loud, not quietly miss events.
+    A subscriber that raises is not silenced. By default the exception
+    propagates out of `publish`, and later subscribers do not get that event.
+    With `hold_errors=True` (the engine's bus) `publish` never raises: every
+    subscriber gets every event, and the errors wait in `held` until the
+    publisher is at a point where raising cannot leave it half way through a
+    change (`raise_held`). A broken viewer should be loud, not quietly miss
+    events, and not stop the engine mid-step either.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, hold_errors: bool = False) -> None:
         self._subscribers: dict[int, Callable[[Event], None]] = {}  # by subscription number
         self._next_id = 0
+        self.hold_errors = hold_errors
+        self.held: list[tuple[Callable, Event, Exception]] = []     # (subscriber, event, what it raised)
 
     @property
     def active(self) -> bool:
@@ -64,7 +70,22 @@ class EventBus:
     def publish(self, event: Event) -> None:
         # iterate over a copy: a subscriber may unsubscribe itself while called
         for callback in list(self._subscribers.values()):
-            callback(event)
+            if not self.hold_errors:
+                callback(event)
+                continue
+            try:
+                callback(event)
+            except Exception as exc:   # noqa: BLE001 -- held, raised by raise_held()
+                self.held.append((callback, event, exc))
+
+    def raise_held(self, wrap: Callable[[str], Exception]) -> None:
+        """Raise `wrap(description)` from the first held error, if any, and forget them all."""
+        if not self.held:
+            return
+        held, self.held = self.held, []
+        text = "; ".join(f"subscriber {getattr(cb, '__qualname__', cb)} raised {type(exc).__name__}: {exc} "
+                         f"on {event}" for cb, event, exc in held[:3]) + (" ..." if len(held) > 3 else "")
+        raise wrap(text) from held[0][2]
 
     def publish_many(self, events: Iterable[Event]) -> None:
         for event in events:

@@ -7,6 +7,8 @@ import pytest
 from nanoserve import EngineConfig, LLMEngine, SamplingParams
 from nanoserve import events as ev
 from conftest import make_engine, run_to_end, save_tiny
+from machine_reference import VOCAB, small_engine
+from nanoserve.sequence import SequenceStatus
 
 
 @pytest.fixture()
@@ -290,3 +292,61 @@ def test_subscribing_mid_run_folds_to_the_snapshot(tiny_llama):
             view = state.requests[r["request_id"]]
             assert (view.block_table, view.max_tokens) == (r["block_table"], r["max_tokens"])
         engine.step()
+
+
+# -- small pools: abort, preemption, a request that outgrows the pool (the state machine's model) ------
+
+
+def test_abort_running_request_frees_all_blocks_at_once():
+    engine = small_engine(4, 24, 16, 4, enable_prefix_caching=False)
+    engine.add_request("a", list(range(1, 30)), SamplingParams(max_tokens=20, temperature=0))
+    engine.add_request("b", list(range(40, 50)), SamplingParams(max_tokens=20, temperature=0))
+    for _ in range(4):
+        engine.step()
+    seq = engine.requests["a"]
+    assert seq.status is SequenceStatus.RUNNING and len(seq.block_table) >= 8
+    table = list(seq.block_table)
+    free_before = engine.pool.num_free_blocks
+    out = engine.abort_request("a")
+    assert engine.pool.num_free_blocks == free_before + len(table)
+    assert out.outputs[0].finish_reason == "abort"
+    engine.check_invariants()
+    # The freed blocks sit at the tail of the free queue, the request's last block first.
+    assert engine.pool.free_queue.ids()[-len(table):] == table[::-1]
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_invariants()
+    assert engine.pool.num_used_blocks == 0
+
+
+def test_small_pool_preempts_and_still_drains():
+    """The machine's pool really does preempt: four long requests in 24 blocks of 4."""
+    engine = small_engine(4, 24, 16, 4, enable_prefix_caching=False)
+    for i in range(4):
+        engine.add_request(f"r{i}", [(7 * i + j) % VOCAB for j in range(24)],
+                           SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    preempted = 0
+    while engine.has_unfinished_requests():
+        preempted += engine.step().stats.num_preempted
+        engine.check_invariants()
+    assert preempted > 0
+    assert engine.pool.num_used_blocks == 0
+
+
+def test_request_that_outgrows_the_pool_is_failed_and_frees_its_blocks():
+    """max_model_len above the pool's capacity: the request fails with an error, nothing leaks."""
+    engine = small_engine(4, 8, 16, 4, max_model_len=64, enable_prefix_caching=False)  # the pool holds 32 tokens
+    engine.add_request("big", list(range(1, 21)), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    finished = {}
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step().outputs:
+            if out.finished:
+                finished[out.request_id] = out.outputs[0]
+        engine.check_invariants()
+    comp = finished["big"]
+    assert comp.finish_reason == "abort" and comp.error
+    # It ran until all 32 slots held KV (the 33rd token is sampled from them), then gave up.
+    assert 20 + len(comp.token_ids) == 33
+    assert engine.pool.num_used_blocks == 0

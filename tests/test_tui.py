@@ -364,6 +364,55 @@ async def test_live_presets_restart_engine():
 
 
 @run_async
+async def test_live_restart_that_fails_keeps_the_old_engine_on_screen(monkeypatch):
+    """Regression: the old engine was unsubscribed before the new one was built; when building
+    failed, the view froze while the worker went on stepping the old engine."""
+    import nanoserve_tui.source as source_module
+
+    app = live_app()
+    async with app.run_test(size=WIDE) as pilot:
+        await wait_for(pilot, lambda: app.frame is not None)
+        await pilot.press("n")
+        await wait_for(pilot, lambda: step_of(app) == 1)
+
+        def no_room(*args, **kwargs):
+            raise RuntimeError("out of memory building the engine")
+
+        monkeypatch.setattr(source_module, "ScenarioRunner", no_room)
+        await pilot.press("p", "down", "enter")                  # memory-pressure: fails to build
+        await wait_for(pilot, lambda: "out of memory building the engine" in notices(app))
+        await pilot.press("n")                                    # the old engine still steps, on screen
+        await wait_for(pilot, lambda: step_of(app) == 2)
+        assert app.frame.state.num_blocks == 64 and app.source.description.startswith("continuous-batching")
+
+
+@run_async
+async def test_live_view_that_cannot_fold_restarts_from_the_engine(monkeypatch):
+    """Regression: a fold error on the UI thread escaped the error handling; now it is a notice and
+    the view starts afresh from an EngineSynced of the engine's state."""
+    import nanoserve_tui.source as source_module
+
+    app = live_app()
+    async with app.run_test(size=WIDE) as pilot:
+        await wait_for(pilot, lambda: app.frame is not None)
+        fold, broken = source_module.fold, []
+
+        def fold_that_fails_once(state, event):
+            if isinstance(event, StepFinished) and not broken:
+                broken.append(event)
+                raise ValueError("a viewer bug")
+            return fold(state, event)
+
+        monkeypatch.setattr(source_module, "fold", fold_that_fails_once)
+        await pilot.press("n")
+        await wait_for(pilot, lambda: "a viewer bug" in notices(app))
+        await wait_for(pilot, lambda: step_of(app) == 1)          # resynced: the state after step 1
+        assert set(app.frame.state.running) == {"r1", "r2"}
+        await pilot.press("n")
+        await wait_for(pilot, lambda: step_of(app) == 2)
+
+
+@run_async
 async def test_replay_preset_starts_a_live_run():
     app = replay_app()
     async with app.run_test(size=WIDE) as pilot:

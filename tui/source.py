@@ -9,7 +9,9 @@ replayed trace looks exactly like the live run that recorded it.
   worker thread. The UI never touches the engine: it puts commands (step,
   add, abort, fork, restart) on a queue, the worker executes them one at a time and
   sends each command's events back with `call_from_thread`, where they are
-  folded on the UI thread.
+  folded on the UI thread. A command that fails is a notice, and the engine
+  in use stays (a failed restart keeps the old one on screen); a fold that
+  fails is a notice too, and the view restarts from a fresh `EngineSynced`.
 * `ReplaySource` reads a JSONL trace, splits it into steps, and folds up to
   step N; every frame is cached, so stepping back is instant.
 
@@ -33,7 +35,7 @@ from textual.worker import get_current_worker
 from nanoserve.events import DraftVerified, EngineSynced, Event, StepFinished, StepStarted
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scenarios import Scenario, ScenarioRunner, get_scenario
-from nanoserve.trace import JsonlRecorder, ViewState, fold, fold_all, read_trace
+from nanoserve.trace import JsonlRecorder, ViewState, fold, fold_all, read_trace, synced_event
 
 DEFAULT_MODEL = "tiny-llama"
 
@@ -247,27 +249,36 @@ class LiveSource(Source):
         self._commands.put(("fork", (request_id,)))
 
     def restart(self, scenario: str) -> None:
-        """Start over on a fresh engine running `scenario` (the model stays loaded)."""
-        self.scenario = get_scenario(scenario)
-        self.description = f"{self.scenario.name} on {self.model}"
+        """Start over on a fresh engine running `scenario` (the model stays loaded).
+
+        The old engine stays on screen, and keeps stepping, until the new one is built."""
+        get_scenario(scenario)                        # ValueError for an unknown name, here and now
         self._commands.put(("restart", (scenario,)))
 
     def close(self) -> None:
         self._commands.put(("stop", ()))
 
-    def _deliver(self, events: list[Event], done: bool, stepped: bool) -> None:
+    def _deliver(self, events: list[Event], done: bool, stepped: bool, description: str | None = None) -> None:
         """Fold a command's events into the view (runs on the UI thread)."""
         if stepped:
             self._pending_steps = max(0, self._pending_steps - 1)
         self._done = done
-        if events and self._state is not None:
-            # Frames already posted must never change under the widgets drawing them (they draw
-            # lazily, after later deliveries): fold into a copy, as ReplaySource does.
-            self._state = copy.deepcopy(self._state)
-        for event in events:
-            if isinstance(event, EngineSynced):
-                self._acceptance = ()                 # a fresh engine: fresh metrics
-            self._state = fold(self._state, event)
+        if description is not None:                   # a restart succeeded: the new scenario's name
+            self.description = description
+        # Frames already posted must never change under the widgets drawing them (they draw
+        # lazily, after later deliveries): fold into a copy, as ReplaySource does.
+        state, acceptance = copy.deepcopy(self._state) if events else self._state, self._acceptance
+        try:
+            for event in events:
+                if isinstance(event, EngineSynced):
+                    acceptance = ()                   # a fresh engine: fresh metrics
+                state = fold(state, event)
+        except Exception as exc:   # noqa: BLE001 -- a view that cannot follow: say so, start it afresh
+            self._app.notify(f"{type(exc).__name__}: {exc}; the view starts afresh from the engine's state",
+                             title="view out of step", severity="error", timeout=30)
+            self._commands.put(("sync", ()))
+            return
+        self._state, self._acceptance = state, acceptance
         rate = acceptance_rate(events)
         if rate is not None:
             self._acceptance += (rate,)
@@ -301,6 +312,7 @@ class LiveSource(Source):
                     continue
                 if command == "stop":
                     break
+                self._description = None
                 try:
                     runner = self._execute(runner, command, args)
                 except (ValueError, KeyError) as exc:      # bad user input: say so, keep running
@@ -309,7 +321,7 @@ class LiveSource(Source):
                 except Exception as exc:                    # noqa: BLE001 -- an engine bug: show it, stay up
                     self._to_ui(self._app.notify, f"{type(exc).__name__}: {exc}", title=f"engine {command} failed",
                                 severity="error", timeout=30)
-                self._flush(runner, stepped=command == "step")
+                self._flush(runner, stepped=command == "step", description=self._description)
         finally:
             if self._recorder:
                 self._recorder.close()
@@ -328,10 +340,16 @@ class LiveSource(Source):
             self._to_ui(self._app.notify, f"{args[0]} forked: {child} shares its blocks until one of them "
                                           f"writes into a shared block (copy-on-write)", title="fork")
         elif command == "restart":                          # a fresh engine; the loaded model stays
+            scenario = get_scenario(args[0])
+            new = ScenarioRunner(scenario, self.model, loaded=runner.engine.loaded)   # may fail: the old one stays
             for unsubscribe in self._unsubscribe:
                 unsubscribe()
-            runner = ScenarioRunner(get_scenario(args[0]), self.model, loaded=runner.engine.loaded)
+            self._buffer.clear()                            # (nothing of the old engine's is pending)
+            runner, self.scenario = new, scenario
             self._unsubscribe = self._listen(runner)        # sends EngineSynced: the view starts afresh
+            self._description = f"{scenario.name} on {self.model}"
+        elif command == "sync":                             # the view lost track: the whole state again
+            self._buffer.append(synced_event(runner.engine.snapshot()))
         return runner
 
     def _listen(self, runner: ScenarioRunner) -> list:
@@ -340,10 +358,10 @@ class LiveSource(Source):
             unsubscribe.append(runner.engine.subscribe(self._recorder))
         return unsubscribe
 
-    def _flush(self, runner: ScenarioRunner, stepped: bool) -> None:
+    def _flush(self, runner: ScenarioRunner, stepped: bool, description: str | None = None) -> None:
         events = self._buffer[:]
         self._buffer.clear()
-        self._to_ui(self._deliver, events, runner.done, stepped)
+        self._to_ui(self._deliver, events, runner.done, stepped, description)
 
     def _to_ui(self, callback, *args, **kwargs) -> None:
         try:

@@ -1,0 +1,86 @@
+"""Rolling back a step whose compute phase failed, so that the next step runs as if it never started.
+
+A step plans (bookkeeping), computes (tensors and random draws) and commits
+(bookkeeping again); see `engine.py`. When the compute phase raises — the
+draft model's or the target's forward, a block copy, the token choice; an
+out-of-memory error, a kernel bug, Ctrl-C — no token has been appended and
+no `num_computed_tokens` has moved, so undoing the plan is short:
+
+* every RNG the step could have drawn from goes back to its saved state, so a
+  seeded request still produces the tokens it would have without the failure;
+* the draft model's cache is dropped for every running request (it is only a
+  cache: the next proposal recomputes it);
+* each scheduled chunk gives back the blocks it got for tokens that were never
+  computed (`KVManager.trim`, told to viewers by a `KVTrimmed` event);
+* if the failure came before the runner finished the step's block copies and
+  swaps, every sequence whose KV was to arrive in a copied or swapped block is
+  sent back to recompute, keeping none of that KV (`Scheduler.drop_kv`).
+
+What the plan did that is still true stays: preempted sequences stay
+preempted, admitted ones stay admitted (with their prefix-cache hits), failed
+ones stay failed. Those are states the scheduler produces every step, so
+`check_invariants()` holds and viewers' folds still match the snapshot.
+"""
+
+from __future__ import annotations
+
+from nanoserve import events as ev
+from nanoserve.errors import StepFailed
+from nanoserve.scheduler import SchedulerOutput
+from nanoserve.sequence import Sequence, SequenceStatus
+
+
+class RngStates:
+    """The saved state of every per-request RNG a step may draw from."""
+
+    def __init__(self, seqs: list[Sequence]) -> None:
+        self._saved: dict[int, tuple] = {}
+        self.save(seqs)
+
+    def save(self, seqs) -> None:
+        for seq in seqs:
+            if seq.generator is not None and id(seq) not in self._saved:
+                self._saved[id(seq)] = (seq.generator, seq.generator.get_state())
+
+    def restore(self) -> None:
+        for generator, state in self._saved.values():
+            generator.set_state(state)
+
+
+def undo(engine, plan: SchedulerOutput | None, rngs: RngStates) -> list[str]:
+    """Undo a failed compute phase (`plan` is None when proposing drafts failed); returns the
+    ids of the sequences whose work was lost."""
+    rngs.restore()
+    if engine.proposer:
+        for seq in engine.scheduler.running:
+            engine.proposer.release(seq.request_id)
+    if plan is None:
+        return [s.request_id for s in engine.scheduler.running]
+    scheduler = engine.scheduler
+    if not plan.moved:
+        device_dst = {dst for _, dst in plan.copies} | {dst for _, dst in plan.swap_in}
+        cpu_dst = {dst for _, dst in plan.swap_out}
+        for seq in [s for s in scheduler.running if device_dst.intersection(s.block_table)] + \
+                   [s for s in scheduler.swapped if cpu_dst.intersection(s.cpu_block_table)]:
+            scheduler.drop_kv(seq)
+    for chunk in plan.chunks:
+        seq = chunk.seq
+        if seq.status is SequenceStatus.RUNNING:
+            freed = engine.kv.trim(seq)   # blocks past num_computed_tokens, which did not move
+            engine._emit(ev.KVTrimmed(engine.step_count, seq.request_id, seq.num_computed_tokens,
+                                      chunk.num_tokens, freed))
+    return [c.seq.request_id for c in plan.chunks]
+
+
+def failure(engine, exc: BaseException, plan: SchedulerOutput | None, request_ids: list[str], result):
+    """The exception `step()` raises: a StepFailed naming the requests and the cause, or, for
+    Ctrl-C and the like, the original exception with the step's result attached."""
+    if not isinstance(exc, Exception):
+        exc.step_result = result
+        return exc
+    where = ("proposing drafts" if plan is None else
+             "the block copies" if not plan.moved else "the forward pass or the token choice")
+    ids = ", ".join(request_ids) or "no request"
+    return StepFailed(f"step {engine.step_count}: {where} failed for {ids} ({type(exc).__name__}: {exc}); "
+                      "nothing was computed: those requests keep their tokens and run again next step",
+                      tuple(request_ids), result)
