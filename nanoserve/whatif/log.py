@@ -26,11 +26,11 @@ settings would have drawn seeds in another order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
 
 from nanoserve import events as ev
-from nanoserve.sampling_params import SamplingParams, from_pairs
+from nanoserve.sampling_params import SamplingParams, from_pairs, to_pairs
 
 
 class CommandKind(Enum):
@@ -64,8 +64,6 @@ class Command:
     def add(cls, step: int, request_id: str, prompt, params: SamplingParams | dict | None = None,
             priority: int = 0) -> Command:
         """An add command from a call's arguments (params as SamplingParams or its fields)."""
-        from nanoserve.sampling_params import to_pairs
-
         if isinstance(params, dict):
             params = SamplingParams(**params)
         prompt = prompt if isinstance(prompt, str) else tuple(int(t) for t in prompt)
@@ -74,16 +72,6 @@ class Command:
     @property
     def sampling_params(self) -> SamplingParams:
         return from_pairs(self.params)
-
-    @property
-    def seeded(self) -> bool:
-        """True once the command knows its seed (a command from the log does; a planned add may not)."""
-        if self.kind is CommandKind.ADD:
-            return dict(self.params).get("seed") is not None
-        return self.kind is not CommandKind.FORK or self.seed is not None
-
-    def at(self, step: int) -> Command:
-        return replace(self, step=step)
 
     def describe(self) -> str:
         """One line for a person: `add r1 (12 tokens, max_tokens 16) after step 0`."""
