@@ -73,12 +73,15 @@ class Run:
 
     @classmethod
     def start(cls, config: EngineConfig | None = None, loaded=None, script=(), **kwargs) -> Run:
-        """A run on a new engine (`loaded`: an already loaded model to reuse), with `script` to come."""
+        """A run on a new engine (`loaded`: an already loaded model to reuse), with `script` to come
+        (its commands due before the first step are given at once)."""
         from nanoserve.engine import LLMEngine
 
         config = config if config is not None else EngineConfig(**kwargs)
         given = dataclasses.replace(config)
-        return cls(LLMEngine(config, loaded=loaded), given, script)
+        run = cls(LLMEngine(config, loaded=loaded), given, script)
+        run.apply_due()
+        return run
 
     # -- driving it ------------------------------------------------------------------------
 
@@ -109,9 +112,16 @@ class Run:
                 self.skipped.append((command, str(exc).strip("'\"")))
 
     def step(self):
-        """Apply the due commands, then run one engine step; returns its StepResult."""
+        """Run one engine step and give it the commands due after it; returns the StepResult.
+
+        (Commands due before it are given first: a fresh run's, or a rewind's.) Giving the
+        commands right after the step, as `ScenarioRunner` does, means that between steps the
+        engine is exactly as its command log says, and a viewer sees the new arrivals at once.
+        """
         self.apply_due()
-        return self.engine.step()
+        result = self.engine.step()
+        self.apply_due()
+        return result
 
     def run_to(self, step: int | None = None, max_steps: int = 10_000):
         """Step until `step_count == step` (None: until the run is done); returns self."""
@@ -128,7 +138,7 @@ class Run:
         return sorted(self.log.commands + self.script, key=lambda c: c.step)
 
     def rewind(self, step: int) -> Run:
-        """A new run, as this one was right after `step` steps (before the commands made then)."""
+        """A new run, as this one was right after `step` steps and the commands made then."""
         return self.branch(step)
 
     def branch(self, step: int, **changes) -> Run:
@@ -146,8 +156,8 @@ class Run:
         future = [c for c in commands if c.step >= step]
         run = Run.start(config, loaded=self.engine.loaded, script=past)
         run.run_to(step)
-        run.apply_due()                      # nothing: every past command was due before `step`
         run.script = sorted(run.script + future, key=lambda c: c.step)
+        run.apply_due()                      # the commands made right after `step`
         return run
 
 

@@ -28,24 +28,30 @@ def scenario_script(scenario: Scenario, chat: bool, tokenizer) -> tuple[dict, li
     return dict(workload.config), commands
 
 
-def scenario_run(name: str, changes: dict | None = None, model: str = "tiny-llama", loaded=None,
-                 max_steps: int = 1000) -> Run:
-    """Run scenario `name` to its end with `changes` to its settings (FieldError "set" on a bad one)."""
+def scenario_start(scenario: Scenario, model: str = "tiny-llama", loaded=None, changes: dict | None = None) -> Run:
+    """A run at step 0 of `scenario` (its first arrivals queued), with `changes` to its settings.
+
+    A bad change raises FieldError("set", ...), also when the engine refuses it (a pool that
+    does not fit the model's memory budget is only known once the model is)."""
     from nanoserve.models.loader import load_model
 
-    scenario = get_scenario(name)
     changes = changes or {}
     loaded = loaded or load_model(model)
     chat = has_chat_template(loaded.tokenizer) and scenario.chat is not None
     config, script = scenario_script(scenario, chat, loaded.tokenizer)
     config = checked_config({**config, "model": model}, changes)
     try:
-        run = Run.start(config, loaded=loaded, script=script)
-    except FieldError as exc:   # the engine resolves the pool against the model: a change may not fit
+        return Run.start(config, loaded=loaded, script=script)
+    except FieldError as exc:
         if exc.field in changes:
             raise FieldError("set", f"{exc.field}={changes[exc.field]}: {exc}") from None
         raise
-    return run.run_to(max_steps=max_steps)
+
+
+def scenario_run(name: str, changes: dict | None = None, model: str = "tiny-llama", loaded=None,
+                 max_steps: int = 1000) -> Run:
+    """Run scenario `name` to its end with `changes` to its settings (FieldError "set" on a bad one)."""
+    return scenario_start(get_scenario(name), model, loaded, changes).run_to(max_steps=max_steps)
 
 
 def scenario_pair(name: str, changes: dict, model: str = "tiny-llama", loaded=None) -> tuple[Run, Run]:
