@@ -159,6 +159,8 @@ def add_whatif_parsers(sub) -> None:
     cmp.add_argument("--model", "-m", dest="model", default="tiny-llama", help="model to run (default: %(default)s)")
     cmp.add_argument("--save", default=None, metavar="PREFIX",
                      help="also write both runs' traces: PREFIX-a.jsonl and PREFIX-b.jsonl")
+    cmp.add_argument("--tui", action="store_true",
+                     help="show the two runs side by side in the terminal UI, in lockstep (keys: space, b, d)")
     add_threads(cmp)
 
     plot = sub.add_parser(
@@ -260,9 +262,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.trace:
         if len(args.trace) != 2 or args.set:
             raise FieldError("trace", "must be given exactly twice (A and B), without --set")
+        from nanoserve.trace import read_trace
         from nanoserve.whatif.compare import compare
-        print(compare(*args.trace, labels=tuple(Path(t).stem for t in args.trace)))
-        return 0
+        events = [read_trace(t) for t in args.trace]
+        return show_comparison(compare(*events, labels=tuple(Path(t).stem for t in args.trace)), *events, args.tui)
     from nanoserve.scenarios import get_scenario
     from nanoserve.whatif.workload import scenario_pair
 
@@ -277,8 +280,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
         write_trace(args.save + "-a.jsonl", a.events)
         write_trace(args.save + "-b.jsonl", b.events)
     from nanoserve.whatif.compare import compare
-    print(compare(a, b))
-    return 0
+    return show_comparison(compare(a, b), a.events, b.events, args.tui)
+
+
+def show_comparison(comparison, events_a, events_b, tui: bool) -> int:
+    """Print the comparison, or open it side by side in the TUI."""
+    if not tui:
+        print(comparison)
+        return 0
+    from nanoserve_tui.compare_app import run_compare_app
+    return run_compare_app(comparison, events_a, events_b)
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
