@@ -58,6 +58,7 @@ JOBS = [
     Job("memory", "memory", about="prefix-cache, fork, preemption pictures and their captions"),
     Job("life", "life", about="life-of-a-request.md: one request through the modules"),
     Job("serving", "serving", about="serve.md: the architecture picture (docs/img/make_serving_pictures.py)"),
+    Job("whatif", "whatif", about="whatif.md: rewind, branch and compare; `nanoserve compare`; two plots"),
     Job("cli", "cli", slow=True, about="getting-started.md: the CLI on SmolLM2"),
     Job("screens", "screens", slow=True, about="tui-*.svg: the TUI's own screenshots of each scenario"),
 ]

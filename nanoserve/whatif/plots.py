@@ -141,8 +141,23 @@ def figure(source, what: str):
     return fig
 
 
+def render(source, what: str, fmt: str = "svg") -> bytes:
+    """The figure as PNG or SVG bytes. The same run gives the same bytes (no date stamp, fixed
+    SVG ids), so a picture in the docs can be checked against a fresh run."""
+    import io
+
+    import matplotlib
+
+    fig = figure(source, what)
+    buf = io.BytesIO()
+    metadata = {"Date": None} if fmt == "svg" else {"Software": None}
+    with matplotlib.rc_context({"svg.hashsalt": "nanoserve"}):
+        fig.savefig(buf, format=fmt, dpi=110, metadata=metadata)
+    return buf.getvalue()
+
+
 def save_figure(source, what: str, path: str | Path):
     """Draw `what` and write it to `path` (.png or .svg, by its suffix); returns the path."""
-    fig = figure(source, what)
-    fig.savefig(path, dpi=110)
-    return Path(path)
+    path = Path(path)
+    path.write_bytes(render(source, what, path.suffix.lower().lstrip(".") or "png"))
+    return path
