@@ -61,7 +61,7 @@ def make(read) -> Result:
                 out.files[f"docs/img/{file}"] = (tmp / file).read_bytes()
     small = "\n".join(screen_lines(out.files["docs/img/tui-100x30.svg"].decode()))
     wide = "\n".join(screen_lines(out.files["docs/img/tui-memory-pressure.svg"].decode()))
-    assert "touched this step" in wide and "touched this step" not in small, \
+    assert "= this step" in wide and "= this step" not in small, \
         "tui.md says the pool's legend is hidden below 130 columns"
     assert "radix tree" in small, "tui.md says the radix panel stays at 100x30 when the engine caches prefixes"
     return out

@@ -123,8 +123,13 @@ def attach_screenshot() -> str:
                                           ("eve", "Me too!", False)]:
                 threading.Thread(target=student, args=(url, user, prompt, hang_up), daemon=True).start()
                 await pilot.pause(0.25)
-            await pilot.pause(1.5)
-            return tui.export_screenshot(title=f"nanoserve tui --attach {url}")
+            # until alan's hang-up shows (a busy machine streams slower), at most 60 s
+            for _ in range(240):
+                await pilot.pause(0.25)
+                svg = tui.export_screenshot(title=f"nanoserve tui --attach {url}")
+                if "disconnected" in svg:
+                    break
+            return svg
 
     with BackgroundServer(app) as background:
         svg = asyncio.run(shoot(background.url))
