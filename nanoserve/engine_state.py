@@ -45,7 +45,7 @@ def snapshot(engine) -> dict:
         "requests": [view(s) for s in engine.requests.values()],
         "radix": {"enabled": engine.radix is not None, "nodes": engine.radix.snapshot() if engine.radix else []},
         "cpu_pool": engine.cpu_pool.snapshot() if engine.cpu_pool else None,
-        "config": [(f.name, getattr(engine.config, f.name)) for f in dataclasses.fields(engine.config)],
+        "config": {f.name: getattr(engine.config, f.name) for f in dataclasses.fields(engine.config)},
     }
 
 

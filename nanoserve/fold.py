@@ -43,7 +43,7 @@ def synced_event(snapshot: dict) -> ev.EngineSynced:
     return ev.EngineSynced(snapshot["step"], snapshot["model"], pool["num_blocks"], pool["block_size"],
                            tuple(pool["ref_counts"]), tuple(pool["free_queue"]), requests, nodes,
                            bool(radix.get("enabled", False)), cpu_pool.get("num_blocks", 0),
-                           tuple((name, value) for name, value in snapshot.get("config", ())))
+                           tuple(dict(snapshot.get("config", {})).items()))
 
 
 def _synced_state(e: ev.EngineSynced) -> ViewState:

@@ -48,8 +48,6 @@ from nanoserve.whatif.log import Command, CommandKind, CommandLog
 
 # EngineConfig fields a branch may not change: they decide the weights that `loaded` already holds.
 FIXED = ("model", "dtype", "device", "seed", "draft_model", "draft_num_layers")
-# Fields `resolve()` derives from the others: a branch that changes the pool lets them be derived again.
-DERIVED = ("num_cpu_blocks", "max_model_len")
 
 
 class Run:
@@ -60,8 +58,10 @@ class Run:
     """
 
     def __init__(self, engine, config: EngineConfig, script=()) -> None:
+        """Watch `engine` from its start. `config`: its settings as given, before the engine filled in
+        what it derives (pool size, swap space, max_model_len), so a branch derives them afresh."""
         self.engine = engine
-        self.config = config                 # the settings as given (before the engine resolved them)
+        self.config = config
         self.log = CommandLog()
         self.events: list[ev.Event] = []
         self.script: list[Command] = sorted(script, key=lambda c: c.step)   # due when step_count reaches .step
@@ -169,13 +169,7 @@ def branch_config(config: EngineConfig, changes: dict) -> EngineConfig:
             raise FieldError(name, f"is not an engine setting; settings are: {', '.join(sorted(names))}")
         if name in FIXED and changes[name] != getattr(config, name):
             raise FieldError(name, "cannot change in a branch: it needs other weights (start a new run instead)")
-    derived = {name: None for name in DERIVED if name not in changes and _was_derived(config, name)}
-    return dataclasses.replace(config, **derived, **changes)
-
-
-def _was_derived(config: EngineConfig, name: str) -> bool:
-    """True when the config never set `name` itself (it is None until the engine resolves it)."""
-    return getattr(config, name) is None
+    return dataclasses.replace(config, **changes)
 
 
 def apply(engine, command: Command) -> None:
