@@ -27,6 +27,7 @@ def test_identical_configs_do_not_diverge(tiny_llama):
     assert all(x == y for _, x, y in c.total_rows())
     assert all(x == y for _, x, y in c.request_rows())
     assert "no divergence" in str(c)
+    assert "peak blocks in use" in repr(c) and "<table" not in repr(c) and "peak blocks" in c._repr_html_()
 
 
 def test_cache_off_computes_exactly_the_prefix_hits_again(tiny_llama):

@@ -92,11 +92,13 @@ class Comparison:
         console.print(self)
         return console.export_text().rstrip()
 
-    def _repr_pretty_(self, p, cycle) -> None:   # IPython prints the table
-        p.text(str(self))
+    def __repr__(self) -> str:      # a REPL shows the tables, in colour on a terminal (as StepResult does)
+        from nanoserve.viz.repl import to_text
+        return to_text(self)
 
-    def __repr__(self) -> str:
-        return f"<Comparison {self.headline()}>"
+    def _repr_html_(self) -> str:   # Jupyter
+        from nanoserve.viz.repl import to_html
+        return to_html(self)
 
 
 class _Null:
