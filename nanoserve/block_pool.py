@@ -29,6 +29,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
+from nanoserve.display import Displayable
+
 
 class Block:
     """One physical KV block: its id, its ref count, and its free-queue links."""
@@ -97,7 +99,7 @@ class FreeBlockQueue:
         return [b.block_id for b in self]
 
 
-class BlockPool:
+class BlockPool(Displayable):
     """Allocates, shares and frees physical blocks; checks its own bookkeeping."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -205,18 +207,6 @@ class BlockPool:
             )
         used = sum(1 for b in self.blocks if b.ref_count > 0)
         assert used + len(free_set) == self.num_blocks, "free + used != num_blocks"
-
-    def __rich__(self):
-        from nanoserve.viz.repl import render_block_pool
-        return render_block_pool(self)
-
-    def __repr__(self) -> str:
-        from nanoserve.viz.repl import to_text
-        return to_text(self)
-
-    def _repr_html_(self) -> str:
-        from nanoserve.viz.repl import to_html
-        return to_html(self)
 
     def snapshot(self) -> dict:
         """Plain-data view: ref counts per block and the free queue in LRU order."""

@@ -51,13 +51,14 @@ import torch
 
 from nanoserve import engine_state, events as ev, intake, spec_decode, step_rollback
 from nanoserve import validation as v
-from nanoserve.attention import prepare_backend
 from nanoserve.block_pool import BlockPool
 from nanoserve.choose import Choice, choose
 from nanoserve.commit import commit
 from nanoserve.config import EngineConfig
 from nanoserve.detokenizer import IncrementalDetokenizer
+from nanoserve.display import Displayable
 from nanoserve.errors import SubscriberError
+from nanoserve.kernels.backends import prepare_backend
 from nanoserve.models.loader import LoadedModel, load_model
 from nanoserve.kv_manager import KVManager
 from nanoserve.outputs import RequestOutput, StepResult, StepStats
@@ -74,7 +75,7 @@ from nanoserve.trace import EventBus, synced_event
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class LLMEngine:
+class LLMEngine(Displayable):
     def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None, **kwargs) -> None:
         """Build an engine from a config (or its fields as keyword arguments).
 
@@ -433,23 +434,3 @@ class LLMEngine:
         freed = self.radix.clear() if self.radix else 0
         self._raise_subscriber_errors(freed)
         return freed
-
-    def __rich__(self):
-        from nanoserve.viz.repl import render_engine
-        return render_engine(self)
-
-    def __repr__(self) -> str:
-        from nanoserve.viz.repl import to_text
-        return to_text(self)
-
-    def _repr_html_(self) -> str:
-        """Jupyter: the rich panel, and the block tables drawn by Graphviz when `dot` is installed."""
-        from nanoserve.viz.graphviz import engine_svg
-        from nanoserve.viz.repl import to_html
-
-        svg = engine_svg(self)
-        return to_html(self) + (svg or "")
-
-    def _repr_svg_(self) -> str | None:
-        from nanoserve.viz.graphviz import engine_svg
-        return engine_svg(self)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nanoserve.display import Displayable
 from nanoserve.events import Event
 
 
@@ -45,8 +46,8 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass(slots=True)
-class RequestOutput:
+@dataclass(slots=True, repr=False)     # repr: the rich panel (Displayable)
+class RequestOutput(Displayable):
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -59,14 +60,6 @@ class RequestOutput:
         """Tokens generated per target forward that sampled for this request (> 1 with speculation)."""
         steps = self.metrics.num_sampling_steps
         return len(self.outputs[0].token_ids) / steps if steps else None
-
-    def __rich__(self):
-        from nanoserve.viz.repl import render_request_output
-        return render_request_output(self)
-
-    def __repr__(self) -> str:
-        from nanoserve.viz.repl import to_text
-        return to_text(self)
 
 
 @dataclass(slots=True)
@@ -86,20 +79,8 @@ class StepStats:
     num_swapped: int = 0            # sequences waiting in the CPU pool after the step
 
 
-@dataclass(slots=True)
-class StepResult:
+@dataclass(slots=True, repr=False)
+class StepResult(Displayable):
     outputs: list[RequestOutput]
     events: list[Event] = field(default_factory=list)
     stats: StepStats | None = None
-
-    def __rich__(self):
-        from nanoserve.viz.repl import render_step_result
-        return render_step_result(self)
-
-    def __repr__(self) -> str:
-        from nanoserve.viz.repl import to_text
-        return to_text(self)
-
-    def _repr_html_(self) -> str:
-        from nanoserve.viz.repl import to_html
-        return to_html(self)

@@ -50,6 +50,7 @@ from collections.abc import Callable, Sequence
 
 from nanoserve import events as ev
 from nanoserve.block_pool import BlockPool
+from nanoserve.display import Displayable
 
 
 class RadixNode:
@@ -79,7 +80,7 @@ class RadixNode:
         return f"RadixNode({self.node_id}, blocks={self.block_ids}, lock={self.lock_count})"
 
 
-class RadixCache:
+class RadixCache(Displayable):
     def __init__(self, pool: BlockPool, emit: Callable[[ev.Event], None],
                  decode: Callable[[list[int]], str] | None = None) -> None:
         self.pool = pool
@@ -286,11 +287,3 @@ class RadixCache:
                 })
             stack.extend(sorted(node.children.values(), key=lambda n: -n.node_id))
         return out
-
-    def __rich__(self):
-        from nanoserve.viz.repl import render_radix
-        return render_radix(self.snapshot())
-
-    def __repr__(self) -> str:
-        from nanoserve.viz.repl import to_text
-        return to_text(self)

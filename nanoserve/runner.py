@@ -45,7 +45,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanoserve.attention import AttentionBackend, AttentionMetadata, BatchLayout, PrefillChunk, make_backend
+from nanoserve.attention import AttentionBackend, AttentionMetadata, BatchLayout, PrefillChunk
+from nanoserve.kernels.backends import make_backend
 
 
 @dataclass(slots=True)

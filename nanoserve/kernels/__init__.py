@@ -1,5 +1,6 @@
 """Attention kernels over the paged KV cache.
 
+backends.py        which attention backend runs (torch or triton) and building it
 reference.py       torch, any device: the contract every kernel is tested against
 triton_decode.py   Triton paged decode attention (split-K + combine)
 triton_prefill.py  Triton paged prefill over a cached prefix

@@ -36,37 +36,14 @@ from graphviz import Digraph
 from nanoserve.events import StepFinished, StepStarted
 from nanoserve.trace import ViewState, fold, read_trace, synced_event
 from nanoserve.trace_check import check_trace
-
-# (light fill, dark line) per request, in arrival order. No gold or red here:
-# gold marks shared blocks and red marks blocks touched this step.
-PALETTE = [("#c6dbef", "#2171b5"), ("#c7e9c0", "#238b45"), ("#dadaeb", "#6a51a3"),
-           ("#c7eae5", "#01665e"), ("#fcc5e0", "#ae017e"), ("#e6d5c3", "#8c510a"),
-           ("#d9d9d9", "#525252"), ("#c2e1ff", "#08306b")]
-SHARED_FILL, SHARED_LINE = "#ffd92f", "#b8860b"
-FREE_FILL, TOUCHED_LINE = "#ffffff", "#d62728"
-CACHED_FILL = "#b7b7a4"      # only the prefix cache holds it: reusable by a hit, or evicted for room
-HELD_FILL = "#eeeeee"        # held by no request we know
-MAX_POOL_CELLS = 512     # a real pool has thousands of blocks; draw the first ones
-MAX_QUEUE_IDS = 40       # free-queue ids shown before "…"
-FONT = "Helvetica"
-
-
-def _colours(state: ViewState) -> dict[str, tuple[str, str]]:
-    """Request id -> (fill, line). Arrival order, so colours stay put from step to step."""
-    return {rid: PALETTE[i % len(PALETTE)] for i, rid in enumerate(state.requests)}
+from nanoserve.viz.dot_style import (CACHED_FILL, FONT, FREE_FILL, HELD_FILL, MAX_POOL_CELLS, MAX_QUEUE_IDS,
+                                     SHARED_FILL, TOUCHED_LINE, colours_of, graph, html_table)
+from nanoserve.viz.radix_dot import radix_tree_dot as radix_dot   # the prefix tree has its own module
 
 
 def _live(state: ViewState) -> list[str]:
     """Requests a picture shows: running first, then waiting, then swapped out (in queue order)."""
     return state.running + state.waiting + state.swapped
-
-
-def _graph(name: str, title: str, rankdir: str) -> Digraph:
-    g = Digraph(name)
-    g.attr(rankdir=rankdir, label=title, labelloc="t", fontname=FONT, fontsize="16", nodesep="0.3")
-    g.attr("node", shape="plaintext", fontname=FONT, fontsize="11")
-    g.attr("edge", arrowsize="0.6", penwidth="1.4")
-    return g
 
 
 def _title(state: ViewState, what: str) -> str:
@@ -78,8 +55,8 @@ def _title(state: ViewState, what: str) -> str:
 # -- block tables ---------------------------------------------------------------
 def tables_dot(state: ViewState) -> str:
     """Each live request's block table with arrows to the physical blocks it maps to."""
-    g = _graph("tables", _title(state, "block tables"), rankdir="LR")
-    colours, owners = _colours(state), state.block_owners()
+    g = graph("tables", _title(state, "block tables"), rankdir="LR")
+    colours, owners = colours_of(state), state.block_owners()
     with_blocks = [rid for rid in _live(state) if state.requests[rid].block_table]
     node = {rid: f"req{i}" for i, rid in enumerate(state.requests)}  # ids may hold ':' or spaces
     for rid in with_blocks:
@@ -92,20 +69,20 @@ def tables_dot(state: ViewState) -> str:
             held = min(max(req.num_computed_tokens - i * state.block_size, 0), state.block_size)
             rows.append(f'<TR><TD BGCOLOR="{fill}">logical {i}</TD>'
                         f'<TD PORT="b{i}" BGCOLOR="{fill}">{held}/{state.block_size}</TD></TR>')
-        g.node(node[rid], _html_table(rows))
+        g.node(node[rid], html_table(rows))
         for i, block_id in enumerate(req.block_table):
             g.edge(f"{node[rid]}:b{i}:e", f"physical:p{block_id}:w", color=line)
     # waiting requests without blocks (new, or preempted) share one small box
     no_blocks = [rid for rid in state.running + state.waiting if rid not in with_blocks]
     if no_blocks:
         names = "".join(f'<TD BGCOLOR="{colours[rid][0]}">{html.escape(rid)}</TD>' for rid in no_blocks)
-        g.node("no_blocks", _html_table([f'<TR><TD BORDER="0"><I>waiting, no blocks:</I></TD>{names}</TR>'],
+        g.node("no_blocks", html_table([f'<TR><TD BORDER="0"><I>waiting, no blocks:</I></TD>{names}</TR>'],
                                         spacing=2))
     # swapped-out requests: their KV sits in the CPU pool, no device blocks
     if state.swapped:
         rows = [f'<TR><TD BGCOLOR="{colours[rid][0]}">{html.escape(rid)}</TD><TD>CPU '
                 f'{" ".join(map(str, state.requests[rid].cpu_block_table))}</TD></TR>' for rid in state.swapped]
-        g.node("swapped", _html_table(['<TR><TD COLSPAN="2" BORDER="0"><I>swapped out, KV in the CPU pool:</I>'
+        g.node("swapped", html_table(['<TR><TD COLSPAN="2" BORDER="0"><I>swapped out, KV in the CPU pool:</I>'
                                        '</TD></TR>'] + rows))
     # keep the requests top to bottom in queue order (running first)
     column = ([node[rid] for rid in with_blocks] + (["no_blocks"] if no_blocks else [])
@@ -129,7 +106,7 @@ def tables_dot(state: ViewState) -> str:
                     f'<TD BGCOLOR="{fill}">{note}</TD></TR>')
     if len(rows) == 1:
         rows.append('<TR><TD COLSPAN="2"><I>none in use</I></TD></TR>')
-    g.node("physical", _html_table(rows))
+    g.node("physical", html_table(rows))
     return g.source
 
 
@@ -140,17 +117,12 @@ def _fill(kind: str, holders: list[str] | None, colours: dict[str, tuple[str, st
     return {"free": FREE_FILL, "shared": SHARED_FILL, "cached": CACHED_FILL}.get(kind, HELD_FILL)
 
 
-def _html_table(rows: list[str], spacing: int = 0) -> str:
-    return (f'<<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="{spacing}" CELLPADDING="4">'
-            + "".join(rows) + "</TABLE>>")
-
-
 # -- the pool -------------------------------------------------------------------
 def pool_dot(state: ViewState, columns: int | None = None) -> str:
     """The pool as a grid of blocks by state, this step's blocks outlined, then the free queue."""
-    g = _graph("pool", _title(state, "block pool"), rankdir="TB")
+    g = graph("pool", _title(state, "block pool"), rankdir="TB")
     g.attr(ranksep="0.25")
-    colours, owners = _colours(state), state.block_owners()
+    colours, owners = colours_of(state), state.block_owners()
     columns = columns or (10 if state.num_blocks <= 100 else 16)
     shown = min(state.num_blocks, MAX_POOL_CELLS)
     kinds, cached = state.block_kinds(owners), state.cached_blocks()
@@ -172,7 +144,7 @@ def pool_dot(state: ViewState, columns: int | None = None) -> str:
     rows = ["<TR>" + "".join(cells[i:i + columns]) + "</TR>" for i in range(0, len(cells), columns)]
     if shown < state.num_blocks:
         rows.append(f'<TR><TD COLSPAN="{columns}" BORDER="0">… and {state.num_blocks - shown} more blocks</TD></TR>')
-    g.node("grid", _html_table(rows, spacing=3))
+    g.node("grid", html_table(rows, spacing=3))
 
     # legend: one swatch per live request, then the special states
     swatches = [(colours[rid][0], html.escape(rid), "") for rid in _live(state)]
@@ -181,7 +153,7 @@ def pool_dot(state: ViewState, columns: int | None = None) -> str:
         swatches += [(CACHED_FILL, "cached, evictable", "")]
     swatches += [(FREE_FILL, "free", ""), (FREE_FILL, "touched this step", f' BORDER="3" COLOR="{TOUCHED_LINE}"')]
     legend = "".join(f'<TD BGCOLOR="{fill}"{extra}>{text}</TD>' for fill, text, extra in swatches)
-    g.node("legend", _html_table([f'<TR><TD BORDER="0"><B>legend</B></TD>{legend}</TR>'], spacing=4))
+    g.node("legend", html_table([f'<TR><TD BORDER="0"><B>legend</B></TD>{legend}</TR>'], spacing=4))
 
     # the free queue: allocation takes from the head, freed blocks join the tail; wrapped at the
     # grid's width so a long queue does not make the picture wider than the pool
@@ -192,7 +164,7 @@ def pool_dot(state: ViewState, columns: int | None = None) -> str:
              or ['<TD BORDER="0"><I>(empty)</I></TD>'])
     lines[-1] += (f'<TD BORDER="0">→ … {hidden} more</TD>' if hidden else "") + '<TD BORDER="0">→ <B>tail</B></TD>'
     labels = ['<TD BORDER="0"><B>free queue: head</B></TD>'] + ['<TD BORDER="0"></TD>'] * (len(lines) - 1)
-    g.node("free_queue", _html_table([f'<TR>{label}{line}</TR>' for label, line in zip(labels, lines)], spacing=2))
+    g.node("free_queue", html_table([f'<TR>{label}{line}</TR>' for label, line in zip(labels, lines)], spacing=2))
     g.edge("legend", "grid", style="invis")
     g.edge("grid", "free_queue", style="invis")
     if state.num_cpu_blocks:
@@ -209,14 +181,8 @@ def _cpu_pool(g: Digraph, state: ViewState, colours: dict[str, tuple[str, str]],
     rows = ["<TR>" + "".join(cells[i:i + columns]) + "</TR>" for i in range(0, len(cells), columns)]
     title = (f'<TR><TD COLSPAN="{min(columns, len(cells))}" BORDER="0"><B>CPU swap pool</B>: '
              f'{len(holder)}/{state.num_cpu_blocks} used</TD></TR>')
-    g.node("cpu_pool", _html_table([title] + rows, spacing=2))
+    g.node("cpu_pool", html_table([title] + rows, spacing=2))
     g.edge("free_queue", "cpu_pool", style="invis")
-
-
-def radix_dot(state: ViewState) -> str:
-    """The radix prefix tree (drawn by `radix_dot.py`); ValueError when prefix caching was off."""
-    from nanoserve.viz.radix_dot import radix_tree_dot   # it builds on this module's helpers
-    return radix_tree_dot(state)
 
 
 BUILDERS = {"tables": tables_dot, "pool": pool_dot, "radix": radix_dot}

@@ -1,6 +1,6 @@
 """Graphviz picture of the radix prefix cache: the tree of cached token spans.
 
-This module owns `radix_tree_dot(state)` (reached as `graphviz.radix_dot`,
+This module owns `radix_tree_dot(state)` (`graphviz.BUILDERS["radix"]`,
 and `nanoserve export --what radix`). Each node is one span of whole blocks
 under its parent; a path from the root spells a cached prefix. A node shows
 its text, its physical blocks, its lock count (how many live requests hold it
@@ -20,7 +20,7 @@ import html
 
 from nanoserve.view import ROOT, ViewState
 from nanoserve.viz.text import shown
-from nanoserve.viz.graphviz import CACHED_FILL, TOUCHED_LINE, _colours, _graph, _html_table
+from nanoserve.viz.dot_style import CACHED_FILL, TOUCHED_LINE, colours_of, graph, html_table
 
 LOCKED_LINE = "#08519c"
 NEW_LINE = "#238b45"
@@ -45,15 +45,15 @@ def _no_tree(state: ViewState) -> None:
 def radix_tree_dot(state: ViewState) -> str:
     """The radix tree as DOT source; ValueError when the trace had prefix caching off."""
     _no_tree(state)
-    nodes, locks, colours = state.radix_nodes(), state.lock_counts(), _colours(state)
+    nodes, locks, colours = state.radix_nodes(), state.lock_counts(), colours_of(state)
     num_cached = sum(len(n.block_ids) for n in nodes)
     rate = state.cache_hit_rate()
     hits = "no lookups yet" if rate is None else (
         f"hit rate {rate:.0%} ({state.cache_hit_tokens}/{state.cache_lookup_tokens} tokens)")
-    g = _graph("radix", f"step {state.step} · radix tree · {len(nodes)} nodes, {num_cached} blocks cached · {hits}",
+    g = graph("radix", f"step {state.step} · radix tree · {len(nodes)} nodes, {num_cached} blocks cached · {hits}",
                rankdir="LR")
     g.attr(ranksep="0.35")
-    g.node("n0", _html_table(['<TR><TD BGCOLOR="#525252"><FONT COLOR="white"><B>root</B></FONT></TD></TR>']))
+    g.node("n0", html_table(['<TR><TD BGCOLOR="#525252"><FONT COLOR="white"><B>root</B></FONT></TD></TR>']))
 
     # who holds what: a request holds its deepest node (RequestView.cache_node) and every node above it
     holders: dict[int, list[str]] = {}

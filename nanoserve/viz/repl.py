@@ -4,15 +4,15 @@ Students meet nanoserve by typing `engine.step()` at a prompt, so the objects
 they get back print as compact rich panels: the pool as a strip of block
 cells (free, one request's, shared, cached), each request's block table, what
 the step did, and the prefix cache as a tree. A plain REPL shows `repr()`, so
-`to_text` renders the same panel into a string (with colours when the
-terminal has them). Everything here reads plain snapshot data.
+`nanoserve.display` renders the same panel into a string (with colours when
+the terminal has them). Everything here reads plain snapshot data.
+
+The engine does not import this module: the `@renders(...)` lines register
+each panel with `nanoserve.display`, which loads this module the first time
+an engine object is shown (see display.py for the seam).
 """
 
 from __future__ import annotations
-
-import io
-import shutil
-import sys
 
 from rich.console import Console, Group
 from rich.panel import Panel
@@ -20,19 +20,16 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
+from nanoserve.block_pool import BlockPool
+from nanoserve.display import renders
+from nanoserve.engine import LLMEngine
+from nanoserve.outputs import RequestOutput, StepResult
+from nanoserve.radix_cache import RadixCache
+from nanoserve.viz.graphviz import engine_svg
 from nanoserve.viz.text import shown, token_text
 
 PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta",
            "bright_green", "bright_yellow", "bright_blue", "bright_red"]
-
-
-def to_text(obj) -> str:
-    """Render anything with __rich__ to a string for repr()."""
-    buf = io.StringIO()
-    width = min(shutil.get_terminal_size((100, 24)).columns, 120)
-    console = Console(file=buf, width=width, force_terminal=sys.stdout.isatty(), color_system="auto")
-    console.print(obj.__rich__())
-    return buf.getvalue().rstrip("\n")
 
 
 def _colour(i: int) -> str:
@@ -68,6 +65,7 @@ def render_pool(ref_counts: list[int], owners: dict[int, int], max_cells: int = 
     return text
 
 
+@renders(BlockPool)
 def render_block_pool(pool):
     """`engine.pool` in a REPL: one cell per block and the free queue head first."""
     snap = pool.snapshot()
@@ -80,13 +78,7 @@ def render_block_pool(pool):
                  title_align="left", border_style="blue")
 
 
-def to_html(obj) -> str:
-    """Render anything with __rich__ to HTML with inline styles (Jupyter's _repr_html_)."""
-    console = Console(record=True, width=110, file=io.StringIO())
-    console.print(obj.__rich__())
-    return console.export_html(inline_styles=True, code_format="<pre style=\"font-family:monospace\">{code}</pre>")
-
-
+@renders(LLMEngine)
 def render_engine(engine):
     s = engine.snapshot()
     pool = s["pool"]
@@ -128,6 +120,12 @@ def render_engine(engine):
     return Panel(Group(*parts), title="LLMEngine", title_align="left", border_style="blue")
 
 
+@renders(RadixCache)
+def render_radix_cache(cache):
+    """`engine.radix` in a REPL: the tree drawn from the cache's snapshot."""
+    return render_radix(cache.snapshot())
+
+
 def render_radix(nodes: list[dict]):
     """The radix prefix cache as a tree: one line per node, its text span, blocks, lock count, last use.
 
@@ -155,6 +153,7 @@ def render_radix(nodes: list[dict]):
     return Panel(tree, title="RadixCache", title_align="left", border_style="green")
 
 
+@renders(StepResult)
 def render_step_result(result):
     st = result.stats
     head = Text.assemble(
@@ -184,6 +183,7 @@ def render_step_result(result):
     return Panel(Group(*lines), title="StepResult", title_align="left", border_style="green")
 
 
+@renders(RequestOutput)
 def render_request_output(out):
     c = out.outputs[0]
     status = c.finish_reason or "running"
@@ -193,3 +193,7 @@ def render_request_output(out):
         body.append(out.prompt, style="dim")
     body.append(c.text, style="cyan")
     return Panel(body, title="RequestOutput", title_align="left", border_style="cyan")
+
+
+# Jupyter shows the engine's block tables as a Graphviz picture under its panel (None without `dot`).
+renders(LLMEngine, kind="svg")(engine_svg)

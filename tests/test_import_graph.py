@@ -1,0 +1,98 @@
+"""The import graph points one way: viewers above the engine, no cycles.
+
+Read from the source with `ast` (imports inside functions included, since a
+lazy import is still a dependency), so the test sees what a reader sees.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"nanoserve": ROOT / "nanoserve", "nanoserve_tui": ROOT / "tui"}
+
+# What the viewers (nanoserve/viz, tui/) may read of the engine: its events, the folded view state,
+# snapshots and traces, scenarios and the public request API. Not its internals.
+VIEWER_MAY_IMPORT = {"nanoserve", "nanoserve.events", "nanoserve.trace", "nanoserve.view", "nanoserve.trace_check",
+                     "nanoserve.scenarios", "nanoserve.sampling_params", "nanoserve.errors", "nanoserve.display"}
+# viz/repl.py draws the engine's Displayable objects, so it names their classes to register its renderers.
+DISPLAYABLE = {"nanoserve.engine", "nanoserve.block_pool", "nanoserve.radix_cache", "nanoserve.outputs"}
+FRONT_ENDS = ("nanoserve.cli", "nanoserve.serve")   # programs people run; they may start any viewer
+
+
+def module_name(package: str, path: Path) -> str:
+    parts = [package, *path.relative_to(PACKAGES[package]).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(pkg, p): p for pkg, root in PACKAGES.items() for p in root.rglob("*.py")}
+
+
+def imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The project's modules that `path` imports (a name imported from a package counts as its submodule)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in known else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name in known}
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(path, known) - {name} for name, path in known.items()}
+
+
+def test_no_import_cycle():
+    edges, done, path = graph(), set(), []
+
+    def visit(node: str) -> None:
+        if node in path:
+            cycle = path[path.index(node):] + [node]
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
+        if node in done:
+            return
+        path.append(node)
+        for dep in sorted(edges[node]):
+            if not dep.startswith(node + "."):     # a package's __init__ naming its own submodule is fine
+                visit(dep)
+        path.pop()
+        done.add(node)
+
+    for name in sorted(edges):
+        visit(name)
+
+
+def test_the_engine_never_imports_its_viewers():
+    for name, deps in graph().items():
+        if name.startswith(("nanoserve.viz", "nanoserve_tui")) or name.startswith(FRONT_ENDS):
+            continue
+        viewers = sorted(d for d in deps if d.startswith(("nanoserve.viz", "nanoserve_tui")))
+        assert not viewers, f"{name} imports {viewers}: register a renderer from the viewer side (display.py)"
+
+
+def test_viewers_read_only_events_views_and_the_public_api():
+    for name, deps in graph().items():
+        if not name.startswith(("nanoserve.viz", "nanoserve_tui")):
+            continue
+        allowed = VIEWER_MAY_IMPORT | (DISPLAYABLE if name == "nanoserve.viz.repl" else set())
+        engine_side = sorted(d for d in deps if not d.startswith(("nanoserve.viz", "nanoserve_tui")) and d not in allowed)
+        assert not engine_side, f"{name} reaches into the engine: {engine_side}"
+
+
+def test_every_displayable_class_has_a_renderer():
+    from nanoserve import LLMEngine
+    from nanoserve.block_pool import BlockPool
+    from nanoserve.display import Displayable, renderer_for
+    from nanoserve.outputs import RequestOutput, StepResult
+    from nanoserve.radix_cache import RadixCache
+
+    for cls in (LLMEngine, BlockPool, RadixCache, RequestOutput, StepResult):
+        assert issubclass(cls, Displayable)
+        probe = cls.__new__(cls)                 # no engine needed: the lookup is by class
+        assert renderer_for(probe) is not None, cls.__name__
