@@ -93,12 +93,12 @@ class Comparison:
         return console.export_text().rstrip()
 
     def __repr__(self) -> str:      # a REPL shows the tables, in colour on a terminal (as StepResult does)
-        from nanoserve.viz.repl import to_text
-        return to_text(self)
+        from nanoserve.display import as_text
+        return as_text(self.__rich__())
 
     def _repr_html_(self) -> str:   # Jupyter
-        from nanoserve.viz.repl import to_html
-        return to_html(self)
+        from nanoserve.display import as_html
+        return as_html(self.__rich__())
 
 
 class _Null:
