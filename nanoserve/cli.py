@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="draft model for --speculative draft (default: the target's first --draft-layers layers)")
     eng.add_argument("--draft-layers", dest="draft_num_layers", type=int, default=2, metavar="N",
                      help="layers of the truncated draft (default: %(default)s)")
+    eng.add_argument("--tensor-parallel-size", "--tp", dest="tensor_parallel_size", type=int, default=1,
+                     metavar="N", help="split the model over N processes (gloo; it must divide the heads; "
+                                       "default: %(default)s)")
     smp = gen.add_argument_group(SAMPLING_GROUP, "how each prompt is completed (SamplingParams fields)")
     smp.add_argument("--max-tokens", dest="max_tokens", type=int, default=64, metavar="N",
                      help="tokens to generate per prompt (default: %(default)s)")
@@ -310,8 +313,6 @@ def group_kwargs(parser: argparse.ArgumentParser, title: str, args: argparse.Nam
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import time
-
     from nanoserve.config import EngineConfig
     from nanoserve.sampling_params import SamplingParams
 
@@ -324,7 +325,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     threads = apply_thread_policy(args.threads)
     from nanoserve.engine import LLMEngine
 
-    engine = LLMEngine(config)
+    with LLMEngine(config) as engine:                 # (the end stops a tensor-parallel engine's workers)
+        run_generate(engine, args, params, threads)
+    return 0
+
+
+def run_generate(engine, args: argparse.Namespace, params, threads) -> None:
+    """Add the prompts, step to the end, print what `generate` prints."""
+    import time
+
     say(threads.note())                               # after the model loaded: errors stay one line
     prompts = args.prompts
     if args.chat:
@@ -357,7 +366,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
                         print(f"nanoserve: request {out.request_id} failed: {completion.error}", file=sys.stderr)
     if args.stats:
         print_stats(engine, steps, generated, time.perf_counter() - t0)
-    return 0
 
 
 def print_stats(engine, steps: int, generated: int, elapsed: float) -> None:

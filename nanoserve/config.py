@@ -44,6 +44,8 @@ class EngineConfig:
     ngram_max: int = 4                  # longest suffix it tries first
     draft_model: str | None = None      # "draft": a model with the target's vocabulary; None: truncated target
     draft_num_layers: int = 2           # layers kept when the draft is the truncated target
+    # Tensor parallelism (distributed/): the model split over this many processes, each with its own KV heads.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         """Check every field's type and range; a bad one raises FieldError naming it."""
@@ -77,6 +79,7 @@ class EngineConfig:
         if self.draft_model is not None:
             v.text("draft_model", self.draft_model)
         self.draft_num_layers = v.integer("draft_num_layers", self.draft_num_layers, minimum=1)
+        self.tensor_parallel_size = v.integer("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
 
     def resolved_backend(self) -> str:
         """The attention backend this config runs: "auto" is Triton on CUDA (when installed), else torch."""

@@ -76,10 +76,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class LLMEngine(Displayable):
-    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None, **kwargs) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None,
+                 workers=None, **kwargs) -> None:
         """Build an engine from a config (or its fields as keyword arguments).
 
-        `loaded` reuses an already loaded model (e.g. several engines in a test).
+        `loaded` reuses an already loaded model (e.g. several engines in a test); `workers`, a
+        started `distributed.WorkerGroup`, the worker processes of tensor parallelism.
         """
         if config is not None and not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
@@ -90,7 +92,8 @@ class LLMEngine(Displayable):
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_id = self.loaded.eos_token_id
         model = self.loaded.model
-        block_bytes = kv_bytes_per_block(model, config.block_size, dtype)
+        # (With tensor parallelism each rank's pool holds 1/N of every block: the budget is per rank.)
+        block_bytes = kv_bytes_per_block(model, config.block_size, dtype) // config.tensor_parallel_size
         draft_bytes = 0   # the draft model's pool: as many blocks (a truncated target: fewer layers)
         if config.speculative_method == "draft":
             draft_bytes = block_bytes * min(config.draft_num_layers, model.num_layers) // model.num_layers \
@@ -104,8 +107,13 @@ class LLMEngine(Displayable):
         self.kv = KVManager(self.pool, self.radix, self.cpu_pool, self._emit)
         self.scheduler = Scheduler(config, self.kv, self._emit)
         self.backend = prepare_backend(config)
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size, dtype, torch.device(config.device),
-                                  self.backend, fast_paths=config.fast_paths)
+        if config.tensor_parallel_size > 1:   # the model split over processes (distributed/tensor_parallel.py)
+            from nanoserve.distributed.tensor_parallel import TensorParallelRunner
+            self.runner = TensorParallelRunner(model, config, self.backend, self._emit, lambda: self.step_count,
+                                               workers)
+        else:
+            self.runner = ModelRunner(model, config.num_blocks, config.block_size, dtype, torch.device(config.device),
+                                      self.backend, fast_paths=config.fast_paths)
         if self.cpu_pool is not None:
             self.runner.allocate_swap(config.num_cpu_blocks)
         self.sampler = Sampler()
@@ -219,6 +227,17 @@ class LLMEngine(Displayable):
         self.requests[child_id] = child
         self.detokenizers[child_id] = copy.copy(self.detokenizers[parent.request_id])   # plain state: a shallow copy
         return child
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a distributed engine (nothing to do for one process)."""
+        if hasattr(self.runner, "shutdown"):
+            self.runner.shutdown()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

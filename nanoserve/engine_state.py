@@ -46,6 +46,8 @@ def snapshot(engine) -> dict:
         "radix": {"enabled": engine.radix is not None, "nodes": engine.radix.snapshot() if engine.radix else []},
         "cpu_pool": engine.cpu_pool.snapshot() if engine.cpu_pool else None,
         "config": {f.name: getattr(engine.config, f.name) for f in dataclasses.fields(engine.config)},
+        # tensor parallelism: each rank's KV heads and share of a block (absent for one process)
+        **({"ranks": engine.runner.rank_info()} if hasattr(engine.runner, "rank_info") else {}),
     }
 
 
@@ -69,6 +71,8 @@ def check_invariants(engine) -> None:
         assert engine.pool.num_used_blocks == cached, \
             f"{engine.pool.num_used_blocks - cached} blocks leaked with no requests"
         assert engine.cpu_pool is None or engine.cpu_pool.num_used_blocks == 0, "CPU blocks leaked"
+    if hasattr(engine.runner, "check_invariants"):   # tensor parallelism: every rank checks its own pool
+        engine.runner.check_invariants(engine)
 
 
 def fold_mismatches(state, snap: dict) -> list[str]:

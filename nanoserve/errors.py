@@ -48,3 +48,8 @@ class SubscriberError(RuntimeError):
     def __init__(self, text: str, result=None) -> None:
         super().__init__(text)
         self.result = result
+
+
+class EngineBroken(RuntimeError):
+    """The engine cannot run another step (a distributed engine's worker process died): no rollback
+    helps, so `step()` raises it as it is instead of a StepFailed. Start a new engine."""

@@ -41,6 +41,8 @@ class EngineSynced(Event):
     radix: tuple[tuple, ...] = ()
     prefix_caching: bool = False
     num_cpu_blocks: int = 0            # swap space: blocks of the CPU pool (0: no swapping)
+    # Tensor parallelism: (rank, kv_heads, bytes_per_block) per rank; empty for one process
+    ranks: tuple[tuple, ...] = ()
     # The engine's settings as (EngineConfig field, value) pairs, so a trace says what ran it
     # (empty in traces recorded before they were added).
     config: tuple[tuple[str, object], ...] = ()
@@ -294,6 +296,47 @@ class SwappedIn(Event):
     block_ids: tuple[int, ...]        # fresh device blocks, in table order
 
 
+# -- across processes: tensor parallelism, prefill/decode disaggregation (nanoserve/distributed/) --------
+
+@dataclass(frozen=True, slots=True)
+class CollectiveOps(Event):
+    """Tensor parallelism: what the driver sent or summed with the other ranks this step, of one kind."""
+
+    kind: str                         # "broadcast" (the step's batch), "all_reduce" (row-parallel layers and
+                                      # the embedding), "gather" (logits), "gather_object" (rank reports)
+    count: int                        # calls this step
+    num_bytes: int                    # payload rank 0 put in (an all-reduce of [T, hidden] fp32: T * hidden * 4)
+    duration_s: float                 # rank 0's time inside them, waiting for the slowest rank included
+
+
+@dataclass(frozen=True, slots=True)
+class RankPoolState(Event):
+    """Tensor parallelism: one rank's KV pool after a step, as that rank reports it (same block
+    tables on every rank; each pool holds only its own KV heads)."""
+
+    rank: int
+    kv_heads: tuple[int, ...]         # the model's KV heads whose K/V this rank's pool holds
+    bytes_per_block: int              # this rank's share of one block (all layers, K and V)
+    num_blocks_written: int           # blocks the forward wrote K/V into this step
+    num_blocks_copied: int            # copy-on-write copies it made
+    num_blocks_swapped: int           # blocks it swapped out or in
+    digest: str                       # hash of which token each slot holds: equal on every rank
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferred(Event):
+    """Disaggregation: a request's KV arrived from another engine's pool and now fills these blocks."""
+
+    request_id: str
+    src: str                          # "prefill": the engine that computed it
+    dst: str                          # "decode": this engine
+    src_block_ids: tuple[int, ...]    # the blocks it came from, in the sender's pool
+    block_ids: tuple[int, ...]        # where it landed in this pool, in table order (the block mapping)
+    num_tokens: int                   # tokens whose KV came (the last prompt token is computed here)
+    num_bytes: int
+    duration_s: float                 # from the sender's request to the KV in this pool
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.__name__: cls
     for cls in (
@@ -301,5 +344,6 @@ EVENT_TYPES: dict[str, type[Event]] = {
         BlocksFreed, Preempted, TokenSampled, RequestFinished, RequestAborted, StepFinished,
         DraftProposed, DraftVerified, KVTrimmed, PrefixMatched, RadixInserted, RadixSplit, RadixLocked,
         RadixEvicted, BlockDeduplicated, Forked, CowCopied, BeamPruned, SwappedOut, SwappedIn,
+        CollectiveOps, RankPoolState, KVTransferred,
     )
 }

@@ -17,7 +17,9 @@ nothing but `events.py` and `view.py`.
 from __future__ import annotations
 
 from nanoserve import events as ev
-from nanoserve.view import FINISHED_STATUS, HISTORY_LEN, ROOT, RadixNodeView, RequestView, ViewState
+from nanoserve.view import (
+    FINISHED_STATUS, HISTORY_LEN, ROOT, RadixNodeView, RankView, RequestView, TransferView, ViewState,
+)
 
 
 def synced_event(snapshot: dict) -> ev.EngineSynced:
@@ -40,15 +42,17 @@ def synced_event(snapshot: dict) -> ev.EngineSynced:
     nodes = tuple((n["node_id"], n["parent_id"], n["text"], n["num_tokens"], tuple(n["block_ids"]),
                    n["last_access"]) for n in radix.get("nodes", ()))
     cpu_pool = snapshot.get("cpu_pool") or {}
+    ranks = tuple((r["rank"], tuple(r["kv_heads"]), r["bytes_per_block"]) for r in snapshot.get("ranks", ()))
     return ev.EngineSynced(snapshot["step"], snapshot["model"], pool["num_blocks"], pool["block_size"],
                            tuple(pool["ref_counts"]), tuple(pool["free_queue"]), requests, nodes,
-                           bool(radix.get("enabled", False)), cpu_pool.get("num_blocks", 0),
+                           bool(radix.get("enabled", False)), cpu_pool.get("num_blocks", 0), ranks,
                            tuple(dict(snapshot.get("config", {})).items()))
 
 
 def _synced_state(e: ev.EngineSynced) -> ViewState:
     state = ViewState(e.step, e.model, e.num_blocks, e.block_size, list(e.ref_counts), list(e.free_queue),
-                      prefix_caching=e.prefix_caching, num_cpu_blocks=e.num_cpu_blocks)
+                      prefix_caching=e.prefix_caching, num_cpu_blocks=e.num_cpu_blocks,
+                      ranks=[RankView(rank, tuple(heads), size) for rank, heads, size in e.ranks])
     queues = {"running": state.running, "waiting": state.waiting, "swapped": state.swapped}
     for fields in e.requests:
         # 9 fields in traces recorded before the memory mechanisms, 11 since
@@ -219,6 +223,18 @@ def _fold_memory(state: ViewState, req: RequestView, event: ev.Event) -> None:
         state.touched_blocks.update(event.block_ids)
 
 
+def _fold_distributed(state: ViewState, event: ev.Event) -> None:
+    """Tensor parallelism's per-step communication and per-rank reports."""
+    if isinstance(event, ev.CollectiveOps):
+        state.collectives.append((event.kind, event.count, event.num_bytes, event.duration_s))
+    elif isinstance(event, ev.RankPoolState):
+        while len(state.ranks) <= event.rank:             # a trace recorded without them in EngineSynced
+            state.ranks.append(RankView(len(state.ranks), (), 0))
+        state.ranks[event.rank] = RankView(event.rank, event.kv_heads, event.bytes_per_block,
+                                           event.num_blocks_written, event.num_blocks_copied,
+                                           event.num_blocks_swapped, event.digest)
+
+
 _RADIX_EVENTS = (ev.RadixInserted, ev.RadixSplit, ev.RadixEvicted)
 _MEMORY_EVENTS = (ev.PrefixMatched, ev.RadixLocked, ev.BlockDeduplicated, ev.CowCopied, ev.BeamPruned,
                   ev.SwappedOut, ev.SwappedIn)
@@ -256,6 +272,7 @@ def fold(state: ViewState | None, event: ev.Event) -> ViewState:
     elif isinstance(event, ev.StepStarted):
         state.step = event.step
         state.touched_blocks.clear()
+        state.collectives.clear()
         state.hit_nodes.clear()
         state.inserted_nodes.clear()
         state.evicted_nodes.clear()
@@ -269,6 +286,8 @@ def fold(state: ViewState | None, event: ev.Event) -> ViewState:
             del state.cache_history[:-HISTORY_LEN]
     elif isinstance(event, _RADIX_EVENTS):
         _fold_radix(state, event)
+    elif isinstance(event, (ev.CollectiveOps, ev.RankPoolState)):
+        _fold_distributed(state, event)
     elif isinstance(event, ev.RequestAdded):
         _new_request(state, RequestView(rid, event.prompt, event.num_prompt_tokens, event.max_tokens), state.waiting)
     elif isinstance(event, ev.Forked):
@@ -293,6 +312,12 @@ def fold(state: ViewState | None, event: ev.Event) -> ViewState:
         else:                                         # KV dropped: admitted first again, recomputed
             state.waiting.insert(0, rid)
             req.status, req.num_computed_tokens, req.cpu_block_table = "waiting", 0, []
+    elif isinstance(event, ev.KVTransferred):           # its KV came from another engine's pool
+        req.num_computed_tokens = event.num_tokens
+        state.transfers.append(TransferView(event.step, rid, event.src, event.dst, list(event.src_block_ids),
+                                            list(event.block_ids), event.num_tokens, event.num_bytes))
+        del state.transfers[:-HISTORY_LEN]
+        state.touched_blocks.update(event.block_ids)
     elif isinstance(event, ev.KVTrimmed):
         req.num_computed_tokens = event.num_computed_tokens   # rejected drafts' KV is gone
     elif isinstance(event, ev.TokenSampled):

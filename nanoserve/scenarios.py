@@ -175,6 +175,22 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
                   Arrival(0, "rewrite", user("Rewrite this paragraph, keeping every sentence: " + PAGED),
                           dict(GREEDY, max_tokens=40))]),
     ),
+    Scenario(
+        "tensor-parallel",
+        "The model split over processes (workers start first): each rank's pool has the same block "
+        "tables and its own KV heads; k switches rank.",
+        dict(block_size=4, num_blocks=48, max_num_batched_tokens=32, max_num_seqs=6, tensor_parallel_size=2),
+        [Arrival(0, "q0", SYSTEM + "What is 2+2?", dict(max_tokens=8)),
+         Arrival(1, "q1", SYSTEM + "Name a colour.", dict(max_tokens=8)),
+         Arrival(2, "fork", "Once upon a time,", dict(n=2, max_tokens=10, temperature=1.0, seed=1))],
+        # SmolLM2-135M has 9 query heads and 3 KV heads: 3 ranks (2 does not divide them).
+        Workload(dict(block_size=8, num_blocks=96, max_num_batched_tokens=128, max_num_seqs=6,
+                      tensor_parallel_size=3),
+                 [Arrival(0, "q0", user("What is a token?", TEACHER), dict(GREEDY, max_tokens=24)),
+                  Arrival(1, "q1", user("What is a batch?", TEACHER), dict(GREEDY, max_tokens=24)),
+                  Arrival(2, "fork", user("Write a one-line slogan for a small bakery."),   # 41 tokens: a partial block
+                          dict(n=2, max_tokens=16, temperature=0.8, seed=1))]),
+    ),
 ]}
 
 
@@ -239,7 +255,7 @@ def record(name: str, path: str | Path, model: str = "tiny-llama", max_steps: in
     from nanoserve.trace import JsonlRecorder
 
     runner = ScenarioRunner(get_scenario(name), model, loaded=loaded)
-    with JsonlRecorder(path) as recorder:
+    with runner.engine, JsonlRecorder(path) as recorder:   # (the engine stops any worker processes at the end)
         runner.engine.subscribe(recorder)
         steps = 0
         while not runner.done and steps < max_steps:

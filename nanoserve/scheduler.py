@@ -97,6 +97,16 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks)
 
 
+@dataclass(slots=True)
+class StepPlan:
+    """A step while `schedule()` builds it: the plan so far and the token budget it has left."""
+
+    out: SchedulerOutput
+    budget: int                                          # tokens left of max_num_batched_tokens
+    drafts: dict[str, list[int]]                         # speculative decoding: request id -> draft tokens
+    scheduled: set[str] = field(default_factory=set)     # request ids in this step's batch (never preempted)
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVManager, emit: Callable[[ev.Event], None]) -> None:
         self.config = config
@@ -128,38 +138,55 @@ class Scheduler:
     # -- the step ------------------------------------------------------------------
 
     def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
-        """Plan one step. `drafts` (speculative decoding) maps a decoding request to its draft tokens."""
-        drafts = drafts or {}
-        self.kv.begin_step(self.step)
-        out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        scheduled: set[str] = set()   # request ids already in this step's batch (never preempted)
+        """Plan one step. `drafts` (speculative decoding) maps a decoding request to its draft tokens.
 
-        # Pass 1 and 2: running sequences, decodes before unfinished prefills. A beam that
-        # already has its next-token scores waits (0 tokens to compute) for the other beams.
+        The four passes of the module docstring, in order, share one `StepPlan`: the token budget
+        left and what is already in the batch (a scheduled sequence is never preempted).
+        """
+        self.kv.begin_step(self.step)
+        plan = StepPlan(SchedulerOutput(), self.config.max_num_batched_tokens, drafts or {})
+        self._schedule_running(plan)      # passes 1 and 2: decodes, then unfinished prefills
+        self._swap_in(plan)               # pass 3
+        self._admit(plan)                 # pass 4
+        out = plan.out
+        out.copies, out.swap_out, out.swap_in = self.kv.copies, self.kv.swap_out_pairs, self.kv.swap_in_pairs
+        return out
+
+    def _schedule_running(self, plan: StepPlan) -> None:
+        """Passes 1 and 2: every running sequence's next chunk, decodes before unfinished prefills.
+
+        A decode is 1 token (plus its drafts, as far as the budget goes); a prefill chunk is what the
+        budget leaves. A beam that already has its next-token scores waits (0 tokens to compute)
+        for the other beams. A sequence that cannot get its blocks preempts a victim (`_reserve`).
+        """
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.is_prefilling]
         for seq in decodes + prefills:
-            if budget == 0:
+            if plan.budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:   # preempted earlier in this loop
                 continue
-            draft = drafts.get(seq.request_id, [])
-            num_new = min(seq.num_uncomputed_tokens + len(draft), budget)
+            draft = plan.drafts.get(seq.request_id, [])
+            num_new = min(seq.num_uncomputed_tokens + len(draft), plan.budget)
             draft = draft[: max(0, num_new - seq.num_uncomputed_tokens)]   # what the budget leaves room for
-            if self._reserve(seq, num_new, scheduled, out):
-                self._add_chunk(out, seq, num_new, scheduled, draft)
-                budget -= num_new
+            if self._reserve(seq, num_new, plan.scheduled, plan.out):
+                self._add_chunk(plan.out, seq, num_new, plan.scheduled, draft)
+                plan.budget -= num_new
 
-        # Pass 3: swapped sequences come back first (they were running before anyone waiting),
-        # but not in a step that just preempted: memory is short, and what came back would only
-        # be swapped out again (vLLM's scheduler waits the same way).
-        while self.swapped and budget > 0 and not out.preempted:
+    def _swap_in(self, plan: StepPlan) -> None:
+        """Pass 3: swapped sequences come back, oldest first, while their blocks fit.
+
+        They were running before anyone waiting, so they come first; but not in a step that just
+        preempted: memory is short, and what came back would only be swapped out again (vLLM's
+        scheduler waits the same way).
+        """
+        while self.swapped and plan.budget > 0 and not plan.out.preempted:
             seq = self.swapped[0]
-            num_new = self._chunk_size(seq, budget)
+            num_new = self._chunk_size(seq, plan.budget)
             need = len(seq.cpu_block_table) + self.pool.blocks_needed(len(seq.cpu_block_table),
                                                                        seq.num_computed_tokens + num_new)
-            if (not num_new and seq.num_uncomputed_tokens) or not self._make_room(seq, need, None, scheduled, out):
+            if (not num_new and seq.num_uncomputed_tokens) or not self._make_room(seq, need, None, plan.scheduled,
+                                                                                   plan.out):
                 break
             self.swapped.remove(seq)      # (idle beams _make_room swapped out joined the queue's end)
             self.kv.swap_in(seq)
@@ -167,40 +194,45 @@ class Scheduler:
             self.running.append(seq)
             if num_new:   # (a beam waiting for its siblings has nothing to compute)
                 self.kv.grow(seq, num_new)
-                self._add_chunk(out, seq, num_new, scheduled)
-                budget -= num_new
+                self._add_chunk(plan.out, seq, num_new, plan.scheduled)
+                plan.budget -= num_new
 
-        # Pass 4: admit waiting sequences (FCFS) while budget, seats and blocks last.
-        while self.waiting and budget > 0 and not self.swapped:
+    def _admit(self, plan: StepPlan) -> None:
+        """Pass 4: admit waiting sequences, first come first served, while budget, seats and blocks last.
+
+        Nobody is admitted while a sequence is swapped out (it was running first). A waiting
+        sequence starts from its longest cached prefix, so only the rest is computed; one that
+        could not fit even in an empty pool is failed instead of retried forever.
+        """
+        out = plan.out
+        while self.waiting and plan.budget > 0 and not self.swapped:
             seq = self.waiting[0]
             if self.pool.blocks_needed(0, seq.num_tokens) > self.pool.num_blocks:
                 self.waiting.popleft()
                 self._fail(seq, out, f"needs {seq.num_tokens} tokens of KV but the whole pool holds "
                                      f"{self.pool.num_blocks * self.pool.block_size}")
                 continue
-            if not self._make_room(seq, 0, None, scheduled, out):
+            if not self._make_room(seq, 0, None, plan.scheduled, out):
                 break                                  # no seat
             node, cached = self.kv.match(seq)          # the longest cached prefix (no blocks change yet)
             num_cached = len(cached) * self.pool.block_size
-            num_new = self._chunk_size(seq, budget, num_cached)
+            num_new = self._chunk_size(seq, plan.budget, num_cached)
             if not num_new:
                 break                                  # the whole prompt must wait for a step with room
             need = self.pool.blocks_needed(len(cached), num_cached + num_new)
-            if not self._make_room(seq, need, node, scheduled, out):
+            if not self._make_room(seq, need, node, plan.scheduled, out):
                 break                                  # admission only when the blocks are there
             if out.preempted and self.kv.cache is not None:   # preempted beams' blocks joined the cache:
                 node, cached = self.kv.match(seq)            # match again (same or longer prefix)
-                num_new = self._chunk_size(seq, budget, len(cached) * self.pool.block_size)
+                num_new = self._chunk_size(seq, plan.budget, len(cached) * self.pool.block_size)
             self.waiting.remove(seq)   # not popleft(): beams _make_room preempted went to the front
             seq.set_status(SequenceStatus.RUNNING)
             self.running.append(seq)
             self.emit(ev.RequestAdmitted(self.step, seq.request_id))
             self.kv.commit_match(seq, node, cached)
             self.kv.grow(seq, num_new)
-            self._add_chunk(out, seq, num_new, scheduled)
-            budget -= num_new
-        out.copies, out.swap_out, out.swap_in = self.kv.copies, self.kv.swap_out_pairs, self.kv.swap_in_pairs
-        return out
+            self._add_chunk(out, seq, num_new, plan.scheduled)
+            plan.budget -= num_new
 
     def _chunk_size(self, seq: Sequence, budget: int, num_cached: int = 0) -> int:
         """Tokens of `seq` to compute this step (0: it must wait for a step with more budget)."""

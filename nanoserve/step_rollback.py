@@ -25,7 +25,7 @@ ones stay failed. Those are states the scheduler produces every step, so
 from __future__ import annotations
 
 from nanoserve import events as ev
-from nanoserve.errors import StepFailed
+from nanoserve.errors import EngineBroken, StepFailed
 from nanoserve.scheduler import SchedulerOutput
 from nanoserve.sequence import Sequence, SequenceStatus
 
@@ -74,8 +74,9 @@ def undo(engine, plan: SchedulerOutput | None, rngs: RngStates) -> list[str]:
 
 def failure(engine, exc: BaseException, plan: SchedulerOutput | None, request_ids: list[str], result):
     """The exception `step()` raises: a StepFailed naming the requests and the cause, or, for
-    Ctrl-C and the like, the original exception with the step's result attached."""
-    if not isinstance(exc, Exception):
+    Ctrl-C and the like and for an `EngineBroken` (no next step will run), the original exception
+    with the step's result attached."""
+    if not isinstance(exc, Exception) or isinstance(exc, EngineBroken):   # Ctrl-C; a dead worker process
         exc.step_result = result
         return exc
     where = ("proposing drafts" if plan is None else

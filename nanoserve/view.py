@@ -2,7 +2,9 @@
 
 This module owns the plain data types a viewer reads: `ViewState` (block
 pool, block tables, queues, the radix tree, the CPU swap space, cache hit
-counters), `RequestView` and `RadixNodeView`, and the questions viewers ask
+counters, and across processes the ranks of tensor parallelism and the KV
+handoffs of disaggregation), `RequestView`, `RadixNodeView`, `RankView` and
+`TransferView`, and the questions viewers ask
 of them (who holds a block, a node's lock count, which blocks are cached and
 evictable). `fold.py` builds a ViewState from events; the TUI, the Graphviz
 exporter and the lessons draw it, never the engine, so a recorded trace
@@ -61,6 +63,33 @@ class RadixNodeView:
     children: list[int] = field(default_factory=list)   # node ids, in creation order (= id order)
 
 
+@dataclass(slots=True)
+class RankView:
+    """One rank of a tensor-parallel engine: its KV heads, and what it did to its pool last step."""
+
+    rank: int
+    kv_heads: tuple[int, ...]         # the model's KV heads this rank's pool holds
+    bytes_per_block: int              # its share of one block
+    num_blocks_written: int = 0
+    num_blocks_copied: int = 0
+    num_blocks_swapped: int = 0
+    digest: str = ""                  # its slot ledger's hash (equal on every rank)
+
+
+@dataclass(slots=True)
+class TransferView:
+    """One KV handoff into this engine's pool (prefill/decode disaggregation)."""
+
+    step: int
+    request_id: str
+    src: str
+    dst: str
+    src_block_ids: list[int]
+    block_ids: list[int]
+    num_tokens: int
+    num_bytes: int
+
+
 def _root() -> dict[int, RadixNodeView]:
     return {ROOT: RadixNodeView(ROOT, -1, "", 0, [])}
 
@@ -95,6 +124,10 @@ class ViewState:
     hit_nodes: set[int] = field(default_factory=set)        # matched this step
     inserted_nodes: set[int] = field(default_factory=set)   # created this step
     evicted_nodes: dict[int, RadixNodeView] = field(default_factory=dict)   # removed this step (kept to draw)
+    # -- across processes (distributed/) --
+    ranks: list[RankView] = field(default_factory=list)     # tensor parallelism: one per rank (empty: one process)
+    collectives: list[tuple[str, int, int, float]] = field(default_factory=list)   # (kind, count, bytes, s) this step
+    transfers: list[TransferView] = field(default_factory=list)   # KV handoffs received, the last HISTORY_LEN
 
     def block_owners(self) -> dict[int, list[str]]:
         """Block id -> ids of the requests whose block tables hold it (held blocks only)."""

@@ -86,6 +86,8 @@ def test_field_error_from_the_config_reaches_the_user_as_a_flag(capsys, monkeypa
     (["generate", "--block-size", "0", "Hi"], "block"),
     (["generate", "--threads", "0", "Hi"], "--threads must be at least 1"),
     (["generate", "--temperature", "-1", "Hi"], "temperature"),
+    (["generate", "--tensor-parallel-size", "0", "Hi"], "--tensor-parallel-size must be at least 1, got 0"),
+    (["generate", "--tp", "3", "Hi"], "--tensor-parallel-size must divide the model's 4 attention heads"),
 ])
 def test_bad_settings_are_one_line(capsys, argv, needle):
     code, err = run(capsys, *argv)

@@ -23,7 +23,7 @@ from docgen import DOCS, JOBS, read_page, regions  # noqa: E402
 from docgen.pictures import same_file, signature  # noqa: E402
 from conftest import has_smollm2  # noqa: E402
 
-NEEDS_DOT = {"scenarios", "memory", "life", "serving"}   # jobs that draw Graphviz pictures
+NEEDS_DOT = {"scenarios", "memory", "life", "serving", "distributed"}   # jobs that draw Graphviz pictures
 
 
 def stale(result) -> list[str]:

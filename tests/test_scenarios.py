@@ -37,6 +37,16 @@ def shows_mechanism(name: str, events: list) -> bool:
         return "SwappedOut" in kinds and "SwappedIn" in kinds
     if name == "speculative-decoding":
         return any(isinstance(e, ev.DraftVerified) and e.num_accepted > 0 for e in events) and "KVTrimmed" in kinds
+    if name == "tensor-parallel":
+        # Every rank reported after every forward, with the same slot ledger, and the all-reduces ran.
+        reports = [e for e in events if isinstance(e, ev.RankPoolState)]
+        ranks = {e.rank for e in reports}
+        digests: dict[int, set] = {}
+        for e in reports:
+            digests.setdefault(e.step, set()).add(e.digest)
+        same = all(len(d) == 1 for d in digests.values())
+        return len(ranks) > 1 and ranks == set(range(len(ranks))) and same and "CollectiveOps" in kinds \
+            and "CowCopied" in kinds
     raise AssertionError(f"no check for scenario {name}")
 
 

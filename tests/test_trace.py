@@ -13,6 +13,7 @@ from nanoserve.events import (
     RequestAborted, RequestAdded, RequestAdmitted, RequestFinished, StepFinished, StepStarted,
     TokenSampled, DraftProposed, DraftVerified, KVTrimmed, PrefixMatched, RadixInserted, RadixSplit,
     RadixLocked, RadixEvicted, BlockDeduplicated, Forked, CowCopied, BeamPruned, SwappedOut, SwappedIn,
+    CollectiveOps, RankPoolState, KVTransferred,
 )
 from nanoserve.trace import (
     EventBus, JsonlRecorder, RequestView, event_from_dict, event_to_dict, fold, fold_all,
@@ -55,6 +56,12 @@ SAMPLES = [
     BeamPruned(5, "b.1"),
     SwappedOut(5, "b", (0, 1), (1,), (2, 3)),
     SwappedIn(6, "b", (2, 3), (4, 9)),
+    # across processes: a tensor-parallel engine's ranks and collectives, a disaggregated KV handoff
+    EngineSynced(7, "m", 4, 2, (0, 0, 0, 0), (0, 1, 2, 3), (), ranks=((0, (0,), 512), (1, (1,), 512))),
+    CollectiveOps(8, "all_reduce", 5, 1280, 0.0021),
+    RankPoolState(8, 1, (1,), 512, 2, 0, 1, "0a1b2c3d4e5f"),
+    RequestAdded(8, "d", "héllo", 5, 4),
+    KVTransferred(8, "d", "prefill", "decode", (7, 3), (0, 1), 4, 2048, 0.0005),
 ]
 
 

@@ -629,7 +629,7 @@ async def test_narrow_screen_cuts_nothing():
         await pilot.press("p")
         options = app.screen.query_one("#scenarios")
         await pilot.pause()
-        assert options.max_scroll_y == 0 and options.option_count == len(SCENARIOS)   # all seven, no scrolling
+        assert options.max_scroll_y == 0 and options.option_count == len(SCENARIOS)   # all of them, no scrolling
 
 
 @pytest.mark.parametrize("size", [WIDE, NARROW])

@@ -60,6 +60,7 @@ class NanoserveApp(App[None]):
         Binding("x", "abort", "abort"),
         Binding("f", "fork", "fork"),
         Binding("p", "presets", "presets"),
+        Binding("k", "rank", "rank", show=False),
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("q", "quit", "quit"),
         Binding("w", "branch", "what if"),    # last: on a narrow screen the footer cuts it, not quit
@@ -286,6 +287,15 @@ class NanoserveApp(App[None]):
             self.source.attach(self)
         self.notify(f"scenario {name}")
         self._update_status()
+
+    def action_rank(self) -> None:
+        """Tensor parallelism: speak for the next rank's pool (same tables, other KV heads)."""
+        ranks = self.frame.state.ranks if self.frame is not None else []
+        if not ranks:
+            self.notify("one process: no ranks to switch (tensor_parallel_size=1)", severity="warning")
+            return
+        pool = self.query_one(PoolPanel)
+        pool.selected_rank = (pool.selected_rank + 1) % len(ranks)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())

@@ -169,6 +169,7 @@ KEYS = [
     ("p", "scenario presets (live: restart the engine with one; replay: start a live run of one)"),
     ("tab", "focus the next panel: in the pool grid arrows select a block, in the request list ↑/↓ "
             "select a request, elsewhere arrows scroll"),
+    ("k", "tensor parallelism: the next rank's pool (the same block tables, its own KV heads)"),
     ("?", "this help"),
     ("q", "quit"),
 ]
@@ -178,7 +179,10 @@ PANELS = [
                       "holds it (cached: a hit can reuse it, eviction can free it); underlined = allocated, "
                       "freed, copied or shared this step. With swapping on, a strip shows the CPU swap pool. "
                       "Select a block (click, or arrows) to see its ref count, owners, cache node and the "
-                      "token positions it holds for each."),
+                      "token positions it holds for each. Across processes a bar under the grid shows the "
+                      "ranks of tensor parallelism (each rank's KV heads; what it wrote, copied and swapped; "
+                      "✓ when every rank's pool holds the same tokens in the same slots) and this step's "
+                      "collectives, or the KV handoffs received from a prefill engine (its blocks → ours)."),
     ("block tables", "per request, logical block → physical block; (3/4) marks a partly filled last block, "
                      "where the next tokens' K/V go; * a block shared with another request; swapped-out "
                      "requests list their CPU blocks."),

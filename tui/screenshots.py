@@ -45,6 +45,8 @@ def showcase_step(name: str, events: list) -> int:
         return first(lambda e: isinstance(e, ev.CowCopied))
     if name == "swap-preemption":           # a victim's KV moves to the CPU pool
         return first(lambda e: isinstance(e, ev.SwappedOut))
+    if name == "tensor-parallel":           # a fork's copy-on-write, replayed on both ranks
+        return first(lambda e: isinstance(e, ev.CowCopied))
     # continuous-batching: the step in which a request is admitted after another finished
     finished = first(lambda e: isinstance(e, ev.RequestFinished))
     return first(lambda e: isinstance(e, ev.RequestAdmitted) and e.step > finished)
@@ -78,7 +80,7 @@ def main(folder: str = "docs/img") -> None:
             trace = Path(tmp) / f"{name}.jsonl"
             record(name, trace)
             step = showcase_step(name, read_trace(trace))
-            select = "r0" if name == "memory-pressure" else None
+            select = {"memory-pressure": "r0", "tensor-parallel": "fork"}.get(name)
             asyncio.run(shoot(trace, step, (160, 50), out / f"tui-{name}.svg", select))
             if name == "memory-pressure":
                 asyncio.run(shoot(trace, step, (100, 30), out / "tui-100x30.svg", select))

@@ -367,6 +367,7 @@ class LiveSource(Source):
                 self._flush(runner, stepped=command == "step", description=self._description,
                             shown_from=self._shown_from)
         finally:
+            runner.engine.shutdown()                        # (a tensor-parallel engine's worker processes)
             if self._recorder:
                 self._recorder.close()
 
@@ -412,6 +413,7 @@ class LiveSource(Source):
         history (a rewind or branch replayed it), else from its EngineSynced."""
         for unsubscribe in self._unsubscribe:
             unsubscribe()
+        old.engine.shutdown()                               # (a tensor-parallel engine's worker processes)
         self._buffer.clear()                                # (nothing of the old engine's is pending)
         self._unsubscribe = self._listen(new)               # sends EngineSynced: the view starts afresh
         if history:

@@ -52,7 +52,7 @@ def make(read) -> Result:
             trace = tmp / f"{name}.jsonl"
             record(name, trace)
             step = showcase_step(name, read_trace(trace))
-            select = "r0" if name == "memory-pressure" else None
+            select = {"memory-pressure": "r0", "tensor-parallel": "fork"}.get(name)   # a block to inspect
             shots = {f"tui-{name}.svg": (160, 50)}
             if name == "memory-pressure":
                 shots["tui-100x30.svg"] = (100, 30)

@@ -25,11 +25,15 @@ def token_span(state: ViewState, request_id: str, block_id: int) -> str:
     return f"logical {i}, tokens {i * bs}-{i * bs + filled - 1} ({filled}/{bs})"
 
 
-def describe_block(state: ViewState, block_id: int) -> Text:
-    """A few lines about one block: ref count, owners, token positions."""
+def describe_block(state: ViewState, block_id: int, rank=None) -> Text:
+    """A few lines about one block: ref count, owners, token positions (and, with tensor parallelism,
+    what the selected `rank`'s copy of it holds)."""
     ref = state.ref_counts[block_id]
     text = Text()
     text.append(f"block {block_id}", "bold")
+    if rank is not None:
+        heads = ",".join(map(str, rank.kv_heads))
+        text.append(f" · on rank {rank.rank}: K/V of KV heads {heads}, {rank.bytes_per_block} bytes")
     if ref == 0:
         pos = state.free_queue.index(block_id) if block_id in state.free_queue else -1
         text.append(f" · free · position {pos} in the free queue (0 = next allocated)")

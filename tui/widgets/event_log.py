@@ -26,6 +26,7 @@ COLOURS = {
     "PrefixMatched": "bold #e5c07b", "RadixInserted": "#98c379", "RadixSplit": "#82aaff", "RadixLocked": "#9a9a9a",
     "RadixEvicted": "#e06c75", "BlockDeduplicated": "#7fdbca", "Forked": "bold #c678dd", "CowCopied": "#c678dd",
     "BeamPruned": "#d19a66", "SwappedOut": "bold #e06c75", "SwappedIn": "bold #98c379",
+    "CollectiveOps": "#82aaff", "RankPoolState": "#9a9a9a", "KVTransferred": "bold #7fdbca",
 }
 STYLES = {name: Style.parse(colour) for name, colour in COLOURS.items()}
 NAME_WIDTH = 16
@@ -102,6 +103,14 @@ def describe(e: ev.Event) -> str:
                     f"to the free queue {_ids(e.released)}")
         case ev.SwappedIn():
             return f"{e.request_id} CPU {_ids(e.cpu_block_ids)} -> {_ids(e.block_ids)}"
+        case ev.CollectiveOps():
+            return f"{e.kind} ×{e.count}, {e.num_bytes} bytes from rank 0"
+        case ev.RankPoolState():
+            return (f"rank {e.rank} (KV heads {_ids(e.kv_heads)}): wrote {e.num_blocks_written} blocks, "
+                    f"copied {e.num_blocks_copied}, swapped {e.num_blocks_swapped}, slots {e.digest}")
+        case ev.KVTransferred():
+            return (f"{e.request_id} {e.src} {_ids(e.src_block_ids)} -> {e.dst} {_ids(e.block_ids)}: "
+                    f"KV of {e.num_tokens} tokens, {e.num_bytes} bytes")
     fields = [f for f in dataclasses.fields(e) if f.name not in ("step", "duration_s")]
     return " ".join(str(getattr(e, f.name)) for f in fields)
 

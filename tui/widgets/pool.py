@@ -6,6 +6,9 @@ by several requests (white; their block tables all point at it), or cached
 or eviction can free it. Blocks allocated, freed, copied or shared this step
 are underlined. When swapping is on, a strip under the grid shows the CPU
 swap pool, each block in the colour of the swapped-out request it holds.
+Across processes a bar shows the ranks of tensor parallelism (whose pool the
+title speaks for; `k` switches) and the KV handoffs of disaggregation
+(`ranks.py`).
 Click a cell, or focus the grid and use the arrow keys, to see the block's
 ref count, its owners, the cache node holding it and which token positions
 it holds for each request.
@@ -37,6 +40,7 @@ from textual.widgets import Static
 from nanoserve.trace import ViewState
 from nanoserve_tui.palette import CACHED, CURSOR, FREE, HELD, SHARED, TOUCHED, request_colours
 from nanoserve_tui.widgets.block_info import cpu_strip, describe_block, legend
+from nanoserve_tui.widgets.ranks import rank_title, ranks_text
 
 NUMBERED_MAX = 1000   # up to this many blocks a cell shows its id; above, one character per block
 
@@ -264,9 +268,12 @@ class PoolPanel(Vertical):
 
     state: reactive[ViewState | None] = reactive(None, always_update=True)
 
+    selected_rank = reactive(0)   # tensor parallelism: whose pool the panel speaks for (`k` switches)
+
     def compose(self) -> ComposeResult:
         yield PoolGrid(id="pool-grid")
         yield Static(id="cpu-pool")
+        yield Static(id="ranks")
         yield Static(legend(None), id="pool-legend")
         yield Static(Text("click a block, or tab + arrows, for details", style="dim"),
                      id="block-info")
@@ -279,7 +286,23 @@ class PoolPanel(Vertical):
                 self._legend_for = state.prefix_caching
                 self.query_one("#pool-legend", Static).update(legend(state), layout=False)   # fixed height
             self._show_cpu()
+            self._show_ranks()
         self._show_block(grid.selected)
+
+    def watch_selected_rank(self, rank: int) -> None:
+        self._show_ranks()
+        self._show_block(self.query_one(PoolGrid).selected)
+
+    def _show_ranks(self) -> None:
+        """The ranks and KV handoffs bar, and whose pool the title speaks for; hidden for one process."""
+        if self.state is None:
+            return
+        bar = self.query_one("#ranks", Static)
+        bar.display = bool(self.state.ranks or self.state.transfers)
+        if bar.display:
+            bar.update(ranks_text(self.state, self.selected_rank))
+        rank = min(self.selected_rank, len(self.state.ranks) - 1)
+        self.border_title = rank_title(self.state, rank) if self.state.ranks else "KV block pool"
 
     def on_resize(self) -> None:
         self._show_cpu()
@@ -301,4 +324,5 @@ class PoolPanel(Vertical):
     def _show_block(self, block_id: int | None) -> None:
         if self.state is None or block_id is None or block_id >= self.state.num_blocks:
             return
-        self.query_one("#block-info", Static).update(describe_block(self.state, block_id))
+        rank = self.state.ranks[min(self.selected_rank, len(self.state.ranks) - 1)] if self.state.ranks else None
+        self.query_one("#block-info", Static).update(describe_block(self.state, block_id, rank))
