@@ -28,7 +28,7 @@ from rich.table import Table  # noqa: E402
 
 from nanoserve import LLM, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from nanoserve.events import (  # noqa: E402
-    BlocksFreed, ChunkScheduled, RequestAborted, RequestAdded, TokenSampled)
+    BlocksFreed, ChunkScheduled, RequestAborted, RequestAdded, RequestFinished, TokenSampled)
 from nanoserve.serve.app import build_app  # noqa: E402
 from nanoserve.serve.background import BackgroundServer  # noqa: E402
 from nanoserve.trace import event_from_dict, fold, fold_all, synced_event  # noqa: E402
@@ -158,12 +158,18 @@ A client that closes its connection mid-stream makes Starlette cancel the
 response; the handler's `finally` asks the engine loop to abort the request,
 which it does between two steps: RequestAborted, and the request's blocks are
 freed (or stay in the prefix cache). Nothing is generated for nobody.""")
+    server.engine_loop.step_delay = 0.02     # 200 tokens take >= 4 s: the hang-up lands first on a busy machine too
     with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "I will leave early",
                                                       "max_tokens": 200, "temperature": 0, "stream": True,
                                                       "ignore_eos": True}) as response:
         lines = response.iter_lines()
         gone = json.loads(next(line for line in lines if line.startswith("data: "))[6:])["id"]
     wait_idle(server)
+    server.engine_loop.step_delay = 0.0
+    for _ in range(1000):                    # /events runs behind the engine by a moment: wait for the end
+        if any(isinstance(e, (RequestAborted, RequestFinished)) for e in watch.of(gone)):
+            break
+        time.sleep(0.01)
     mine = watch.of(gone)
     tokens = sum(isinstance(e, TokenSampled) for e in mine)
     console.print(f"{gone}: fewer than 200 tokens generated (how many depends on when the hang-up lands), "

@@ -6,6 +6,8 @@
     nanoserve export --trace pressure.jsonl --step 12 --what tables --format svg
     nanoserve tui --replay pressure.jsonl        (or: nanoserve tui --model smollm2)
     nanoserve serve --model smollm2              (then: nanoserve tui --attach http://127.0.0.1:8000)
+    nanoserve compare --scenario memory-pressure --set preemption_mode=swap
+    nanoserve plot --trace pressure.jsonl --what blocks -o blocks.png
     nanoserve lab start block-pool               (then: nanoserve lab check block-pool)
 
 One prompt streams its text as it is generated; several prompts run as one
@@ -149,8 +151,41 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads(tui)
 
     add_threads(add_serve_parser(sub))
+    add_whatif_parsers(sub)
     add_lab_parser(sub)
     return parser
+
+
+def add_whatif_parsers(sub) -> None:
+    """`compare` and `plot` (nanoserve/whatif/)."""
+    from nanoserve.whatif.plots import FIGURES
+
+    cmp = sub.add_parser(
+        "compare", help="run a scenario twice (as written, and with --set changes) or read two traces; "
+                        "print what differs",
+        description="Compare two runs of the same workload: whole-run totals (blocks, tokens computed, prefix "
+                    "hits, preemptions, swaps, CoW copies), per-request first-token and finish steps, and the "
+                    "first step where the runs diverge.",
+    )
+    cmp.add_argument("--scenario", "-s", default=None, help=f"one of: {', '.join(SCENARIOS)}")
+    cmp.add_argument("--set", dest="set", action="append", default=[], metavar="KEY=VALUE",
+                     help="an engine setting run B changes, e.g. preemption_mode=swap (repeatable)")
+    cmp.add_argument("--trace", "-t", dest="trace", action="append", default=[], metavar="FILE",
+                     help="instead of --scenario: two recorded traces (give --trace twice)")
+    cmp.add_argument("--model", "-m", dest="model", default="tiny-llama", help="model to run (default: %(default)s)")
+    cmp.add_argument("--save", default=None, metavar="PREFIX",
+                     help="also write both runs' traces: PREFIX-a.jsonl and PREFIX-b.jsonl")
+    cmp.add_argument("--tui", action="store_true",
+                     help="show the two runs side by side in the terminal UI, in lockstep (keys: space, b, d)")
+    add_threads(cmp)
+
+    plot = sub.add_parser(
+        "plot", help="draw a figure of a recorded trace with matplotlib (PNG or SVG)",
+        description="Plot a trace: " + "; ".join(f"{name}: {fig.title}" for name, fig in FIGURES.items()),
+    )
+    plot.add_argument("--trace", "-t", required=True, help="a trace written by `nanoserve record`")
+    plot.add_argument("--what", "-w", choices=list(FIGURES), default="blocks", help="(default: %(default)s)")
+    plot.add_argument("--output", "-o", required=True, help="file to write: .png or .svg")
 
 
 # -- errors: one line, by flag ------------------------------------------------------------
@@ -238,6 +273,56 @@ def cmd_tui(args: argparse.Namespace) -> int:
     components = components_from(args.lab)
     say(apply_thread_policy(args.threads).note())
     return run_app(model=args.model, replay=args.replay, scenario=args.scenario, components=components)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from nanoserve.whatif.settings import parse_sets
+
+    if (args.scenario is None) == (not args.trace):
+        raise FieldError("scenario", "or two --trace files: give one of them (e.g. --scenario memory-pressure "
+                                     "--set preemption_mode=swap)")
+    if args.trace:
+        if len(args.trace) != 2 or args.set:
+            raise FieldError("trace", "must be given exactly twice (A and B), without --set")
+        from nanoserve.trace import read_trace
+        from nanoserve.whatif.compare import compare
+        events = [read_trace(t) for t in args.trace]
+        return show_comparison(compare(*events, labels=tuple(Path(t).stem for t in args.trace)), *events, args.tui)
+    from nanoserve.scenarios import get_scenario
+    from nanoserve.whatif.workload import scenario_pair
+
+    get_scenario(args.scenario)
+    changes = parse_sets(args.set)                    # a bad --set fails before the model loads
+    if args.save is not None:
+        check_output(args.save + "-a.jsonl", "--save")
+    say(apply_thread_policy(args.threads).note())
+    a, b = scenario_pair(args.scenario, changes, args.model)
+    if args.save is not None:
+        from nanoserve.trace import write_trace
+        write_trace(args.save + "-a.jsonl", a.events)
+        write_trace(args.save + "-b.jsonl", b.events)
+    from nanoserve.whatif.compare import compare
+    return show_comparison(compare(a, b), a.events, b.events, args.tui)
+
+
+def show_comparison(comparison, events_a, events_b, tui: bool) -> int:
+    """Print the comparison, or open it side by side in the TUI."""
+    if not tui:
+        print(comparison)
+        return 0
+    from nanoserve_tui.compare_app import run_compare_app
+    return run_compare_app(comparison, events_a, events_b)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from nanoserve.whatif.plots import save_figure
+
+    check_output(args.output, "--output")
+    if Path(args.output).suffix.lower() not in (".png", ".svg"):
+        raise FieldError("output", f"must end in .png or .svg, got {args.output}")
+    save_figure(args.trace, args.what, args.output)
+    print(f"nanoserve: wrote {args.output}", file=sys.stderr)
+    return 0
 
 
 def group_kwargs(parser: argparse.ArgumentParser, title: str, args: argparse.Namespace) -> dict:
@@ -335,7 +420,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "record": cmd_record, "export": cmd_export, "tui": cmd_tui,
-            "serve": cmd_serve, "lab": cmd_lab}
+            "serve": cmd_serve, "compare": cmd_compare, "plot": cmd_plot,
+            "lab": cmd_lab}
 
 
 def main(argv: list[str] | None = None) -> int:

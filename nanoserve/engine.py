@@ -65,7 +65,8 @@ from nanoserve.request import Request
 from nanoserve.runner import ModelRunner, RunInput, kv_bytes_per_block
 from nanoserve.sampler import SampledToken, Sampler
 from nanoserve.spec_decode import Drafts, build_proposer
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, to_pairs
+from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence, SequenceStatus
 from nanoserve.trace import EventBus, synced_event
 
@@ -159,7 +160,9 @@ class LLMEngine(Displayable):
         self.detokenizers[rid] = prepared.detokenizer
         self.scheduler.add(seq)
         shown = engine_state.prompt_text(seq.prompt, seq.prompt_token_ids, self.tokenizer)   # token ids: their text
-        self._emit(ev.RequestAdded(self.step_count, rid, shown, seq.num_prompt_tokens, request.params.max_tokens))
+        given_ids = tuple(seq.prompt_token_ids) if seq.prompt is None else ()   # what a replay adds again
+        self._emit(ev.RequestAdded(self.step_count, rid, shown, seq.num_prompt_tokens, request.params.max_tokens,
+                                   given_ids, to_pairs(request.params, request.seed), seq.priority))
 
     def abort_request(self, request_id: str) -> RequestOutput:
         """Stop a request (all its sequences) now and free their blocks.
@@ -186,16 +189,18 @@ class LLMEngine(Displayable):
             return f"request {request_id!r} has already finished"
         return f"no unfinished request {request_id!r}"
 
-    def fork(self, request_id: str) -> str:
+    def fork(self, request_id: str, seed: int | None = None) -> str:
         """Fork a running sequence at its current position; returns the new sequence's id.
 
         The fork joins the same request as one more completion. It shares every
         block of its parent (nothing is copied until one of them writes into a
-        shared, partly filled block) and continues with its own random stream.
-        Raises KeyError for an unknown or finished request, ValueError when the
+        shared, partly filled block) and continues with its own random stream,
+        seeded by `seed` (default: a seed drawn from the engine's RNG; a replay
+        passes the one the first run drew). Raises KeyError for an unknown or finished request, ValueError when the
         sequence cannot be forked now; the engine is unchanged then.
         """
         seq = self.requests.get(v.text("request_id", request_id))
+        seed = v.optional_integer("seed", seed, minimum=0, maximum=2**64 - 1)
         if seq is None:
             raise KeyError(self._unknown(request_id))
         if seq.params.use_beam_search:
@@ -207,19 +212,21 @@ class LLMEngine(Displayable):
         if self.scheduler.seats_used + 1 > self.config.max_num_seqs:
             raise ValueError(f"no free seat for a fork: max_num_seqs={self.config.max_num_seqs} sequences "
                              "already run")
-        seed = int(torch.randint(2**62, (1,), generator=self._rng))
-        child_id = self._fork_seq(seq, torch.Generator().manual_seed(seed)).request_id
+        if seed is None:
+            seed = int(torch.randint(2**62, (1,), generator=self._rng))
+        child_id = self._fork_seq(seq, torch.Generator().manual_seed(seed), seed).request_id
         self._raise_subscriber_errors(child_id)
         return child_id
 
-    def _fork_seq(self, parent: Sequence, generator: torch.Generator) -> Sequence:
-        """A new running sequence of the same request, sharing `parent`'s tokens, text and blocks."""
+    def _fork_seq(self, parent: Sequence, generator: torch.Generator, seed: int = -1) -> Sequence:
+        """A new running sequence of the same request, sharing `parent`'s tokens, text and blocks.
+        (`seed`, the seed of `generator` when the caller knows it, goes into the Forked event.)"""
         group = self.groups[parent.group_id]
         child_id = group.fork_id()
         while child_id in self.requests or child_id in self.groups:   # a user's request may have this id
             child_id = group.fork_id()
         child = parent.fork(child_id, generator)
-        self.kv.fork(parent, child)
+        self.kv.fork(parent, child, seed)
         self.scheduler.running.append(child)
         group.seqs.append(child)
         self.requests[child_id] = child

@@ -9,6 +9,8 @@ from a snapshot (nothing, if the events told the whole story).
 
 from __future__ import annotations
 
+import dataclasses
+
 from nanoserve.sequence import Sequence
 
 
@@ -43,6 +45,7 @@ def snapshot(engine) -> dict:
         "requests": [view(s) for s in engine.requests.values()],
         "radix": {"enabled": engine.radix is not None, "nodes": engine.radix.snapshot() if engine.radix else []},
         "cpu_pool": engine.cpu_pool.snapshot() if engine.cpu_pool else None,
+        "config": {f.name: getattr(engine.config, f.name) for f in dataclasses.fields(engine.config)},
         # tensor parallelism: each rank's KV heads and share of a block (absent for one process)
         **({"ranks": engine.runner.rank_info()} if hasattr(engine.runner, "rank_info") else {}),
     }

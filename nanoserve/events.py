@@ -43,6 +43,9 @@ class EngineSynced(Event):
     num_cpu_blocks: int = 0            # swap space: blocks of the CPU pool (0: no swapping)
     # Tensor parallelism: (rank, kv_heads, bytes_per_block) per rank; empty for one process
     ranks: tuple[tuple, ...] = ()
+    # The engine's settings as (EngineConfig field, value) pairs, so a trace says what ran it
+    # (empty in traces recorded before they were added).
+    config: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,12 +58,20 @@ class StepStarted(Event):
 
 @dataclass(frozen=True, slots=True)
 class RequestAdded(Event):
-    """A request entered the waiting queue."""
+    """A request entered the waiting queue.
+
+    The last three fields make the call repeatable (nanoserve/whatif replays them): older
+    traces lack them and still fold."""
 
     request_id: str
     prompt: str
     num_prompt_tokens: int
     max_tokens: int
+    token_ids: tuple[int, ...] = ()   # the prompt as given in token ids (empty: it was the text `prompt`)
+    # SamplingParams as (field, value) pairs: the fields set away from their defaults, and always
+    # the seed the request's RNG got (its own, or one drawn from the engine's RNG)
+    params: tuple[tuple[str, object], ...] = ()
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +257,7 @@ class Forked(Event):
     parent_id: str
     request_id: str                   # the new sequence
     block_ids: tuple[int, ...]        # the shared table: every ref count went up by one
+    seed: int = -1                    # the seed of the new sequence's RNG (-1: not recorded)
 
 
 @dataclass(frozen=True, slots=True)

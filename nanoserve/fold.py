@@ -45,7 +45,8 @@ def synced_event(snapshot: dict) -> ev.EngineSynced:
     ranks = tuple((r["rank"], tuple(r["kv_heads"]), r["bytes_per_block"]) for r in snapshot.get("ranks", ()))
     return ev.EngineSynced(snapshot["step"], snapshot["model"], pool["num_blocks"], pool["block_size"],
                            tuple(pool["ref_counts"]), tuple(pool["free_queue"]), requests, nodes,
-                           bool(radix.get("enabled", False)), cpu_pool.get("num_blocks", 0), ranks)
+                           bool(radix.get("enabled", False)), cpu_pool.get("num_blocks", 0), ranks,
+                           tuple(dict(snapshot.get("config", {})).items()))
 
 
 def _synced_state(e: ev.EngineSynced) -> ViewState:

@@ -163,12 +163,13 @@ class KVManager:
 
     # -- fork ---------------------------------------------------------------------------------
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """`child` (a copy of `parent`'s tokens) shares all of `parent`'s blocks and cache locks."""
+    def fork(self, parent: Sequence, child: Sequence, seed: int = -1) -> None:
+        """`child` (a copy of `parent`'s tokens) shares all of `parent`'s blocks and cache locks.
+        (`seed`, the seed of the child's RNG, is only reported in the event.)"""
         self.pool.share(parent.block_table)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
-        self.emit(ev.Forked(self.step, parent.request_id, child.request_id, tuple(child.block_table)))
+        self.emit(ev.Forked(self.step, parent.request_id, child.request_id, tuple(child.block_table), seed))
         if parent.cache_node is not None:
             self._relock(child, parent.cache_node)
 

@@ -9,7 +9,7 @@ works with the other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from nanoserve import validation as v
 from nanoserve.errors import FieldError
@@ -120,3 +120,20 @@ def _stop_strings(stop) -> list[str]:
         if not s:
             raise FieldError("stop", "strings must be non-empty")
     return list(stop)
+
+
+def to_pairs(params: SamplingParams, seed: int | None = None) -> tuple[tuple[str, object], ...]:
+    """The fields set away from their defaults as (name, value) pairs, lists as tuples, and the
+    seed (`seed` when given: the one the request actually got). Plain data, for `RequestAdded`."""
+    default = SamplingParams()
+    pairs = []
+    for f in fields(SamplingParams):
+        value = seed if f.name == "seed" and seed is not None else getattr(params, f.name)
+        if value != getattr(default, f.name) or (f.name == "seed" and value is not None):
+            pairs.append((f.name, tuple(value) if isinstance(value, list) else value))
+    return tuple(pairs)
+
+
+def from_pairs(pairs) -> SamplingParams:
+    """Inverse of `to_pairs` (tuples back to lists): the SamplingParams a request was added with."""
+    return SamplingParams(**{name: list(value) if isinstance(value, tuple) else value for name, value in pairs})

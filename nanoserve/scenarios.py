@@ -204,6 +204,16 @@ def has_chat_template(tokenizer) -> bool:
     return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
 
 
+def request_args(arrival: Arrival, chat: bool, tokenizer) -> tuple[str | list[int], dict]:
+    """The prompt and SamplingParams fields an arrival is added with.
+
+    Chat workloads: messages in the model's own chat format, as text; a real model's EOS ends
+    the answer. Plain workloads: EOS is ignored (random weights may emit it at once)."""
+    if chat:
+        return tokenizer.apply_chat_template(arrival.prompt, tokenize=False, add_generation_prompt=True), arrival.params
+    return arrival.prompt, {"ignore_eos": True, **arrival.params}
+
+
 class ScenarioRunner:
     """Steps an engine through a scenario: adds each request at its step, then steps."""
 
@@ -230,12 +240,7 @@ class ScenarioRunner:
 
         while self.pending and self.pending[0].step <= self.engine.step_count:
             a = self.pending.pop(0)
-            prompt = a.prompt
-            if self.chat:                  # messages -> the model's own chat format, as text
-                prompt = self.engine.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-                params = a.params          # a real model: its EOS ends the answer
-            else:
-                params = {"ignore_eos": True, **a.params}   # random weights may emit EOS at once
+            prompt, params = request_args(a, self.chat, self.engine.tokenizer)
             self.engine.add_request(a.request_id, prompt, SamplingParams(**params))
 
     def step(self):

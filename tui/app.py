@@ -26,7 +26,7 @@ from textual.widgets import Footer, Static
 
 from nanoserve.trace import read_trace
 from nanoserve.trace_check import check_trace
-from nanoserve_tui.screens import AddRequestScreen, HelpScreen, ScenarioPicker
+from nanoserve_tui.screens import AddRequestScreen, BranchScreen, HelpScreen, ScenarioPicker
 from nanoserve_tui.source import (
     FrameReady, Frame, LiveSource, ReplaySource, Source, SourceStatus, Unsupported,
 )
@@ -63,6 +63,7 @@ class NanoserveApp(App[None]):
         Binding("k", "rank", "rank", show=False),
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("q", "quit", "quit"),
+        Binding("w", "branch", "what if"),    # last: on a narrow screen the footer cuts it, not quit
     ]
 
     frame: reactive[Frame | None] = reactive(None, always_update=True)
@@ -236,6 +237,20 @@ class NanoserveApp(App[None]):
         rid = self._selected_request()
         if rid is not None and self._try(self.source.fork, rid):
             self.notify(f"forking {rid} …")              # the engine's answer follows as its own notice
+
+    def action_branch(self) -> None:
+        """Open "branch from here": the settings a class changes, the run's own filled in."""
+        self.playing = False
+        if not self.source.settings:
+            self._try(self.source.branch, {})             # says why it does not apply
+            return
+        step = self.frame.state.step if self.frame else 0
+        self.push_screen(BranchScreen(self.source.settings, step), self._branch)
+
+    def _branch(self, changes: dict | None) -> None:
+        if changes is not None and self._try(self.source.branch, changes):
+            self.notify("branching: replaying the run with " + (", ".join(f"{k}={v}" for k, v in changes.items())
+                                                                or "the same settings") + " …")
 
     def action_add(self) -> None:
         if self.source.mode != "live":

@@ -1,4 +1,4 @@
-"""Modal screens: add a request, pick a scenario preset, help.
+"""Modal screens: add a request, pick a scenario preset, branch with other settings, help.
 
 Each returns its answer with `dismiss()`; the app decides what to do with it.
 """
@@ -15,7 +15,9 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
+from nanoserve.errors import FieldError
 from nanoserve.scenarios import SCENARIOS
+from nanoserve.whatif.settings import BRANCH_SETTINGS, parse_sets
 
 
 class AddRequestScreen(ModalScreen[dict | None]):
@@ -72,6 +74,60 @@ class AddRequestScreen(ModalScreen[dict | None]):
         self.dismiss(None)
 
 
+class BranchScreen(ModalScreen[dict | None]):
+    """"What if, from this step": the settings a class changes, filled in with the run's own.
+
+    Dismisses with the changed settings ({} when none changed) or None. A value the engine
+    would refuse is caught here, with the same sentence `nanoserve compare --set` prints.
+    """
+
+    BINDINGS = [Binding("escape", "cancel", "cancel")]
+
+    def __init__(self, settings: dict, step: int) -> None:
+        super().__init__()
+        self.settings, self.step = settings, step
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="dialog"):
+            yield Label(f"Branch from step {self.step}: what if ...", classes="dialog-title")
+            yield Static("The run is replayed from step 0 with these settings (same requests, same seeds) and "
+                         "continues from here; up to the first step a setting matters, it is the same run.",
+                         classes="dialog-note")
+            for name in BRANCH_SETTINGS:
+                with Horizontal(classes="setting"):
+                    yield Label(name, classes="setting-name")
+                    yield Input(_text(self.settings.get(name)), id=f"set-{name}")
+            yield Label("", id="error")
+            with Horizontal(classes="buttons"):
+                yield Button("Branch", variant="primary", id="branch")
+                yield Button("Cancel", id="cancel")
+
+    def changes(self) -> dict | None:
+        """The settings that differ from the run's, parsed and checked (None: an error is shown)."""
+        items = [f"{name}={self.query_one(f'#set-{name}', Input).value.strip()}" for name in BRANCH_SETTINGS]
+        try:
+            values = parse_sets(items)
+        except FieldError as exc:
+            self.query_one("#error", Label).update(Text(exc.text, style="bold red"))
+            return None
+        return {k: v for k, v in values.items() if v != self.settings.get(k)}
+
+    @on(Button.Pressed, "#branch")
+    @on(Input.Submitted)
+    def submit(self) -> None:
+        changes = self.changes()
+        if changes is not None:
+            self.dismiss(changes)
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+def _text(value) -> str:
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 class ScenarioPicker(ModalScreen[str | None]):
     """The scenario presets with what to watch for in each; dismisses with a name or None."""
 
@@ -102,7 +158,10 @@ KEYS = [
     ("space / n", "one step forward"),
     ("r", "run / pause (at the speed in the status line)"),
     ("+ / -", "faster / slower"),
-    ("b / ←", "one step back (replay only; ← moves the block cursor while the pool grid has focus)"),
+    ("b / ←", "one step back (live: the command log is replayed into a fresh engine on the same weights, "
+              "one step short; ← moves the block cursor while the pool grid has focus)"),
+    ("w", "what if: branch from this step with other settings (preemption, prefix cache, block size, token "
+          "budget, seats, speculative decoding, pool size; live only)"),
     ("a", "add a request: prompt, max_tokens, temperature (default 0: greedy, like `nanoserve generate`; "
           "live only)"),
     ("x", "abort the selected request (live only)"),

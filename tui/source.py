@@ -5,23 +5,28 @@ Both sources hand the app the same thing, a `Frame`: the `ViewState` that
 (for the log). The app draws only frames, never the engine, which is why a
 replayed trace looks exactly like the live run that recorded it.
 
-* `LiveSource` runs an `LLMEngine` (inside a `ScenarioRunner`) on a Textual
+* `LiveSource` runs an `LLMEngine` (inside a what-if `Run`, nanoserve/whatif/run.py,
+  that feeds the scenario's arrivals and keeps the command log) on a Textual
   worker thread. The UI never touches the engine: it puts commands (step,
-  add, abort, fork, restart) on a queue, the worker executes them one at a time and
+  add, abort, fork, restart, back, branch) on a queue, the worker executes them one at a time and
   sends each command's events back with `call_from_thread`, where they are
   folded on the UI thread. A command that fails is a notice, and the engine
   in use stays (a failed restart keeps the old one on screen); a fold that
   fails is a notice too, and the view restarts from a fresh `EngineSynced`.
+  Stepping back (`b`) rewinds: the run's command log is replayed into a fresh
+  engine on the same loaded model, one step short; a branch does the same with
+  other settings. Either way the view is rebuilt from the new run's whole history.
 * `ReplaySource` reads a JSONL trace, splits it into steps, and folds up to
   step N; every frame is cached, so stepping back is instant.
 
-A command a source cannot do (step back live, abort in a replay) raises
+A command a source cannot do (abort in a replay, a branch of a trace) raises
 `Unsupported` with a sentence for the user; the app shows it as a notice.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import queue
 import traceback
 from collections.abc import Sequence
@@ -35,8 +40,11 @@ from textual.worker import get_current_worker
 
 from nanoserve.events import DraftVerified, EngineSynced, Event, StepFinished, StepStarted
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.scenarios import Scenario, ScenarioRunner, get_scenario
+from nanoserve.scenarios import Scenario, get_scenario
 from nanoserve.trace import JsonlRecorder, ViewState, fold, fold_all, read_trace, synced_event
+from nanoserve.whatif.compare import first_divergence
+from nanoserve.whatif.run import Run
+from nanoserve.whatif.workload import scenario_start
 
 DEFAULT_MODEL = "tiny-llama"
 
@@ -137,6 +145,15 @@ class Source:
     def fork(self, request_id: str) -> None:
         raise Unsupported("fork needs a live engine; this is a replay of a recorded trace")
 
+    def branch(self, changes: dict) -> None:
+        raise Unsupported("a branch needs a live engine: a recorded trace has no weights to run "
+                          "(start one with p, or `nanoserve tui --scenario NAME`)")
+
+    @property
+    def settings(self) -> dict:
+        """The engine settings a branch starts from (empty: this source cannot branch)."""
+        return {}
+
     def close(self) -> None:
         """Stop whatever the source runs (the live worker)."""
 
@@ -220,6 +237,7 @@ class LiveSource(Source):
         self._state: ViewState | None = None          # folded on the UI thread
         self._acceptance: tuple[float, ...] = ()
         self._app: App | None = None
+        self._settings: dict = {}                     # the run's EngineConfig, set by the worker
 
     def _yours(self) -> str:
         """The title's ending when `--lab` replaced a part, e.g. " with your block_pool" (whose code runs)."""
@@ -255,6 +273,24 @@ class LiveSource(Source):
         """Fork a running request (`engine.fork`): the child shares its blocks; the app hears how it went."""
         self._commands.put(("fork", (request_id,)))
 
+    def back(self) -> None:
+        """One step back: the command log replayed into a fresh engine (nanoserve/whatif/run.py)."""
+        if self._state is None:
+            raise Unsupported(f"still loading {self.model}")
+        if self._state.step == 0 and not self._pending_steps:
+            raise Unsupported("already at step 0")
+        self._commands.put(("back", ()))
+
+    def branch(self, changes: dict) -> None:
+        """Go on from this step under other settings (`Run.branch`: the log replayed with them)."""
+        if self._state is None:
+            raise Unsupported(f"still loading {self.model}")
+        self._commands.put(("branch", (changes,)))
+
+    @property
+    def settings(self) -> dict:
+        return dict(self._settings)
+
     def restart(self, scenario: str) -> None:
         """Start over on a fresh engine running `scenario` (the model stays loaded).
 
@@ -265,8 +301,10 @@ class LiveSource(Source):
     def close(self) -> None:
         self._commands.put(("stop", ()))
 
-    def _deliver(self, events: list[Event], done: bool, stepped: bool, description: str | None = None) -> None:
-        """Fold a command's events into the view (runs on the UI thread)."""
+    def _deliver(self, events: list[Event], done: bool, stepped: bool, description: str | None = None,
+                 shown_from: int = 0) -> None:
+        """Fold a command's events into the view (runs on the UI thread); the frame's event list
+        shows `events[shown_from:]` (after a rewind: its last step, not the whole history)."""
         if stepped:
             self._pending_steps = max(0, self._pending_steps - 1)
         self._done = done
@@ -279,6 +317,9 @@ class LiveSource(Source):
             for event in events:
                 if isinstance(event, EngineSynced):
                     acceptance = ()                   # a fresh engine: fresh metrics
+                elif isinstance(event, StepFinished) and shown_from:   # a replayed history: per step
+                    rate = acceptance_rate([e for e in events if e.step == event.step])
+                    acceptance += () if rate is None else (rate,)
                 state = fold(state, event)
         except Exception as exc:   # noqa: BLE001 -- a view that cannot follow: say so, start it afresh
             self._app.notify(f"{type(exc).__name__}: {exc}; the view starts afresh from the engine's state",
@@ -286,11 +327,12 @@ class LiveSource(Source):
             self._commands.put(("sync", ()))
             return
         self._state, self._acceptance = state, acceptance
-        rate = acceptance_rate(events)
+        rate = None if shown_from else acceptance_rate(events)   # (a history's rates came per step above)
         if rate is not None:
             self._acceptance += (rate,)
         if events and self._state is not None and self._app is not None:
-            self._app.post_message(FrameReady(Frame(self._state, tuple(events), self._acceptance, done)))
+            self._app.post_message(FrameReady(Frame(self._state, tuple(events[shown_from:]), self._acceptance,
+                                                    done)))
 
     # -- worker thread -----------------------------------------------------------------
 
@@ -298,7 +340,7 @@ class LiveSource(Source):
         """The worker: load the model, then execute commands until told to stop."""
         worker = get_current_worker()
         try:
-            runner = ScenarioRunner(self.scenario, self.model, components=self.components)
+            runner = scenario_start(self.scenario, self.model, components=self.components)
         except Exception as exc:   # noqa: BLE001 -- any loading failure becomes one clear line
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             what = f"could not load model {self.model!r}: {reason}"
@@ -312,7 +354,8 @@ class LiveSource(Source):
         self._buffer: list[Event] = []               # the current command's events (worker only)
         self._recorder = JsonlRecorder(self.record) if self.record else None
         self._unsubscribe = self._listen(runner)
-        hint = "press space to step, r to run" if runner.pending else "press a to add a request, p for a preset"
+        self._settings = dataclasses.asdict(runner.config)
+        hint = "press space to step, r to run" if not runner.done else "press a to add a request, p for a preset"
         self._to_ui(self._app.post_message, SourceStatus("ready", f"{self.description}: {hint}"))
         self._flush(runner, stepped=False)
         try:
@@ -323,7 +366,7 @@ class LiveSource(Source):
                     continue
                 if command == "stop":
                     break
-                self._description = None
+                self._description, self._shown_from = None, 0
                 try:
                     runner = self._execute(runner, command, args)
                 except (ValueError, KeyError) as exc:      # bad user input: say so, keep running
@@ -332,13 +375,14 @@ class LiveSource(Source):
                 except Exception as exc:                    # noqa: BLE001 -- an engine bug: show it, stay up
                     self._to_ui(self._app.notify, f"{type(exc).__name__}: {exc}", title=f"engine {command} failed",
                                 severity="error", timeout=30)
-                self._flush(runner, stepped=command == "step", description=self._description)
+                self._flush(runner, stepped=command == "step", description=self._description,
+                            shown_from=self._shown_from)
         finally:
             runner.engine.shutdown()                        # (a tensor-parallel engine's worker processes)
             if self._recorder:
                 self._recorder.close()
 
-    def _execute(self, runner: ScenarioRunner, command: str, args: tuple) -> ScenarioRunner:
+    def _execute(self, runner: Run, command: str, args: tuple) -> Run:
         """Run one command on the engine; returns the runner to use from now on."""
         if command == "step" and not runner.done:
             runner.step()
@@ -353,29 +397,54 @@ class LiveSource(Source):
                                           f"writes into a shared block (copy-on-write)", title="fork")
         elif command == "restart":                          # a fresh engine; the loaded model stays
             scenario = get_scenario(args[0])
-            new = ScenarioRunner(scenario, self.model, loaded=runner.engine.loaded,   # may fail: the old one stays
+            new = scenario_start(scenario, self.model, runner.engine.loaded,   # may fail: the old one stays
                                  components=self.components)
-            for unsubscribe in self._unsubscribe:
-                unsubscribe()
-            runner.engine.shutdown()                        # (a tensor-parallel engine's worker processes)
-            self._buffer.clear()                            # (nothing of the old engine's is pending)
-            runner, self.scenario = new, scenario
-            self._unsubscribe = self._listen(runner)        # sends EngineSynced: the view starts afresh
+            runner, self.scenario = self._switch(runner, new), scenario
             self._description = f"{scenario.name} on {self.model}{self._yours()}"
         elif command == "sync":                             # the view lost track: the whole state again
             self._buffer.append(synced_event(runner.engine.snapshot()))
+        elif command == "back":
+            if runner.step_count == 0:
+                raise ValueError("already at step 0")
+            runner = self._switch(runner, runner.rewind(runner.step_count - 1), history=True)
+        elif command == "branch":
+            (changes,) = args
+            new = runner.branch(runner.step_count, **changes)   # FieldError: a notice, the old run stays
+            same = first_divergence(runner.events, new.events)
+            runner = self._switch(runner, new, history=True)
+            what = ", ".join(f"{k}={v}" for k, v in changes.items()) or "unchanged settings"
+            so_far = ("the same steps so far" if same is None
+                      else f"the same steps until step {same - 1}, different from step {same} on")
+            skipped = f"; skipped: {', '.join(c.describe() for c, _ in new.skipped)}" if new.skipped else ""
+            self._to_ui(self._app.notify, f"branched at step {new.step_count} with {what}: replayed from step 0 "
+                                          f"under the new settings, {so_far}{skipped}", title="branch")
         return runner
 
-    def _listen(self, runner: ScenarioRunner) -> list:
+    def _switch(self, old: Run, new: Run, history: bool = False) -> Run:
+        """Watch `new` instead of `old`. `history`: the view is rebuilt from new's whole event
+        history (a rewind or branch replayed it), else from its EngineSynced."""
+        for unsubscribe in self._unsubscribe:
+            unsubscribe()
+        old.engine.shutdown()                               # (a tensor-parallel engine's worker processes)
+        self._buffer.clear()                                # (nothing of the old engine's is pending)
+        self._unsubscribe = self._listen(new)               # sends EngineSynced: the view starts afresh
+        if history:
+            self._buffer[:] = new.events                    # ... from the empty engine, every step again
+            starts = [i for i, e in enumerate(new.events) if isinstance(e, StepStarted)]
+            self._shown_from = starts[-1] if starts else 0
+        self._settings = dataclasses.asdict(new.config)
+        return new
+
+    def _listen(self, runner: Run) -> list:
         unsubscribe = [runner.engine.subscribe(self._buffer.append)]
         if self._recorder:
             unsubscribe.append(runner.engine.subscribe(self._recorder))
         return unsubscribe
 
-    def _flush(self, runner: ScenarioRunner, stepped: bool, description: str | None = None) -> None:
+    def _flush(self, runner: Run, stepped: bool, description: str | None = None, shown_from: int = 0) -> None:
         events = self._buffer[:]
         self._buffer.clear()
-        self._to_ui(self._deliver, events, runner.done, stepped, description)
+        self._to_ui(self._deliver, events, runner.done, stepped, description, shown_from)
 
     def _to_ui(self, callback, *args, **kwargs) -> None:
         try:
