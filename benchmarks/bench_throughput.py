@@ -44,7 +44,6 @@ import os
 import random
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 

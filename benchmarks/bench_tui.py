@@ -23,7 +23,13 @@ import statistics
 import time
 
 from nanoserve.events import (
-    BlocksAllocated, ChunkScheduled, EngineSynced, Event, StepFinished, StepStarted, TokenSampled,
+    BlocksAllocated,
+    ChunkScheduled,
+    EngineSynced,
+    Event,
+    StepFinished,
+    StepStarted,
+    TokenSampled,
 )
 from nanoserve.trace import ViewState, fold
 from nanoserve_tui.app import NanoserveApp

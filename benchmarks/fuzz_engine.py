@@ -43,11 +43,10 @@ def main() -> int:
     args = parser.parse_args()
 
     import hypothesis.core
-    from hypothesis import HealthCheck, Phase, settings
-    from hypothesis.stateful import run_state_machine_as_test
-
     import machine_reference as counts
     import test_engine_stateful as machine
+    from hypothesis import HealthCheck, Phase, settings
+    from hypothesis.stateful import run_state_machine_as_test
 
     phases = [Phase.generate] + ([] if args.no_shrink else [Phase.shrink])
     config = settings(max_examples=args.batch, stateful_step_count=args.steps, deadline=None, database=None,

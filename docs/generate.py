@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         stale += found
         print(f"{job.name}: {len(found)} stale  ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     if not args.check and not args.lessons and (not args.jobs or "serving" in args.jobs):
-        from docgen import serving       # a live run with clients on threads: redrawn, never compared
+        from docgen import serving  # a live run with clients on threads: redrawn, never compared
         t0 = time.perf_counter()
         serving.attach()
         print(f"serving (tui-attach.svg, live): redrawn  ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)

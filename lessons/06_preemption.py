@@ -28,8 +28,7 @@ from rich import box  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from nanoserve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from nanoserve.events import (  # noqa: E402
-    ChunkScheduled, PrefixMatched, Preempted, RequestFinished, SwappedIn, SwappedOut)
+from nanoserve.events import ChunkScheduled, Preempted, PrefixMatched, RequestFinished, SwappedIn, SwappedOut  # noqa: E402
 
 BS = 4
 TEXT = "The quick brown fox jumps over the lazy dog. "

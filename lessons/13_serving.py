@@ -12,7 +12,7 @@ engine's own events from GET /events to see what the server did with each
 request. Every claim is checked with an `assert`.
 """
 
-from lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
+from lesson import breaks, console, section  # prose that fits your terminal; --break NAME
 
 BROKEN = breaks({
     "queue-without-bound": "expect the fifth waiting request to be queued like the others",
@@ -27,8 +27,7 @@ import httpx  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from nanoserve import LLM, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from nanoserve.events import (  # noqa: E402
-    BlocksFreed, ChunkScheduled, RequestAborted, RequestAdded, RequestFinished, TokenSampled)
+from nanoserve.events import BlocksFreed, ChunkScheduled, RequestAborted, RequestAdded, RequestFinished, TokenSampled  # noqa: E402
 from nanoserve.serve.app import build_app  # noqa: E402
 from nanoserve.serve.background import BackgroundServer  # noqa: E402
 from nanoserve.trace import event_from_dict, fold, fold_all, synced_event  # noqa: E402

@@ -24,6 +24,8 @@ Everything runs inside `main()`: the worker process is started with
 
 from lesson import breaks, console, section  # prose that fits your terminal; --break NAME
 
+# isort: split
+# (lesson.py sets OMP_NUM_THREADS, which only counts before torch is imported)
 import time  # noqa: E402
 
 import torch  # noqa: E402

@@ -23,6 +23,8 @@ started with `spawn`, which imports this file again, and nothing may run then.
 
 from lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
 
+# isort: split
+# (lesson.py sets OMP_NUM_THREADS, which only counts before torch is imported)
 import statistics  # noqa: E402
 
 from rich.table import Table  # noqa: E402

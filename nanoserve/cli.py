@@ -38,7 +38,6 @@ from nanoserve.serve.command import add_serve_parser
 from nanoserve.threads import THREADS_ENV, apply_thread_policy
 from nanoserve.viz.text import plural
 
-
 ENGINE_GROUP, SAMPLING_GROUP = "engine", "sampling"   # `generate`'s argument groups
 
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanoserve import spec_decode
-from nanoserve.kernels.backends import make_backend
 from nanoserve.block_pool import BlockPool
+from nanoserve.kernels.backends import make_backend
 from nanoserve.kv_manager import KVManager
 from nanoserve.radix_cache import RadixCache
 from nanoserve.scheduler import Scheduler

@@ -158,7 +158,7 @@ def _size(num_bytes: int) -> str:
 
 def _check_device(device) -> str:
     """"cpu", "cuda" or "cuda:N", and a CUDA device only where torch sees one (`loader.check_device`)."""
-    from nanoserve.models.loader import check_device   # (here, not at the top: the loader imports a lot)
+    from nanoserve.models.loader import check_device  # (here, not at the top: the loader imports a lot)
 
     check_device(v.text("device", device))
     return device

@@ -45,11 +45,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 
 import torch
 
-from nanoserve import engine_state, events as ev, intake, spec_decode, step_rollback
+from nanoserve import engine_state, intake, spec_decode, step_rollback
+from nanoserve import events as ev
 from nanoserve import validation as v
 from nanoserve.choose import Choice, choose
 from nanoserve.commit import commit
@@ -64,10 +66,9 @@ from nanoserve.outputs import RequestOutput, StepResult, StepStats
 from nanoserve.request import Request
 from nanoserve.runner import ModelRunner, RunInput, kv_bytes_per_block
 from nanoserve.sampler import SampledToken, Sampler
-from nanoserve.spec_decode import Drafts, build_proposer
 from nanoserve.sampling_params import SamplingParams, to_pairs
-from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence, SequenceStatus
+from nanoserve.spec_decode import Drafts, build_proposer
 from nanoserve.trace import EventBus, synced_event
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

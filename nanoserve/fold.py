@@ -18,7 +18,14 @@ from __future__ import annotations
 
 from nanoserve import events as ev
 from nanoserve.view import (
-    FINISHED_STATUS, HISTORY_LEN, ROOT, RadixNodeView, RankView, RequestView, TransferView, ViewState,
+    FINISHED_STATUS,
+    HISTORY_LEN,
+    ROOT,
+    RadixNodeView,
+    RankView,
+    RequestView,
+    TransferView,
+    ViewState,
 )
 
 

@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from nanoserve import events as ev
 from nanoserve.block_pool import BlockPool
 from nanoserve.runner import ModelRunner, RunInput
-from nanoserve import events as ev
 from nanoserve.sampler import SampledToken, SamplingRow, draw, probs
 from nanoserve.sequence import Sequence
 

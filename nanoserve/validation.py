@@ -104,7 +104,7 @@ def available_memory(device: str) -> int | None:
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return int(free)
     try:
-        import psutil   # optional: the most portable answer
+        import psutil  # optional: the most portable answer
         return int(psutil.virtual_memory().available)
     except ImportError:
         pass

@@ -9,8 +9,8 @@ every step.
 
 from __future__ import annotations
 
-from nanoserve.engine_state import fold_mismatches
 from nanoserve import SamplingParams
+from nanoserve.engine_state import fold_mismatches
 from nanoserve.trace import ViewState
 
 

@@ -17,9 +17,27 @@ step 6  r2 finishes: nodes 1 and 3 become evictable
 from __future__ import annotations
 
 from nanoserve.events import (
-    BeamPruned, BlockDeduplicated, BlocksAllocated, BlocksFreed, ChunkScheduled, CowCopied, EngineSynced,
-    Forked, Preempted, PrefixMatched, RadixEvicted, RadixInserted, RadixLocked, RadixSplit,
-    RequestAdded, RequestAdmitted, RequestFinished, StepFinished, StepStarted, SwappedIn, SwappedOut,
+    BeamPruned,
+    BlockDeduplicated,
+    BlocksAllocated,
+    BlocksFreed,
+    ChunkScheduled,
+    CowCopied,
+    EngineSynced,
+    Forked,
+    Preempted,
+    PrefixMatched,
+    RadixEvicted,
+    RadixInserted,
+    RadixLocked,
+    RadixSplit,
+    RequestAdded,
+    RequestAdmitted,
+    RequestFinished,
+    StepFinished,
+    StepStarted,
+    SwappedIn,
+    SwappedOut,
     TokenSampled,
 )
 

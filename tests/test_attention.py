@@ -21,7 +21,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoserve.attention import BatchLayout, PrefillChunk, paged_attention
-from nanoserve.kernels.torch_backend import TorchBackend
 from nanoserve.kernels.reference import (
     decode_attention,
     decode_mask,
@@ -30,6 +29,7 @@ from nanoserve.kernels.reference import (
     prefill_mask,
     store_kv,
 )
+from nanoserve.kernels.torch_backend import TorchBackend
 
 HEAD_DIM = 8
 ATOL = 1e-5

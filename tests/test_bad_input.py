@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_engine
 from engine_checks import FoldWatcher, drive, greedy
+
 from nanoserve import EngineConfig, LLMEngine, SamplingParams
 from nanoserve.errors import FieldError
 

@@ -10,7 +10,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from nanoserve.block_pool import Block, BlockPool, FreeBlockQueue
 
-
 # -- unit tests --------------------------------------------------------------------------
 
 

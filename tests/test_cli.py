@@ -8,8 +8,8 @@ import shutil
 import subprocess
 
 import pytest
-
 from conftest import has_smollm2
+
 from nanoserve.cli import main
 from nanoserve.scenarios import SCENARIOS, record
 from nanoserve.trace import fold_all, read_trace

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import save_tiny
+
 from nanoserve.cli import build_parser, error_line, field_flags, main, subparser
 from nanoserve.errors import FieldError
 

@@ -12,8 +12,8 @@ import os
 import signal
 
 import pytest
-
 from conftest import make_engine, run_to_end
+
 from nanoserve import EngineConfig, SamplingParams
 from nanoserve import events as ev
 from nanoserve.distributed import WorkerDied

@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from conftest import make_engine, run_to_end
+
 from nanoserve import EngineConfig, LLMEngine, SamplingParams
 from nanoserve import events as ev
 from nanoserve.distributed.tensor_parallel import start_workers, stop_workers

@@ -19,9 +19,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "docs"))
 
+from conftest import has_smollm2  # noqa: E402
+
 from docgen import DOCS, JOBS, read_page, regions  # noqa: E402
 from docgen.pictures import same_file, signature  # noqa: E402
-from conftest import has_smollm2  # noqa: E402
 
 NEEDS_DOT = {"scenarios", "memory", "life", "serving", "distributed"}   # jobs that draw Graphviz pictures
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from conftest import make_engine, run_to_end, save_tiny
+from machine_reference import VOCAB, small_engine
 
 from nanoserve import EngineConfig, LLMEngine, SamplingParams
 from nanoserve import events as ev
-from conftest import make_engine, run_to_end, save_tiny
-from machine_reference import VOCAB, small_engine
 from nanoserve.sequence import SequenceStatus
 
 

@@ -25,20 +25,27 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from engine_checks import FoldWatcher
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from machine_reference import (
+    CONFIGS,
+    MAX_DRAIN_STEPS,
+    MAX_LIVE,
+    POOLS,
+    PREFIXES,
+    STATS,
+    STOP_CHARS,
+    VOCAB,
+    OutputChecks,
+    small_engine,
+)
 
-from engine_checks import FoldWatcher
 from nanoserve import SamplingParams
 from nanoserve import events as ev
 from nanoserve.errors import FieldError, StepFailed, SubscriberError
 from nanoserve.sequence import SequenceStatus
-
-from machine_reference import (
-    CONFIGS, MAX_DRAIN_STEPS, MAX_LIVE, POOLS, PREFIXES, STATS, STOP_CHARS, VOCAB, OutputChecks, small_engine,
-)
-
 
 # -- the state machine --------------------------------------------------------------------------
 

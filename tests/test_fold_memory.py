@@ -12,16 +12,29 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from memory_events import events_through, memory_trace
+
 from nanoserve.events import (
-    BeamPruned, BlockDeduplicated, BlocksAllocated, CowCopied, EngineSynced, Forked, Preempted,
-    PrefixMatched, RadixEvicted, RadixInserted, RadixLocked, RadixSplit, RequestAdded, RequestAdmitted,
-    RequestFinished, StepStarted, SwappedIn, SwappedOut,
+    BeamPruned,
+    BlockDeduplicated,
+    BlocksAllocated,
+    CowCopied,
+    EngineSynced,
+    Forked,
+    Preempted,
+    PrefixMatched,
+    RadixEvicted,
+    RadixInserted,
+    RadixLocked,
+    RadixSplit,
+    RequestAdded,
+    RequestAdmitted,
+    RequestFinished,
+    StepStarted,
+    SwappedIn,
+    SwappedOut,
 )
-from nanoserve.trace import (
-    RadixNodeView, ViewState, fold, fold_all, read_trace, synced_event, write_trace,
-)
+from nanoserve.trace import RadixNodeView, ViewState, fold, fold_all, read_trace, synced_event, write_trace
 
 
 def at(step: int) -> ViewState:

@@ -7,16 +7,24 @@ import re
 import shutil
 
 import pytest
+from memory_events import memory_state
 
 from nanoserve import EngineConfig, LLMEngine, SamplingParams
 from nanoserve.events import Preempted, StepFinished
 from nanoserve.scenarios import record
 from nanoserve.trace import RequestView, ViewState, fold_all, read_trace
 from nanoserve.viz.graphviz import (
-    SHARED_FILL, TOUCHED_LINE, engine_svg, export_trace, pool_dot, radix_dot, state_at,
-    state_from_snapshot, state_of, tables_dot,
+    SHARED_FILL,
+    TOUCHED_LINE,
+    engine_svg,
+    export_trace,
+    pool_dot,
+    radix_dot,
+    state_at,
+    state_from_snapshot,
+    state_of,
+    tables_dot,
 )
-from memory_events import memory_state
 
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None,
                                reason="rendering needs the Graphviz `dot` program (apt-get install graphviz)")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from memory_events import memory_state
+
 from nanoserve.viz.graphviz import CACHED_FILL, SHARED_FILL, TOUCHED_LINE, pool_dot, radix_dot, tables_dot
 from nanoserve.viz.radix_dot import LOCKED_LINE, NEW_LINE, span_label
 

@@ -8,14 +8,13 @@ checked along with `check_invariants()`. Bad input is tests/test_bad_input.py.
 from __future__ import annotations
 
 import pytest
-
 from conftest import make_engine
 from engine_checks import FoldWatcher, drive, greedy, tokens
+
 from nanoserve import LLM, SamplingParams
 from nanoserve import events as ev
 from nanoserve.errors import FieldError, StepFailed, SubscriberError
 from nanoserve.sampler import Sampler
-
 
 # -- 1. beam search under preemption ----------------------------------------------------------------
 

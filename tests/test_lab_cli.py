@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import inspect
-import re
 import textwrap
 
 import pytest
@@ -100,7 +99,7 @@ def test_raise_names_the_line_and_other_checks_run(tmp_path):
 def test_never_returns_is_stopped_and_tampering_stays_in_its_process(tmp_path):
     """A check that loops forever is reported as timed out and the next check still runs; a file that
     rewrites the engine's own classes at import changes nothing for the next submission."""
-    loops = write(tmp_path / "a_loops.py", """\
+    write(tmp_path / "a_loops.py", """\
         from nanoserve.block_pool import Block, FreeBlockQueue
         from nanoserve.block_pool import BlockPool as _Pool
 
@@ -110,7 +109,7 @@ def test_never_returns_is_stopped_and_tampering_stays_in_its_process(tmp_path):
                 while True:
                     pass
         """)
-    tamper = write(tmp_path / "b_tamper.py", """\
+    write(tmp_path / "b_tamper.py", """\
         import nanoserve.block_pool as real
         from nanoserve.block_pool import Block, FreeBlockQueue, BlockPool
         real.BlockPool.free = lambda self, ids: []       # breaks the engine's own pool in this process

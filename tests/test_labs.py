@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from nanoserve.labs import get_lab, lab_names
+from nanoserve.labs.load import load_student
 from nanoserve.labs.run import Status, run_in_process
 from nanoserve.labs.starter import signature_mismatches, starter_source
-from nanoserve.labs.load import load_student
 
 BUGS = Path(__file__).parent / "lab_bugs"
 

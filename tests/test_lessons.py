@@ -17,10 +17,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "docs"))
 
+from conftest import has_smollm2  # noqa: E402
+
 from docgen import lessons as runs  # noqa: E402
 from docgen import read_page, regions  # noqa: E402
 from docgen.pictures import same_file  # noqa: E402
-from conftest import has_smollm2  # noqa: E402
 
 LESSONS = runs.LESSONS
 

@@ -12,12 +12,12 @@ import random
 
 import pytest
 import torch
+from conftest import make_engine, run_to_end
+from test_parity import hf_greedy
 from transformers import AutoModelForCausalLM
 
 from nanoserve import SamplingParams
 from nanoserve import events as ev
-from conftest import make_engine, run_to_end
-from test_parity import hf_greedy
 
 MAX_TOKENS = 10
 

@@ -12,8 +12,8 @@ import socket
 from pathlib import Path
 
 import pytest
-
 from conftest import save_tiny
+
 from nanoserve.cli import main
 from nanoserve.models import resolve
 from nanoserve.models.loader import load_model

@@ -13,10 +13,10 @@ import random
 
 import pytest
 import torch
+from conftest import make_engine
 from transformers import AutoModelForCausalLM
 
 from nanoserve import SamplingParams
-from conftest import make_engine
 
 NUM_PROMPTS = 16
 MAX_TOKENS = 12

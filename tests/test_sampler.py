@@ -8,7 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoserve.sampler import (
-    SampledToken, Sampler, SamplingRow, apply_min_tokens, apply_penalties, probs, process_logits,
+    SampledToken,
+    Sampler,
+    SamplingRow,
+    apply_min_tokens,
+    apply_penalties,
+    probs,
+    process_logits,
 )
 from nanoserve.sampling_params import SamplingParams
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from conftest import has_smollm2
+
 from nanoserve import events as ev
 from nanoserve.scenarios import SCENARIOS, TEACHER, get_scenario, record
 from nanoserve.trace import fold_all, read_trace

@@ -10,7 +10,7 @@ from serve_helpers import CONFIG, client, on_engine, running_server, save_chat_m
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.models.loader import load_model
-from nanoserve.trace import fold_all, read_trace, synced_event, fold
+from nanoserve.trace import fold, fold_all, read_trace, synced_event
 
 PROMPTS = ["Hello", "The capital of France is", "Once upon a time, in a land far away,", "abc"]
 

@@ -19,13 +19,13 @@ import pytest
 from serve_helpers import client, on_engine
 from test_tui import WIDE, notices, panels, run_async, wait_for
 
+import nanoserve_tui.app
 from nanoserve import EngineConfig, LLMEngine, SamplingParams
 from nanoserve.events import RequestAdded, StepFinished, StepStarted
 from nanoserve.scenarios import Arrival, Scenario
 from nanoserve.serve.app import build_app
 from nanoserve.serve.background import BackgroundServer
 from nanoserve.trace import ViewState, event_to_dict
-import nanoserve_tui.app
 from nanoserve_tui.app import NanoserveApp
 from nanoserve_tui.attach import AttachSource, TraceFolder, sse_messages
 from nanoserve_tui.attach_app import AttachApp, run_attach

@@ -11,8 +11,8 @@ import openai
 import pytest
 from serve_helpers import check_clean, client, on_engine, running_server, wait_idle
 
-from nanoserve.serve.command import is_loopback
 from nanoserve.models.loader import load_model
+from nanoserve.serve.command import is_loopback
 
 KEY = "s3cret"
 CONTEXT = 128       # max_model_len of these servers: a long prompt is easy to make

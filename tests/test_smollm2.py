@@ -8,7 +8,6 @@ load the same cached directory, so they run exactly the same weights.
 from __future__ import annotations
 
 import pytest
-
 from conftest import has_smollm2, make_engine
 from test_parity import hf_greedy
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_engine
+from test_parity import CONFIGS, engine_greedy, prompts
 
 from nanoserve import EngineConfig, SamplingParams
 from nanoserve import events as ev
 from nanoserve.spec_decode import ngram_lookup, verify
-from conftest import make_engine
-from test_parity import CONFIGS, engine_greedy, prompts
 
 MAX_TOKENS = 12
 

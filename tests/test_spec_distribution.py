@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from nanoserve import SamplingParams
-from nanoserve import spec_decode
-from nanoserve.sampler import SamplingRow, probs
 from conftest import make_engine
+
+from nanoserve import SamplingParams, spec_decode
+from nanoserve.sampler import SamplingRow, probs
 
 P = torch.tensor([0.2, 0.3, 0.5])
 Q = torch.tensor([0.5, 0.4, 0.1])
@@ -90,6 +89,7 @@ PROMPT = [1, 5, 2, 7, 3]
 @pytest.fixture(scope="module")
 def small_vocab_model(tmp_path_factory):
     from conftest import save_tiny
+
     from nanoserve.models.loader import load_model
     # initializer_range 0.3: peaked enough that the 1-layer draft often disagrees with the target
     # (acceptance about 40 %), flat enough that many outcomes have real probability.

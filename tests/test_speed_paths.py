@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_engine
 from torch import nn
 
-from conftest import make_engine
 from nanoserve import EngineConfig
 from nanoserve.attention import BatchLayout, PrefillChunk
 from nanoserve.kernels import torch_backend

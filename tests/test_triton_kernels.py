@@ -94,8 +94,9 @@ def test_copy_blocks():
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_engine_with_triton_matches_torch(kind, tiny_llama, tiny_gpt2):
-    from nanoserve import SamplingParams
     from conftest import make_engine
+
+    from nanoserve import SamplingParams
 
     loaded = tiny_llama if kind == "llama" else tiny_gpt2
     prompts = [[1, 2, 3], list(range(5, 24)), [9] * 7, [42]]

@@ -18,9 +18,10 @@ import pytest
 
 pytest.importorskip("textual")
 
+from memory_events import memory_trace
+
 from nanoserve.events import EngineSynced, StepFinished, StepStarted
 from nanoserve.scenarios import SCENARIOS
-from memory_events import memory_trace
 from nanoserve.trace import fold_all, read_trace
 from nanoserve_tui.app import NanoserveApp, run_app
 from nanoserve_tui.screens import AddRequestScreen, HelpScreen, ScenarioPicker

@@ -27,9 +27,7 @@ from textual.widgets import Footer, Static
 from nanoserve.trace import read_trace
 from nanoserve.trace_check import check_trace
 from nanoserve_tui.screens import AddRequestScreen, BranchScreen, HelpScreen, ScenarioPicker
-from nanoserve_tui.source import (
-    FrameReady, Frame, LiveSource, ReplaySource, Source, SourceStatus, Unsupported,
-)
+from nanoserve_tui.source import Frame, FrameReady, LiveSource, ReplaySource, Source, SourceStatus, Unsupported
 from nanoserve_tui.widgets.event_log import EventLog
 from nanoserve_tui.widgets.free_queue import FreeQueue
 from nanoserve_tui.widgets.metrics import Metrics

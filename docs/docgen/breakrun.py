@@ -23,6 +23,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")     # lesson 3: before triton is 
 
 import torch  # noqa: E402,F401  the expensive imports, shared by every child
 import transformers  # noqa: E402,F401
+
 import nanoserve  # noqa: E402,F401
 
 

@@ -31,9 +31,9 @@ def pictures_script():
 
 
 def make(read) -> Result:
+    from docgen.screens import shoot
     from nanoserve import events as ev
     from nanoserve.trace import read_trace
-    from docgen.screens import shoot
 
     script = pictures_script()
     out = Result()

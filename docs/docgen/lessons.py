@@ -13,8 +13,8 @@ import ast
 import json
 import os
 import subprocess
-import textwrap
 import sys
+import textwrap
 from pathlib import Path
 
 from docgen import DOCS, ROOT, Result, regions

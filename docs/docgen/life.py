@@ -13,13 +13,12 @@ import html
 
 from graphviz import Digraph
 
+from docgen import Result, regions
+from docgen.home import _ranges
+from docgen.pictures import graphviz_svg
+from docgen.scenarios import words
 from nanoserve import EngineConfig, LLMEngine, SamplingParams
 from nanoserve import events as ev
-
-from docgen import Result, regions
-from docgen.pictures import graphviz_svg
-from docgen.home import _ranges
-from docgen.scenarios import words
 
 PAGE = "life-of-a-request.md"
 CONFIG = dict(model="tiny-llama", block_size=4, num_blocks=32, max_num_batched_tokens=16)

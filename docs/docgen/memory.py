@@ -11,15 +11,14 @@ numbers (block ids, ref counts, tokens computed) come from the same runs.
 
 from __future__ import annotations
 
+from docgen import Result
+from docgen.home import _ranges
+from docgen.pictures import graphviz_svg
+from docgen.scenarios import words
 from nanoserve import EngineConfig, LLMEngine, SamplingParams
 from nanoserve import events as ev
 from nanoserve.trace import fold
 from nanoserve.viz.graphviz import pool_dot, radix_dot, tables_dot
-
-from docgen import Result
-from docgen.pictures import graphviz_svg
-from docgen.home import _ranges
-from docgen.scenarios import words
 
 BUILDERS = {"tables": tables_dot, "pool": pool_dot, "radix": radix_dot}
 PREFIX, FORK, PREEMPT = "concepts/prefix-cache.md", "concepts/fork.md", "concepts/preemption.md"
@@ -148,7 +147,7 @@ def preemption(out: Result) -> None:
         engine = LLMEngine(EngineConfig(**{**dict(model="tiny-llama", block_size=4, num_blocks=20,
                                                   max_num_batched_tokens=32, enable_prefix_caching=False),
                                            **config}))
-        runs[name] = camera = Camera(engine, {5})
+        runs[name] = Camera(engine, {5})
         drive(engine, {1: [(f"r{i}", TEXT[: 10 + 4 * i], params) for i in range(5)]})
     swap, recompute = runs["swap"].at(5), runs["recompute"].at(5)
     picture(out, "pool-swap", "pool", swap)

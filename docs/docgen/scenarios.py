@@ -13,15 +13,14 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from docgen import Result, regions
+from docgen.home import _ranges
+from docgen.pictures import graphviz_svg
 from nanoserve import events as ev
 from nanoserve.scenarios import SCENARIOS, record
 from nanoserve.trace import read_trace
 from nanoserve.viz.graphviz import pool_dot, state_at, tables_dot
 from nanoserve_tui.screenshots import showcase_step
-
-from docgen import Result, regions
-from docgen.pictures import graphviz_svg
-from docgen.home import _ranges
 
 TUI, CLASS = "tui.md", "classroom.md"
 

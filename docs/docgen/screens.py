@@ -11,16 +11,15 @@ import asyncio
 import tempfile
 from pathlib import Path
 
+from docgen import Result
+from docgen.pictures import screen_lines
+from nanoserve import events as ev
 from nanoserve.scenarios import SCENARIOS, record
 from nanoserve.trace import read_trace
 from nanoserve_tui.app import NanoserveApp
 from nanoserve_tui.screenshots import showcase_step
 from nanoserve_tui.source import ReplaySource
 from nanoserve_tui.widgets.pool import PoolGrid
-
-from nanoserve import events as ev
-from docgen import Result
-from docgen.pictures import screen_lines
 
 
 async def shoot(trace: Path, step: int, size: tuple[int, int], out: Path, select: str | None = None) -> None:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from docgen import Result, regions
 from nanoserve import EngineConfig, LLMEngine, SamplingParams
 from nanoserve import events as ev
-
-from docgen import Result, regions
 
 PAGE = "concepts/step.md"
 BS = 4

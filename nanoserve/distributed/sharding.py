@@ -32,7 +32,10 @@ import torch
 from torch import nn
 
 from nanoserve.distributed.layers import (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
 )
 from nanoserve.errors import FieldError
 from nanoserve.models.gpt2 import GPT2

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.checks import expect, check_cache, check_int_vector
+from nanoserve.kernels.checks import check_cache, check_int_vector, expect
 
 
 @triton.jit

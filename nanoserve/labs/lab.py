@@ -89,6 +89,7 @@ class Context:
         """The model's weights, loaded once per run (engines share them, as tests do)."""
         if model not in self._loaded:
             import torch
+
             from nanoserve.models.loader import load_model
             self._loaded[model] = load_model(model, torch.float32, "cpu", 0)
         return self._loaded[model]

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels.backends import make_backend
 from nanoserve.components import Components
+from nanoserve.kernels.backends import make_backend
 from nanoserve.labs.common import SIGNATURES
 from nanoserve.labs.drive import prompts, same_as_engine
 from nanoserve.labs.lab import Check, Context, Lab, expect

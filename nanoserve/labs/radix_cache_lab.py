@@ -125,7 +125,7 @@ def evict_lru(ctx: Context) -> None:
     _check(cache, {oldest.node_id: 1})
     cache.unlock(oldest)
     cache.step = 4
-    chain = _fill(pool, cache, "r4", list(range(300, 312)))    # extends the step-3 branch: a parent and a leaf
+    _fill(pool, cache, "r4", list(range(300, 312)))    # extends the step-3 branch: a parent and a leaf
     _check(cache)
     freed = cache.evict(pool.num_blocks)
     expect(freed == 2 + 3 and cache.num_cached_blocks == 0,

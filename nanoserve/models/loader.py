@@ -31,8 +31,16 @@ from nanoserve.errors import FieldError
 from nanoserve.models.gpt2 import GPT2
 from nanoserve.models.llama import Llama
 from nanoserve.models.resolve import (  # noqa: F401 -- names (re-exported here) live in resolve.py
-    ACCEPTED, TINY_MODELS, cache_root, first_line, gguf_to_hf_dir, log, progress_line, quiet_transformers,
-    resolve_model_path, smollm2_gguf,
+    ACCEPTED,
+    TINY_MODELS,
+    cache_root,
+    first_line,
+    gguf_to_hf_dir,
+    log,
+    progress_line,
+    quiet_transformers,
+    resolve_model_path,
+    smollm2_gguf,
 )
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {"gpt2": GPT2, "llama": Llama, "mistral": Llama}

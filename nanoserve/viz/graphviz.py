@@ -36,9 +36,19 @@ from graphviz import Digraph
 from nanoserve.events import StepFinished, StepStarted
 from nanoserve.trace import ViewState, fold, read_trace, synced_event
 from nanoserve.trace_check import check_trace
-from nanoserve.viz.dot_style import (CACHED_FILL, FONT, FREE_FILL, HELD_FILL, MAX_POOL_CELLS, MAX_QUEUE_IDS,
-                                     SHARED_FILL, TOUCHED_LINE, colours_of, graph, html_table)
-from nanoserve.viz.radix_dot import radix_tree_dot as radix_dot   # the prefix tree has its own module
+from nanoserve.viz.dot_style import (
+    CACHED_FILL,
+    FREE_FILL,
+    HELD_FILL,
+    MAX_POOL_CELLS,
+    MAX_QUEUE_IDS,
+    SHARED_FILL,
+    TOUCHED_LINE,
+    colours_of,
+    graph,
+    html_table,
+)
+from nanoserve.viz.radix_dot import radix_tree_dot as radix_dot  # the prefix tree has its own module
 
 
 def _live(state: ViewState) -> list[str]:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import html
 
 from nanoserve.view import ROOT, ViewState
-from nanoserve.viz.text import shown
 from nanoserve.viz.dot_style import CACHED_FILL, TOUCHED_LINE, colours_of, graph, html_table
+from nanoserve.viz.text import shown
 
 LOCKED_LINE = "#08519c"
 NEW_LINE = "#238b45"

@@ -14,7 +14,7 @@ an engine object is shown (see display.py for the seam).
 
 from __future__ import annotations
 
-from rich.console import Console, Group
+from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text

@@ -11,7 +11,7 @@ log is read from the engine's events (log.py), comparisons and plots are
 built from traces (metrics.py), like every other viewer.
 """
 
-from nanoserve.whatif.compare import Comparison, compare   # (the function shadows its module's name here)
+from nanoserve.whatif.compare import Comparison, compare  # (the function shadows its module's name here)
 from nanoserve.whatif.log import Command, CommandKind, CommandLog
 from nanoserve.whatif.run import Run
 

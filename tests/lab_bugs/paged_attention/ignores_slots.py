@@ -1,8 +1,7 @@
 """Bug: store_kv writes the step's tokens to slots 0, 1, 2, ... instead of their slot_mapping."""
 import torch
 
-from nanoserve.kernels.reference import decode_attention, gather_kv, prefill_attention  # noqa: F401
-from nanoserve.kernels.reference import decode_mask, prefill_mask  # noqa: F401
+from nanoserve.kernels.reference import decode_attention, decode_mask, gather_kv, prefill_attention, prefill_mask  # noqa: F401  # noqa: F401
 
 EXPECT_HINT = "write token t at slot_mapping[t]"
 

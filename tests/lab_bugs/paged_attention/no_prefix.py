@@ -1,8 +1,8 @@
 """Bug: prefill_mask is a plain lower triangle: query i sees keys 0..i, as if the chunk started at position 0."""
 import torch
 
-from nanoserve.kernels.reference import decode_attention, decode_mask, gather_kv, store_kv  # noqa: F401
 from nanoserve.kernels import reference as _ref
+from nanoserve.kernels.reference import decode_attention, decode_mask, gather_kv, store_kv  # noqa: F401
 
 EXPECT_HINT = "causal over the cached prefix"
 
