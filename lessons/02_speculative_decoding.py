@@ -24,16 +24,17 @@ import torch  # noqa: E402
 from rich import box  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-import nanoserve.spec_decode  # noqa: E402
 from nanoserve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from nanoserve.components import Components  # noqa: E402
 from nanoserve.events import ChunkScheduled, DraftProposed, DraftVerified, KVTrimmed, TokenSampled  # noqa: E402
 from nanoserve.spec_decode import verify  # noqa: E402
 
+PARTS = Components()                   # the engine's own parts (components.py)
 if BROKEN == "accept-all":
     def accept_all(p, draft, q, greedy, generator):
         """Wrong on purpose: every draft is kept, then a bonus token."""
         return draft + [int(p[len(draft)].argmax())], len(draft)
-    nanoserve.spec_decode.verify = accept_all      # spec_decode.decide looks it up here
+    PARTS = Components(verify=accept_all)      # the engine's seam for its acceptance rule
 
 BS = 4                                 # block_size: small, so rejected drafts can free whole blocks
 PROMPT = [10, 20, 30, 40, 50] * 4      # token ids: a pattern repeated
@@ -41,7 +42,7 @@ PROMPT = [10, 20, 30, 40, 50] * 4      # token ids: a pattern repeated
 
 def run(params: SamplingParams, **spec) -> tuple[list[int], object, list[dict]]:
     """Run PROMPT alone; return its tokens, its metrics and what each step did (from the events)."""
-    engine = LLMEngine(EngineConfig(model="tiny-llama", block_size=BS, num_blocks=64, **spec))
+    engine = LLMEngine(EngineConfig(model="tiny-llama", block_size=BS, num_blocks=64, **spec), components=PARTS)
     engine.add_request("A", PROMPT, params)
     steps, accepted_by_stats = [], 0
     while engine.has_unfinished_requests():
