@@ -63,6 +63,7 @@ from nanoserve.errors import SubscriberError
 from nanoserve.kernels.backends import prepare_backend
 from nanoserve.models.loader import LoadedModel, load_model
 from nanoserve.outputs import RequestOutput, StepResult, StepStats
+from nanoserve.postprocess import append_token
 from nanoserve.request import Request
 from nanoserve.runner import ModelRunner, RunInput, kv_bytes_per_block
 from nanoserve.sampler import SampledToken, Sampler
@@ -357,36 +358,12 @@ class LLMEngine(Displayable):
         delta = ""
         for token in tokens:
             self._spec_totals["tokens"] += 1
-            status, text = self._append_token(seq, token)
+            status, text = append_token(self, seq, token)
             delta += text
             if status is not None:
                 return self._finish(seq, status, delta)
         self._deltas[seq.request_id] = self._deltas.get(seq.request_id, "") + delta
         return self.groups[seq.group_id].output(self._deltas)
-
-    def _append_token(self, seq: Sequence, token: SampledToken) -> tuple[SequenceStatus | None, str]:
-        """One token: text, logprobs, stop conditions. Returns (finished status or None, new text)."""
-        params = seq.params
-        seq.output_token_ids.append(token.token_id)
-        seq.cumulative_logprob += token.logprob
-        if seq.logprobs is not None:
-            seq.logprobs.append(token.top_logprobs or {token.token_id: token.logprob})
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
-        n = seq.num_output_tokens
-        may_stop = n >= params.min_tokens               # nothing stops a request before min_tokens
-        delta, hit_stop_string = self.detokenizers[seq.request_id].update(seq.output_token_ids, may_stop)
-        status = None
-        is_eos = token.token_id == self.eos_token_id and not params.ignore_eos
-        if may_stop and (is_eos or token.token_id in params.stop_token_ids or hit_stop_string):
-            status = SequenceStatus.FINISHED_STOPPED
-        elif n >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            status = SequenceStatus.FINISHED_LENGTH
-        if status is not None:   # release the text held back in case it started a stop string
-            delta += self.detokenizers[seq.request_id].flush()
-        self._emit(ev.TokenSampled(self.step_count, seq.request_id, token.token_id, delta, token.logprob))
-        seq.output_text += delta
-        return status, delta
 
     def _finish(self, seq: Sequence, status: SequenceStatus, delta: str, quiet: bool = False) -> RequestOutput:
         """Close a sequence: free its blocks, forget it, say so; the request ends with its last sequence."""

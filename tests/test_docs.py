@@ -123,7 +123,7 @@ def test_output_fits_100_columns(page: Path):
 
 
 def test_no_design_notes_cited():
-    """The internal design notes ("seed 000" ...) are not something a reader can open: cite real sources."""
+    """Our internal design notes are not something a reader can open: cite real sources (papers, vLLM, SGLang)."""
     found = []
     for folder in ("docs", "lessons", "nanoserve", "benchmarks", "tui"):
         for path in (ROOT / folder).rglob("*"):

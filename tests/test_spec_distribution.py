@@ -29,7 +29,7 @@ P = torch.tensor([0.2, 0.3, 0.5])
 Q = torch.tensor([0.5, 0.4, 0.1])
 
 
-def seed_000_verify(p, draft, q, greedy, generator):
+def scaled_residual_verify(p, draft, q, greedy, generator):
     """Wrong on purpose: the residual max(0, p - q * p(x)/q(x)) (a common mistake, see lesson 2)."""
     p, q = p.cpu(), q.cpu()
     for i, x in enumerate(draft):
@@ -52,7 +52,7 @@ def first_token_distribution(rule, n: int, seed: int = 0) -> torch.Tensor:
     return counts / n
 
 
-def exact_seed_000_distribution() -> torch.Tensor:
+def exact_scaled_residual_distribution() -> torch.Tensor:
     """P(out = y) under the wrong rule: accepted x, or a rejection followed by the wrong residual."""
     out = torch.zeros(3)
     for x in range(3):
@@ -72,10 +72,10 @@ def test_counterexample_exact_rule_gives_p():
     assert tv(first_token_distribution(spec_decode.verify, 20_000), P) < 0.015
 
 
-def test_counterexample_breaks_seed_000_formula():
-    wrong = exact_seed_000_distribution()
+def test_counterexample_breaks_the_scaled_residual():
+    wrong = exact_scaled_residual_distribution()
     assert tv(wrong, P) > 0.05                                # the wrong rule is far from p ...
-    observed = first_token_distribution(seed_000_verify, 20_000)
+    observed = first_token_distribution(scaled_residual_verify, 20_000)
     assert tv(observed, wrong) < 0.015                        # ... sampling agrees with that computation ...
     assert tv(observed, P) > 0.015                            # ... and the check that the right rule passes fails
 
@@ -171,9 +171,9 @@ def test_engine_speculation_matches_exact_joint(small_vocab_model, name, propose
 
 
 @pytest.mark.slow
-def test_engine_with_seed_000_residual_fails_the_same_check(small_vocab_model):
+def test_engine_with_the_scaled_residual_fails_the_same_check(small_vocab_model):
     params = SETTINGS["t1"]
     exact = exact_joint(small_vocab_model, params)
     # the engine's seam for its acceptance rule (components.py); the rest of the engine is unchanged
-    observed, _ = sampled_joint(small_vocab_model, params, components=Components(verify=seed_000_verify))
+    observed, _ = sampled_joint(small_vocab_model, params, components=Components(verify=scaled_residual_verify))
     assert tv(observed, exact) > TV_BOUND
