@@ -17,7 +17,8 @@ That is Hugging Face's `generate(num_beams=k, do_sample=False)`, with its
 `cumulative_logprob / num_output_tokens ** length_penalty` for ranking the
 finished hypotheses.
 
-This module only chooses; the engine forks, appends and prunes.
+This module only chooses (`decide` returns a `BeamStep`); the engine
+applies it: forks, prunes and appends (`commit.py`).
 """
 
 from __future__ import annotations
@@ -100,52 +101,54 @@ def ready(group) -> bool:
     return bool(live) and all(s.status is SequenceStatus.RUNNING and s.beam_logprobs is not None for s in live)
 
 
-def step(engine, group, outputs: dict) -> None:
+@dataclass(slots=True)
+class BeamStep:
+    """What one beam step of a request decided, in candidate order; the engine applies it (`commit.py`).
+
+    Each move appends `token` to `beam` itself, or (`fork`) to a new fork of `beam` made
+    first; `pruned` beams were chosen for nothing and are dropped.
+    """
+
+    moves: list[tuple[Sequence, SampledToken, bool]]   # (beam, its next token, fork it first?)
+    pruned: list[Sequence]
+
+
+def decide(group, free_seats: int, eos_token_id: int | None) -> BeamStep:
     """Every live beam of `group` has its next-token scores: keep the best continuations.
 
-    The engine does the forking, appending and pruning; `outputs` gets the request's output.
-    At most as many beams continue as the request has seats: its own, plus any free one
+    At most as many beams continue as the request has seats: its own, plus `free_seats`
     (after a user aborted one beam, its seat may have gone to another request).
+    Changes nothing: the engine forks, prunes and appends what this returns.
     """
-    if not ready(group):
-        return
     live = group.live
     params = group.params
     end_ids = set(params.stop_token_ids)
-    if engine.eos_token_id is not None and not params.ignore_eos:
-        end_ids.add(engine.eos_token_id)
-    seats = engine.config.max_num_seqs - engine.scheduler.seats_used + sum(s.seats for s in live)
-    keep, ended = select(live, min(params.beam_width, seats), end_ids)
-    group.forked = True
-    for s in live:
-        s.seats = 1
-    # Forks first, while every parent still has the state the candidates extend.
+    if eos_token_id is not None and not params.ignore_eos:
+        end_ids.add(eos_token_id)
+    keep, ended = select(live, min(params.beam_width, free_seats + sum(s.seats for s in live)), end_ids)
     moves, used = [], set()
-    for c in keep + ended:
-        if c in keep and c.beam.request_id not in used:   # the first continuation: the beam itself
-            used.add(c.beam.request_id)
-            moves.append((c.beam, c))
-        else:                                              # another one, or an ended hypothesis: a fork
-            moves.append((engine._fork_seq(c.beam, torch.Generator().manual_seed(group.seed)), c))
-    for s in live:
-        if s.request_id not in used:
-            outputs[group.request_id] = engine._prune(s)
-    tokens = [(seq, _token(seq, c)) for seq, c in moves]
-    for seq, _ in moves:
-        seq.beam_logprobs = None
-    for seq, token in tokens:
-        outputs[group.request_id] = engine._append_tokens(seq, [token])
+    for c in keep:
+        fork = c.beam.request_id in used   # a beam's first continuation is the beam itself, a second one a fork
+        used.add(c.beam.request_id)
+        moves.append((c.beam, _token(c), fork))
+    moves += [(c.beam, _token(c), True) for c in ended]   # an ended hypothesis is a fork that finishes at once
+    return BeamStep(moves, [s for s in live if s.request_id not in used])
+
+
+def finished_early(group) -> list[Sequence]:
+    """After a beam step: the live beams to drop because none of them can beat the finished ones."""
     live = group.live
+    params = group.params
     if live and is_done([s for s in group.seqs if s.is_finished], live, params.beam_width, params.length_penalty):
-        for s in live:   # no live beam can beat the finished ones any more
-            outputs[group.request_id] = engine._prune(s)
+        return live
+    return []
 
 
-def _token(seq: Sequence, c: Candidate) -> SampledToken:
+def _token(c: Candidate) -> SampledToken:
     """The chosen token with its log-prob (and the top log-probs, if the request asked)."""
     top = None
-    if seq.params.logprobs is not None:
-        n = seq.params.logprobs
+    if c.beam.params.logprobs is not None:
+        n = c.beam.params.logprobs
         vals, ids = c.beam.beam_logprobs.topk(n) if n else (torch.empty(0), torch.empty(0))
         top = dict(zip(ids.tolist(), vals.tolist()))
         top[c.token_id] = c.logprob

@@ -64,8 +64,9 @@ def choose(engine, chunks: list[ScheduledChunk], inputs: list[RunInput], logits:
             choice.error = (f"the model's logits for {seq.request_id} at position {seq.num_tokens} are not a "
                             "distribution (NaN or infinite values); the request was stopped")
         elif chunk.draft_token_ids:
-            choice.tokens, choice.num_accepted = spec_decode.decide(engine, chunk, logits[rows.start:rows.stop],
-                                                                    drafts)
+            verdict = spec_decode.decide(chunk, logits[rows.start:rows.stop], drafts.q.get(seq.request_id),
+                                         engine.sampler, engine.components.verify, engine.eos_token_id)
+            choice.tokens, choice.num_accepted = verdict.tokens, verdict.num_accepted
         elif seq.params.use_beam_search:
             choice.beam_logprobs = beam_search.next_logprobs(logits[rows.start], seq, engine.eos_token_id)
         else:

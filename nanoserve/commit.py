@@ -1,16 +1,21 @@
-"""Commit: the last phase of a step, where the chosen tokens become the requests' new state.
+"""Commit: the last phase of a step, where the engine applies what the compute phase chose.
 
 The compute phase (`choose.py`) decided a `Choice` per chunk without touching
-any bookkeeping; here each one is applied, request by request:
+any bookkeeping; here the engine applies each one, request by request:
 
-* speculative decoding keeps the KV of the accepted drafts and trims the rest
-  (`spec_decode.apply`);
+* speculative decoding: the `Verdict`'s accepted drafts keep their KV, the
+  rejected positions are trimmed (`accept_drafts`); drafts that were
+  proposed but never ran (no budget left) are rolled back in the proposer;
 * a request with n > 1 whose prompt is done forks its n - 1 other completions
   (they share the prompt's blocks) and each appends its first token;
 * every sequence appends its tokens (text, stop conditions, finishing:
   `engine._append_tokens`);
-* a beam search whose live beams all have their next-token scores takes its
-  beam step (`beam_search.step`), whichever step brought the last beam back.
+* a beam search whose live beams all have their next-token scores gets a
+  `BeamStep` from `beam_search.decide`, whichever step brought the last beam
+  back, and the engine forks, prunes and appends what it says (`apply_beam_step`).
+
+Beam search and speculative decoding only decide; forking, appending,
+trimming and pruning happen here, through the engine's own methods.
 
 A failure is contained to its request: unusable logits (the Choice's
 `error`) or an exception while applying one request's tokens finish that
@@ -20,13 +25,17 @@ released, and the step goes on for the others.
 
 from __future__ import annotations
 
-from nanoserve import beam_search, spec_decode
+import torch
+
+from nanoserve import beam_search
+from nanoserve import events as ev
 from nanoserve.choose import Choice
 from nanoserve.outputs import RequestOutput
 from nanoserve.sequence import SequenceStatus
+from nanoserve.spec_decode import Drafts
 
 
-def commit(engine, chosen: list[Choice], outputs: dict[str, RequestOutput]) -> tuple[int, int]:
+def commit(engine, chosen: list[Choice], drafts: Drafts, outputs: dict[str, RequestOutput]) -> tuple[int, int]:
     """Apply the step's choices; returns (draft tokens verified, accepted)."""
     drafted = accepted = 0
     for choice in chosen:
@@ -40,7 +49,7 @@ def commit(engine, chosen: list[Choice], outputs: dict[str, RequestOutput]) -> t
                 seq.beam_logprobs = choice.beam_logprobs
             else:
                 if choice.chunk.draft_token_ids:
-                    spec_decode.apply(engine, choice.chunk, choice.tokens, choice.num_accepted)
+                    accept_drafts(engine, choice)
                     drafted += len(choice.chunk.draft_token_ids)
                     accepted += choice.num_accepted
                 forks = []
@@ -52,14 +61,55 @@ def commit(engine, chosen: list[Choice], outputs: dict[str, RequestOutput]) -> t
                     outputs[seq.group_id] = engine._append_tokens(fork, [token])
         except Exception as exc:   # noqa: BLE001 -- one request's failure must not stop the others
             fail_request(engine, seq.group_id, f"{type(exc).__name__}: {exc}", outputs)
+    if engine.proposer:            # drafts that were proposed but not run (no budget left) roll back too
+        ran = {c.chunk.seq.request_id for c in chosen if c.chunk.draft_token_ids}
+        for rid in drafts.tokens.keys() - ran:
+            if rid in engine.requests:
+                engine.proposer.accepted(engine.requests[rid], drafts.num_tokens[rid], 0)
     for group in [g for g in engine.groups.values() if g.is_beam_search and beam_search.ready(g)]:
         try:
-            beam_search.step(engine, group, outputs)
+            free_seats = engine.config.max_num_seqs - engine.scheduler.seats_used
+            apply_beam_step(engine, group, beam_search.decide(group, free_seats, engine.eos_token_id), outputs)
         except Exception as exc:   # noqa: BLE001
             fail_request(engine, group.request_id, f"{type(exc).__name__}: {exc}", outputs)
     engine._spec_totals["drafted"] += drafted
     engine._spec_totals["accepted"] += accepted
     return drafted, accepted
+
+
+def accept_drafts(engine, choice: Choice) -> None:
+    """Speculative decoding: the last real token and the accepted drafts have valid KV, the rejected
+    positions do not: roll those back (target and draft caches) and say so. The tokens are appended next."""
+    seq, n, accepted = choice.chunk.seq, len(choice.chunk.draft_token_ids), choice.num_accepted
+    num_tokens_before = seq.num_tokens
+    seq.num_drafted += n
+    seq.num_accepted += accepted
+    seq.num_computed_tokens += accepted
+    freed = engine.kv.trim(seq)
+    engine.proposer.accepted(seq, num_tokens_before, accepted)
+    step = engine.step_count
+    engine._emit(ev.DraftVerified(step, seq.request_id, n, accepted, accepted if accepted < n else -1,
+                                  choice.tokens[-1].token_id, accepted == n))
+    engine._emit(ev.KVTrimmed(step, seq.request_id, seq.num_computed_tokens, n - accepted, freed))
+
+
+def apply_beam_step(engine, group, decided: beam_search.BeamStep, outputs: dict[str, RequestOutput]) -> None:
+    """Beam search: fork, prune and append what `beam_search.decide` chose; then drop the live beams
+    that can no longer beat the finished ones."""
+    group.forked = True
+    for s in group.live:
+        s.seats = 1
+    # Forks first, while every parent still has the state the candidates extend.
+    moves = [(engine._fork_seq(beam, torch.Generator().manual_seed(group.seed)) if fork else beam, token)
+             for beam, token, fork in decided.moves]
+    for s in decided.pruned:
+        outputs[group.request_id] = engine._prune(s)
+    for seq, _ in moves:
+        seq.beam_logprobs = None
+    for seq, token in moves:
+        outputs[group.request_id] = engine._append_tokens(seq, [token])
+    for s in beam_search.finished_early(group):
+        outputs[group.request_id] = engine._prune(s)
 
 
 def fail_request(engine, group_id: str, error: str, outputs: dict[str, RequestOutput]) -> None:

@@ -107,11 +107,12 @@ class LLMEngine(Displayable):
         self.pool = parts.block_pool(config.num_blocks, config.block_size)
         self.bus = EventBus(hold_errors=True)   # a raising viewer never stops a step half way
         # The radix prefix cache (None when off) and the CPU pool for swap preemption (None without swap space).
-        self.radix = parts.radix_cache(self.pool, self._emit, self._span_text) \
+        self.clock = ev.StepClock()             # the step number: the engine advances it, its parts read it
+        self.radix = parts.radix_cache(self.pool, self._emit, self._span_text, clock=self.clock) \
             if config.enable_prefix_caching else None
         self.cpu_pool = parts.block_pool(config.num_cpu_blocks, config.block_size) if config.num_cpu_blocks else None
-        self.kv = parts.kv_manager(self.pool, self.radix, self.cpu_pool, self._emit)
-        self.scheduler = parts.scheduler(config, self.kv, self._emit)
+        self.kv = parts.kv_manager(self.pool, self.radix, self.cpu_pool, self._emit, clock=self.clock)
+        self.scheduler = parts.scheduler(config, self.kv, self._emit, clock=self.clock)
         self.backend = prepare_backend(config)
         if config.tensor_parallel_size > 1:   # the model split over processes (distributed/tensor_parallel.py)
             from nanoserve.distributed.tensor_parallel import TensorParallelRunner
@@ -131,7 +132,6 @@ class LLMEngine(Displayable):
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}   # by sequence id
         self._finished_ids: set[str] = set()         # for clear errors about requests that are over
         self._deltas: dict[str, str] = {}            # text each sequence added in the current step
-        self.step_count = 0
         self._events: list[ev.Event] = []            # events since the last step() returned
         self._rng = torch.Generator().manual_seed(config.seed)   # seeds the RNG of unseeded requests
         # Speculative decoding totals over the engine's life: drafted, accepted, tokens, sampling forwards.
@@ -246,6 +246,11 @@ class LLMEngine(Displayable):
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+    @property
+    def step_count(self) -> int:
+        """Steps run so far (failed ones included): the number events are stamped with."""
+        return self.clock.step
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -257,16 +262,14 @@ class LLMEngine(Displayable):
     def step(self) -> StepResult:
         """Plan, compute, commit one step (all or nothing: see the module docstring)."""
         t0 = time.perf_counter()
-        self.step_count += 1
-        self.scheduler.step = self.step_count
+        self.clock.step += 1
         self._deltas, outputs = {}, {}
         self._emit(ev.StepStarted(self.step_count, len(self.scheduler.waiting), len(self.scheduler.running)))
         rngs = step_rollback.RngStates(self.scheduler.running)   # drafting and sampling draw from these
         try:
-            drafts = spec_decode.propose(self) if self.proposer else Drafts()   # the draft model's forward
+            drafts = self._propose()                  # speculative decoding only (a draft model runs its forward)
         except BaseException as exc:
             self._fail_step(exc, t0, None, rngs, outputs)
-        drafted_at = {rid: self.requests[rid].num_tokens for rid in drafts.tokens}
         plan = self.scheduler.schedule(drafts.tokens)                           # bookkeeping only
         for seq in plan.failed:
             outputs[seq.group_id] = self._finish(seq, seq.status, delta="")
@@ -279,16 +282,22 @@ class LLMEngine(Displayable):
         except BaseException as exc:
             self._fail_step(exc, t0, plan, rngs, outputs)
         self.scheduler.update(plan)                          # the KV of every real token is written
-        counts = commit(self, chosen, outputs)
-        if self.proposer:   # drafts that were proposed but not run (no budget left) roll back too
-            ran = {c.seq.request_id for c in plan.chunks if c.draft_token_ids}
-            for rid in drafts.tokens.keys() - ran:
-                if rid in self.requests:
-                    self.proposer.accepted(self.requests[rid], drafted_at[rid], 0)
+        counts = commit(self, chosen, drafts, outputs)      # append, fork, trim, prune, finish
         self.scheduler.cache_blocks()      # blocks that filled this step join the prefix cache
         result = self._end_step(t0, plan, outputs, counts)
         self._raise_subscriber_errors(result)
         return result
+
+    def _propose(self) -> Drafts:
+        """Speculative decoding's guesses for the decoding sequences (none when it is off)."""
+        if not self.proposer:
+            return Drafts()
+        c = self.config
+        drafts = spec_decode.propose(self.proposer, self.scheduler.running, c.num_speculative_tokens,
+                                     c.max_model_len, self.pool.num_blocks * self.pool.block_size)
+        for rid, tokens in drafts.tokens.items():
+            self._emit(ev.DraftProposed(self.step_count, rid, self.proposer.method, tuple(tokens)))
+        return drafts
 
     def _fail_step(self, exc: BaseException, t0: float, plan, rngs, outputs: dict) -> None:
         """The compute phase raised: undo the plan, close the step, raise StepFailed (or Ctrl-C as is)."""
@@ -303,9 +312,9 @@ class LLMEngine(Displayable):
         """Block moves, the forward, the token choice: tensors and RNGs only, no bookkeeping."""
         # Swap out first (those device blocks may be handed to someone else in this very step),
         # then swap in, then copy-on-write copies.
-        self.runner.swap_out(plan.swap_out)
-        self.runner.swap_in(plan.swap_in)
-        self.runner.copy_blocks(plan.copies)
+        self.runner.swap_out(plan.moves.swap_out)
+        self.runner.swap_in(plan.moves.swap_in)
+        self.runner.copy_blocks(plan.moves.copies)
         plan.moved = True
         if not plan.chunks:
             return []

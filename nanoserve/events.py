@@ -16,6 +16,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+class StepClock:
+    """The engine's step number: one object, advanced by the engine only at the start of each step.
+
+    The scheduler, the KV manager and the radix cache hold the same clock and read
+    `clock.step` to stamp their events (and the cache its `last_access`), so there is
+    one step number, never a copy that could fall behind.
+    """
+
+    __slots__ = ("step",)
+
+    def __init__(self) -> None:
+        self.step = 0
+
+
 @dataclass(frozen=True, slots=True)
 class Event:
     """Base of all events: the step number."""

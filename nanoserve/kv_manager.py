@@ -13,9 +13,9 @@ does the block work that goes with each decision and says so in events:
 * `fork`: a child shares every block of its parent (ref count + 1 each).
 * `copy_on_write`: before a sequence writes into a block someone else also
   holds, it gets a fresh block and a device copy of the shared one
-  (`SchedulerOutput.copies`, executed by the runner before the forward).
+  (into the plan's `BlockMoves`, executed by the runner before the forward).
 * `swap_out`/`swap_in`: a preempted sequence's KV moves to the CPU pool and
-  back (block pairs executed by the runner).
+  back (block pairs, also into the plan's `BlockMoves`, executed by the runner).
 * `release`: unlock the cache path and drop the table (finish, abort, preempt).
 
 Blocks are plain ids here; tensors live in the runner.
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from nanoserve import events as ev
 from nanoserve.block_pool import BlockPool
@@ -32,16 +33,30 @@ from nanoserve.radix_cache import RadixCache
 from nanoserve.sequence import Sequence
 
 
+@dataclass(slots=True)
+class BlockMoves:
+    """The KV copies one step's plan asks the runner to make before its forward pass.
+
+    The scheduler creates one per step, in its plan, and hands it to the KV manager
+    (`begin_step`), which records each move there as it decides it.
+    """
+
+    copies: list[tuple[int, int]] = field(default_factory=list)     # copy-on-write (src, dst) device blocks
+    swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, CPU block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)    # (CPU block, device block)
+
+
 class KVManager:
     def __init__(self, pool: BlockPool, cache: RadixCache | None, cpu_pool: BlockPool | None,
-                 emit: Callable[[ev.Event], None]) -> None:
+                 emit: Callable[[ev.Event], None], clock: ev.StepClock | None = None) -> None:
         self.pool = pool
         self.cache = cache            # None: prefix caching is off
         self.cpu_pool = cpu_pool      # None: no swap space (preemption by recompute only)
         self.emit = emit
+        self.clock = clock or ev.StepClock()   # the engine's step number, for event stamps
         self.num_lookup_tokens = 0    # prefix cache: tokens looked up at admission ...
         self.num_hit_tokens = 0       # ... and tokens whose prefill a hit skipped
-        self.begin_step(0)
+        self.moves = BlockMoves()     # where this step's block moves go (the plan's, from begin_step)
 
     # -- room ----------------------------------------------------------------------------
 
@@ -94,18 +109,18 @@ class KVManager:
         dst = self._take(1)[0]
         self.pool.free([src])                  # one holder fewer; the others keep it
         seq.block_table[i] = dst
-        self.copies.append((src, dst))
+        self.moves.copies.append((src, dst))
         self.emit(ev.CowCopied(self.step, seq.request_id, i, src, dst))
         return src, dst
 
-    def begin_step(self, step: int) -> None:
-        """A new step: stamp events with `step`, start empty lists of block copies for the runner."""
-        self.step = step                                   # the engine's step counter, for event stamps
-        self.copies: list[tuple[int, int]] = []            # copy-on-write (src, dst) device blocks
-        self.swap_out_pairs: list[tuple[int, int]] = []   # (device block, cpu block)
-        self.swap_in_pairs: list[tuple[int, int]] = []    # (cpu block, device block)
-        if self.cache is not None:
-            self.cache.step = step
+    @property
+    def step(self) -> int:
+        """The engine's step number (read from the shared clock; only the engine advances it)."""
+        return self.clock.step
+
+    def begin_step(self, moves: BlockMoves) -> None:
+        """A new step's plan: the block moves decided from now on are recorded in `moves`."""
+        self.moves = moves
 
     # -- prefix cache -------------------------------------------------------------------------
 
@@ -213,7 +228,7 @@ class KVManager:
     def swap_out(self, seq: Sequence) -> None:
         """Copy `seq`'s KV to CPU blocks and free its device blocks (the copy runs before the forward)."""
         cpu_ids = self.cpu_pool.allocate(len(seq.block_table))
-        self.swap_out_pairs += zip(seq.block_table, cpu_ids)
+        self.moves.swap_out += zip(seq.block_table, cpu_ids)
         if seq.cache_node is not None:
             self._relock(seq, None)
         gpu_ids = seq.block_table
@@ -224,7 +239,7 @@ class KVManager:
     def swap_in(self, seq: Sequence) -> None:
         """Fresh device blocks for a swapped sequence, filled from its CPU blocks."""
         gpu_ids = self._take(len(seq.cpu_block_table))
-        self.swap_in_pairs += zip(seq.cpu_block_table, gpu_ids)
+        self.moves.swap_in += zip(seq.cpu_block_table, gpu_ids)
         cpu_ids = seq.cpu_block_table
         self.cpu_pool.free(cpu_ids)
         seq.cpu_block_table, seq.block_table = [], gpu_ids

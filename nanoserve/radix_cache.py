@@ -82,7 +82,7 @@ class RadixNode:
 
 class RadixCache(Displayable):
     def __init__(self, pool: BlockPool, emit: Callable[[ev.Event], None],
-                 decode: Callable[[list[int]], str] | None = None) -> None:
+                 decode: Callable[[list[int]], str] | None = None, clock: ev.StepClock | None = None) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.emit = emit
@@ -92,7 +92,12 @@ class RadixCache(Displayable):
         self.nodes: dict[int, RadixNode] = {0: self.root}
         self._next_id = 1
         self.num_evictable_blocks = 0        # blocks in unlocked nodes: what evict() could free
-        self.step = 0                        # the engine's step counter: event stamps and last_access
+        self.clock = clock or ev.StepClock()   # the engine's step number: event stamps and last_access
+
+    @property
+    def step(self) -> int:
+        """The engine's step number (read from the shared clock; only the engine advances it)."""
+        return self.clock.step
 
     # -- lookup ------------------------------------------------------------------------
 

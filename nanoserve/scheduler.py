@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 from nanoserve import events as ev
 from nanoserve.config import EngineConfig
-from nanoserve.kv_manager import KVManager
+from nanoserve.kv_manager import BlockMoves, KVManager
 from nanoserve.sequence import Sequence, SequenceStatus
 
 
@@ -87,10 +87,9 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)   # decodes first, then prefill chunks
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)         # could never fit; finished with an error
-    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) device blocks
-    swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, CPU block) copies
-    swap_in: list[tuple[int, int]] = field(default_factory=list)    # (CPU block, device block) copies
-    moved: bool = False   # set by the engine once the runner has carried out copies and swaps
+    moves: BlockMoves = field(default_factory=BlockMoves)         # KV copies for the runner (the KV manager
+                                                                 # records them here as it decides them)
+    moved: bool = False   # set by the engine once the runner has carried out the moves
 
     @property
     def num_tokens(self) -> int:
@@ -108,12 +107,13 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVManager, emit: Callable[[ev.Event], None]) -> None:
+    def __init__(self, config: EngineConfig, kv: KVManager, emit: Callable[[ev.Event], None],
+                 clock: ev.StepClock | None = None) -> None:
         self.config = config
         self.kv = kv
         self.pool = kv.pool
-        self.emit = emit                       # publishes an event (the engine stamps the step)
-        self.step = 0                          # the engine's step counter, for event stamps
+        self.emit = emit                       # publishes an event
+        self.clock = clock or kv.clock         # the engine's step number, for event stamps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # in admission order: the last one is the newest
         self.swapped: deque[Sequence] = deque()   # swapped out to the CPU pool, oldest first
@@ -132,6 +132,11 @@ class Scheduler:
         self.kv.release(seq)
 
     @property
+    def step(self) -> int:
+        """The engine's step number (read from the shared clock; only the engine advances it)."""
+        return self.clock.step
+
+    @property
     def seats_used(self) -> int:
         return sum(s.seats for s in self.running)
 
@@ -143,14 +148,12 @@ class Scheduler:
         The four passes of the module docstring, in order, share one `StepPlan`: the token budget
         left and what is already in the batch (a scheduled sequence is never preempted).
         """
-        self.kv.begin_step(self.step)
         plan = StepPlan(SchedulerOutput(), self.config.max_num_batched_tokens, drafts or {})
+        self.kv.begin_step(plan.out.moves)   # copy-on-write copies and swaps go into this plan
         self._schedule_running(plan)      # passes 1 and 2: decodes, then unfinished prefills
         self._swap_in(plan)               # pass 3
         self._admit(plan)                 # pass 4
-        out = plan.out
-        out.copies, out.swap_out, out.swap_in = self.kv.copies, self.kv.swap_out_pairs, self.kv.swap_in_pairs
-        return out
+        return plan.out
 
     def _schedule_running(self, plan: StepPlan) -> None:
         """Passes 1 and 2: every running sequence's next chunk, decodes before unfinished prefills.

@@ -31,11 +31,11 @@ Two proposers share one interface, `propose(seqs, limits) -> Drafts`:
                         own block pool and paged KV cache, sampling k tokens
 
 The engine schedules the drafts and runs the forward; this module owns
-proposing, the acceptance rule, and (at its end) the engine's calls into it:
-`propose` before scheduling, `decide` after the forward (which tokens are
-accepted: no bookkeeping changes, so a failed step has nothing to undo), and
-`apply` when the step commits, which rolls back the KV written for rejected
-positions.
+proposing and the acceptance rule, and changes none of the engine's state:
+`propose` before scheduling returns the `Drafts`, `decide` after the forward
+returns a `Verdict` (which tokens are accepted), and the engine applies it
+when the step commits (`commit.py`: append the tokens, trim the KV written
+for rejected positions).
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from nanoserve import events as ev
 from nanoserve.block_pool import BlockPool
 from nanoserve.runner import ModelRunner, RunInput
 from nanoserve.sampler import SampledToken, SamplingRow, draw, probs
@@ -59,6 +58,7 @@ class Drafts:
 
     tokens: dict[str, list[int]] = field(default_factory=dict)
     q: dict[str, torch.Tensor] = field(default_factory=dict)   # request id -> [len(tokens), V]
+    num_tokens: dict[str, int] = field(default_factory=dict)   # request id -> its length when drafted
 
 
 def sampling_rows(seq: Sequence, draft: list[int], eos: int | None, n: int) -> list[SamplingRow]:
@@ -266,46 +266,42 @@ def build_proposer(config, loaded, dtype: torch.dtype):
                               torch.device(config.device), loaded.eos_token_id, config.resolved_backend())
 
 
-# -- the engine's side: propose before scheduling, verify after the forward ----------------
+# -- the engine's side: propose before scheduling, decide after the forward ----------------
 
-def propose(engine) -> Drafts:
-    """The engine's step, before scheduling: drafts for every running request that is decoding."""
-    k, max_len = engine.config.num_speculative_tokens, engine.config.max_model_len
-    pool_tokens = engine.pool.num_blocks * engine.pool.block_size
-    seqs = [s for s in engine.scheduler.running   # beams are scored together, one token per step
+def propose(proposer, running: list[Sequence], num_speculative_tokens: int, max_model_len: int,
+            pool_tokens: int) -> Drafts:
+    """Before scheduling: drafts for every running sequence that is decoding (the engine says so in events).
+
+    `pool_tokens` is what the whole device pool holds: a draft's KV must fit with its sequence's own.
+    """
+    seqs = [s for s in running   # beams are scored together, one token per step
             if s.num_uncomputed_tokens == 1 and not s.params.use_beam_search]
-    # Never draft past max_tokens or max_model_len: one step emits up to k + 1 tokens. Nor past
-    # what the whole pool holds: the drafts' KV must fit with the request's own.
-    limits = {s.request_id: max(0, min(k, s.params.max_tokens - s.num_output_tokens - 1,
-                                       max_len - s.num_tokens - 1, pool_tokens - s.num_tokens)) for s in seqs}
-    drafts = engine.proposer.propose(seqs, limits)
-    for rid, tokens in drafts.tokens.items():
-        engine._emit(ev.DraftProposed(engine.step_count, rid, engine.proposer.method, tuple(tokens)))
+    # Never draft past max_tokens or max_model_len: one step emits up to k + 1 tokens.
+    limits = {s.request_id: max(0, min(num_speculative_tokens, s.params.max_tokens - s.num_output_tokens - 1,
+                                       max_model_len - s.num_tokens - 1, pool_tokens - s.num_tokens)) for s in seqs}
+    drafts = proposer.propose(seqs, limits)
+    drafts.num_tokens = {s.request_id: s.num_tokens for s in seqs if s.request_id in drafts.tokens}
     return drafts
 
 
-def decide(engine, chunk, logits: torch.Tensor, drafts: Drafts) -> tuple[list[SampledToken], int]:
-    """The step's compute phase: exact acceptance of a chunk's drafts against logits [len(drafts) + 1, V].
-    Returns (tokens to append: the accepted drafts plus one, number accepted); changes no bookkeeping."""
+@dataclass(slots=True)
+class Verdict:
+    """What the target model made of one sequence's drafts; the engine applies it when the step commits
+    (appends `tokens`, keeps the KV of the `num_accepted` drafts, trims the rest)."""
+
+    tokens: list[SampledToken]   # the accepted drafts plus one corrected or bonus token
+    num_accepted: int
+
+
+def decide(chunk, logits: torch.Tensor, q: torch.Tensor | None, sampler, verify, eos_token_id: int | None) -> Verdict:
+    """After the forward: exact acceptance of a chunk's drafts against its logits [len(drafts) + 1, V].
+
+    `verify` is the acceptance rule (`verify` above, or a lab's); `q` the draft's distributions
+    (None for n-gram drafts). Changes no bookkeeping (only the sequence's RNG advances).
+    """
     seq, draft = chunk.seq, chunk.draft_token_ids
     n = len(draft)
-    rows = sampling_rows(seq, draft, engine.eos_token_id, n + 1)
-    q = drafts.q.get(seq.request_id)
-    tokens, accepted = engine.components.verify(engine.sampler.probs(logits, rows), draft, q[:n] if q is not None else None,
+    rows = sampling_rows(seq, draft, eos_token_id, n + 1)
+    tokens, accepted = verify(sampler.probs(logits, rows), draft, q[:n] if q is not None else None,
                               seq.params.greedy, seq.generator)
-    return engine.sampler.report(logits[: len(tokens)], tokens, rows[: len(tokens)]), accepted
-
-
-def apply(engine, chunk, tokens: list[SampledToken], accepted: int) -> None:
-    """The step's commit phase: the last real token and the accepted drafts have valid KV, the rejected
-    positions do not: roll those back (target and draft caches) and say so. The engine appends `tokens`."""
-    seq, n = chunk.seq, len(chunk.draft_token_ids)
-    num_tokens_before = seq.num_tokens
-    seq.num_drafted += n
-    seq.num_accepted += accepted
-    seq.num_computed_tokens += accepted
-    freed = engine.kv.trim(seq)
-    engine.proposer.accepted(seq, num_tokens_before, accepted)
-    engine._emit(ev.DraftVerified(engine.step_count, seq.request_id, n, accepted,
-                                  accepted if accepted < n else -1, tokens[-1].token_id, accepted == n))
-    engine._emit(ev.KVTrimmed(engine.step_count, seq.request_id, seq.num_computed_tokens, n - accepted, freed))
+    return Verdict(sampler.report(logits[: len(tokens)], tokens, rows[: len(tokens)]), accepted)

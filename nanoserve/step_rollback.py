@@ -58,8 +58,8 @@ def undo(engine, plan: SchedulerOutput | None, rngs: RngStates) -> list[str]:
         return [s.request_id for s in engine.scheduler.running]
     scheduler = engine.scheduler
     if not plan.moved:
-        device_dst = {dst for _, dst in plan.copies} | {dst for _, dst in plan.swap_in}
-        cpu_dst = {dst for _, dst in plan.swap_out}
+        device_dst = {dst for _, dst in plan.moves.copies} | {dst for _, dst in plan.moves.swap_in}
+        cpu_dst = {dst for _, dst in plan.moves.swap_out}
         for seq in [s for s in scheduler.running if device_dst.intersection(s.block_table)] + \
                    [s for s in scheduler.swapped if cpu_dst.intersection(s.cpu_block_table)]:
             scheduler.drop_kv(seq)

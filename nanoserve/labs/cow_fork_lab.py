@@ -65,9 +65,9 @@ def cow_partial(ctx: Context) -> None:
     expect(engine.pool.blocks[shared].ref_count == 1,
            f"block {shared} has ref count {engine.pool.blocks[shared].ref_count} after the copy, expected 1",
            "the sequence that moved to its copy is no longer a holder of the shared block: free it once")
-    copied = [c for c in engine.kv.copies if c[0] == shared]
-    expect(len(copied) == 1, f"the step's copies for the runner are {engine.kv.copies}; expected one from block {shared}",
-           "append (src, dst) to self.copies: the runner copies the shared block's KV into the new one before "
+    copied = [c for c in engine.kv.moves.copies if c[0] == shared]
+    expect(len(copied) == 1, f"the step's copies for the runner are {engine.kv.moves.copies}; expected one from block {shared}",
+           "append (src, dst) to self.moves.copies: the runner copies the shared block's KV into the new one before "
            "the forward, or the copy holds garbage")
     reference_invariants(engine)
 
@@ -75,7 +75,7 @@ def cow_partial(ctx: Context) -> None:
 def cow_boundary(ctx: Context) -> None:
     engine, parent, child, _ = _forked(ctx, 8)           # 8 tokens: both blocks full, the next token opens block 2
     engine.step()
-    expect(engine.kv.copies == [], f"a fork at a block boundary copied {engine.kv.copies}",
+    expect(engine.kv.moves.copies == [], f"a fork at a block boundary copied {engine.kv.moves.copies}",
            "a full block is never written again: share it, never copy it; only a PARTLY filled block "
            "(num_computed_tokens % block_size != 0) needs a copy")
     expect(parent.block_table[:2] == child.block_table[:2] and parent.block_table[2] != child.block_table[2],
@@ -103,7 +103,7 @@ LAB = Lab(
                                          "in the table, and has ref_count > 1; else None",
         "KVManager.copy_on_write": "if _shared_write_block gives an index: take a fresh block (self._take(1)), "
                                    "drop this sequence's hold on the shared one (pool.free), put the new id in "
-                                   "the table, append (src, dst) to self.copies, emit CowCopied; return (src, dst)",
+                                   "the table, append (src, dst) to self.moves.copies, emit CowCopied; return (src, dst)",
         "KVManager.fork": "share the parent's blocks (pool.share), give the child its own copy of the table and "
                           "the parent's num_computed_tokens, emit Forked, and lock the parent's cache node for "
                           "the child too (self._relock)",

@@ -111,7 +111,7 @@ def evict_lru(ctx: Context) -> None:
     pool, cache = _cache(ctx)
     ids = {}
     for step, first in enumerate((100, 200, 300), 1):          # three branches, inserted at steps 1, 2, 3
-        cache.step = step
+        cache.clock.step = step
         ids[first] = _fill(pool, cache, f"r{step}", list(range(first, first + 8)))
     oldest = cache.match_prefix(list(range(100, 109)))[0]
     cache.lock(oldest)                                          # a running request uses the oldest branch
@@ -124,7 +124,7 @@ def evict_lru(ctx: Context) -> None:
            "evict the unlocked leaf with the smallest last_access first (least recently used)")
     _check(cache, {oldest.node_id: 1})
     cache.unlock(oldest)
-    cache.step = 4
+    cache.clock.step = 4
     _fill(pool, cache, "r4", list(range(300, 312)))    # extends the step-3 branch: a parent and a leaf
     _check(cache)
     freed = cache.evict(pool.num_blocks)

@@ -2,7 +2,7 @@
 from nanoserve import events as ev
 from nanoserve.kv_manager import KVManager as _KV
 
-EXPECT_HINT = "append (src, dst) to self.copies"
+EXPECT_HINT = "append (src, dst) to self.moves.copies"
 
 
 class KVManager(_KV):

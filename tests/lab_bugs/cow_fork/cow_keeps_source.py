@@ -13,6 +13,6 @@ class KVManager(_KV):
         src = seq.block_table[i]
         dst = self._take(1)[0]
         seq.block_table[i] = dst
-        self.copies.append((src, dst))
+        self.moves.copies.append((src, dst))
         self.emit(ev.CowCopied(self.step, seq.request_id, i, src, dst))
         return src, dst
