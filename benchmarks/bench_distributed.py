@@ -89,7 +89,7 @@ def tensor_parallel(loaded, name: str, size: int) -> dict:
 def decode_latency(events) -> list[float]:
     """Durations of the steps in which one of the short requests decoded."""
     decoding = {e.step for e in events if isinstance(e, ev.ChunkScheduled) and not e.is_prefill
-                and e.request_id.startswith("s")}
+                and e.seq_id.startswith("s")}
     return [e.duration_s for e in events if isinstance(e, ev.StepFinished) and e.step in decoding]
 
 

@@ -56,7 +56,7 @@ def step_events(state: ViewState, step: int) -> list[Event]:
     events: list[Event] = [StepStarted(step, 0, len(state.running))]
     free = iter(state.free_queue)
     for rid in state.running:
-        req = state.requests[rid]
+        req = state.sequences[rid]
         start = req.num_computed_tokens
         if start // BLOCK_SIZE >= len(req.block_table):   # the next token needs a fresh block
             events.append(BlocksAllocated(step, rid, (next(free),)))

@@ -17,7 +17,7 @@ BROKEN = breaks({
 })
 
 from nanoserve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from nanoserve.events import BlocksAllocated, ChunkScheduled, RequestAdmitted, RequestFinished  # noqa: E402
+from nanoserve.events import BlocksAllocated, ChunkScheduled, SequenceAdmitted, SequenceFinished  # noqa: E402
 
 BS = 4  # block_size: tiny on purpose, so blocks fill up after a few tokens
 # The prefix cache (on by default) keeps finished requests' blocks for reuse; lesson 4 is about
@@ -32,7 +32,7 @@ def greedy(n: int) -> SamplingParams:
 
 def request(engine: LLMEngine, rid: str) -> dict:
     """One request's plain-data view from the engine snapshot."""
-    return next(r for r in engine.snapshot()["requests"] if r["request_id"] == rid)
+    return next(r for r in engine.snapshot()["sequences"] if r["seq_id"] == rid)
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -61,7 +61,7 @@ for _ in range(5):
     allocated.update(b for e in result.events if isinstance(e, BlocksAllocated) for b in e.block_ids)
     a = request(engine, "A")
     growth.append((result.stats.step, a["num_computed_tokens"], list(a["block_table"])))
-    for r in engine.snapshot()["requests"]:
+    for r in engine.snapshot()["sequences"]:
         # a table holds exactly ceil(tokens with KV / block_size) blocks
         assert len(r["block_table"]) == ceil_div(r["num_computed_tokens"], BS), r
 
@@ -134,11 +134,11 @@ while engine.has_unfinished_requests():
     assert result.stats.num_seqs <= 2
     for e in result.events:
         if isinstance(e, ChunkScheduled):
-            ran.setdefault(step, {})[e.request_id] = "P" if e.is_prefill else "d"
-        elif isinstance(e, RequestAdmitted):
-            admitted_at[e.request_id] = step
-        elif isinstance(e, RequestFinished):
-            finished_at[e.request_id] = step
+            ran.setdefault(step, {})[e.seq_id] = "P" if e.is_prefill else "d"
+        elif isinstance(e, SequenceAdmitted):
+            admitted_at[e.seq_id] = step
+        elif isinstance(e, SequenceFinished):
+            finished_at[e.seq_id] = step
     for rid in timeline:
         if rid in ran[step]:
             timeline[rid] += ran[step][rid]
@@ -175,7 +175,7 @@ def run_chunk_demo(**overrides):
     chunks, results, tokens = [], [], {}
     while eng.has_unfinished_requests():
         result = eng.step()
-        mine = [e for e in result.events if isinstance(e, ChunkScheduled) and e.request_id == "P" and e.is_prefill]
+        mine = [e for e in result.events if isinstance(e, ChunkScheduled) and e.seq_id == "P" and e.is_prefill]
         if mine:
             chunks += [(result.stats.step, e.start, e.num_tokens) for e in mine]
             results.append(result)
@@ -191,7 +191,7 @@ engine, chunks, results, chunked = run_chunk_demo(max_num_batched_tokens=BUDGET)
 for result in results:
     print(result)
     decodes = [e for e in result.events if isinstance(e, ChunkScheduled) and not e.is_prefill]
-    assert [e.request_id for e in decodes] == ["D"], "D decodes in every step of P's prefill"
+    assert [e.seq_id for e in decodes] == ["D"], "D decodes in every step of P's prefill"
     assert result.stats.num_prefill_tokens + result.stats.num_decode_tokens <= 16
 # D's decode comes first and takes 1 token of the budget; P's chunks get the rest.
 room = BUDGET if BROKEN == "prefill-first" else BUDGET - 1

@@ -93,10 +93,10 @@ def watch_step_5(eng: LLMEngine, result) -> None:
 on = run(cached, arrivals, watch=watch_step_5)
 
 table = Table("request", "prompt tokens", "cache hit", "prefill computed", box=box.SIMPLE, pad_edge=False)
-hits = {e.request_id: e for e in of_type(on["events"], PrefixMatched)}
+hits = {e.seq_id: e for e in of_type(on["events"], PrefixMatched)}
 first_chunk = {}
 for e in of_type(on["events"], ChunkScheduled):
-    first_chunk.setdefault(e.request_id, e)
+    first_chunk.setdefault(e.seq_id, e)
 for rid, prompt in arrivals:
     hit = hits[rid]
     assert hit.num_tokens == len(prompt)
@@ -130,19 +130,19 @@ for step in range(1, 6):
     console.print(f"step {step}:")
     for e in on["steps"][step]:
         if isinstance(e, PrefixMatched):
-            console.print(f"  {e.request_id} looks up {e.num_tokens} tokens: "
+            console.print(f"  {e.seq_id} looks up {e.num_tokens} tokens: "
                           + (f"hit {e.num_hit_tokens}, blocks {list(e.block_ids)}" if e.num_hit_tokens else "miss"))
         elif isinstance(e, RadixSplit):      # (the lookup splits first, then reports its hit)
             console.print(f"  split node {e.node_id} after {e.num_blocks} blocks: new parent node "
                           f"{e.new_node_id} {e.head_text!r}, node {e.node_id} keeps {e.tail_text!r}")
         elif isinstance(e, RadixInserted):
             console.print(f"  insert node {e.node_id} under node {e.parent_id}: {e.text!r} "
-                          f"blocks {list(e.block_ids)} ({e.request_id})")
+                          f"blocks {list(e.block_ids)} ({e.seq_id})")
 splits = of_type(on["events"], RadixSplit)
 assert len(splits) == 1 and splits[0].num_blocks == len(SYSTEM) // BS and splits[0].step == 2, \
     "q1 agrees with q0 for 7 blocks: q0's node is cut there, once"
 system_node = splits[0].new_node_id
-inserted_under = {e.request_id for e in of_type(on["events"], RadixInserted) if e.parent_id == system_node}
+inserted_under = {e.seq_id for e in of_type(on["events"], RadixInserted) if e.parent_id == system_node}
 assert inserted_under == {"q1", "q2", "q3", "q4"}, "every later question hangs under the system prompt's node"
 # While all five run, each holds (locks) the system prompt's node: it cannot be evicted.
 lock_at_5 = {n["node_id"]: n["lock_count"] for n in at_step_5["nodes"]}
@@ -273,7 +273,7 @@ kv_engine = engine(enable_prefix_caching=False)
 for rid, p in (("a", a_prompt), ("b", b_prompt)):
     kv_engine.add_request(rid, p + "!", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
 kv_engine.step()                                   # both prompts prefilled; block 1 of each is full
-tables = {r["request_id"]: r["block_table"] for r in kv_engine.snapshot()["requests"]}
+tables = {r["seq_id"]: r["block_table"] for r in kv_engine.snapshot()["sequences"]}
 diff = []
 for layer, (k_cache, _) in enumerate(kv_engine.runner.kv_caches):   # k_cache: [blocks, BS, kv_heads, head_dim]
     diff.append(float((k_cache[tables["a"][1]] - k_cache[tables["b"][1]]).abs().max()))

@@ -61,7 +61,7 @@ def of_type(events, kind) -> list:
 
 
 def tables(eng: LLMEngine) -> dict[str, list[int]]:
-    return {r["request_id"]: r["block_table"] for r in eng.snapshot()["requests"]}
+    return {r["seq_id"]: r["block_table"] for r in eng.snapshot()["sequences"]}
 
 
 # ---------------------------------------------------------------------------
@@ -94,7 +94,7 @@ separate = run(separate_engine)
 forks = of_type(forked["events"], Forked)
 cows = of_type(forked["events"], CowCopied)
 completions = [c.token_ids for c in forked["outputs"]["p"].outputs]
-assert [(e.step, e.parent_id, e.request_id) for e in forks] == [(1, "p", "p.1"), (1, "p", "p.2"), (1, "p", "p.3")]
+assert [(e.step, e.parent_id, e.seq_id) for e in forks] == [(1, "p", "p.1"), (1, "p", "p.2"), (1, "p", "p.3")]
 assert all(list(e.block_ids) == list(range(8)) for e in forks), "each fork shares the parent's 8 blocks"
 assert len(completions) == 4 and all(c == completions[0] for c in completions)
 assert completions[0] == separate["outputs"]["s0"].outputs[0].token_ids, "forking changes nothing in the output"
@@ -169,7 +169,7 @@ eng = engine()
 eng.add_request("r", PROMPT, SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True))
 for _ in range(3):
     eng.step()                                      # the prompt, then two decodes: 33 tokens with KV
-parent_table = list(eng.snapshot()["requests"][0]["block_table"])
+parent_table = list(eng.snapshot()["sequences"][0]["block_table"])
 child = eng.fork("r")
 fork_tables = tables(eng)
 print(eng)
@@ -211,9 +211,9 @@ def watch_beams(eng: LLMEngine, result) -> None:
     beam_peak = max(beam_peak, len({b for t in beams.values() for b in t}))
     assert all(t[:7] == list(range(7)) for t in beams.values()), "every beam keeps the prompt's 7 blocks"
     steps.add_row(str(result.stats.step),
-                  " ".join(f"{e.parent_id}->{e.request_id}" for e in of_type(result.events, Forked)),
-                  " ".join(e.request_id for e in of_type(result.events, BeamPruned)),
-                  " ".join(f"{e.request_id}:{e.src}->{e.dst}" for e in of_type(result.events, CowCopied)),
+                  " ".join(f"{e.parent_id}->{e.seq_id}" for e in of_type(result.events, Forked)),
+                  " ".join(e.seq_id for e in of_type(result.events, BeamPruned)),
+                  " ".join(f"{e.seq_id}:{e.src}->{e.dst}" for e in of_type(result.events, CowCopied)),
                   "  ".join(f"{rid} {t[7:]}" for rid, t in beams.items()) or "(all finished)")
 
 

@@ -28,7 +28,7 @@ from rich import box  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from nanoserve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from nanoserve.events import ChunkScheduled, Preempted, PrefixMatched, RequestFinished, SwappedIn, SwappedOut  # noqa: E402
+from nanoserve.events import ChunkScheduled, Preempted, PrefixMatched, SequenceFinished, SwappedIn, SwappedOut  # noqa: E402
 
 BS = 4
 TEXT = "The quick brown fox jumps over the lazy dog. "
@@ -57,15 +57,15 @@ def run(watch=None, prompts=PROMPTS, params=GREEDY, **config) -> dict:
         marks = {}
         for e in result.events:
             if isinstance(e, ChunkScheduled):
-                marks[e.request_id] = "P" if e.is_prefill else "d"
+                marks[e.seq_id] = "P" if e.is_prefill else "d"
             elif isinstance(e, Preempted):
-                marks[e.request_id] = "S" if e.mode == "swap" else "X"
+                marks[e.seq_id] = "S" if e.mode == "swap" else "X"
             elif isinstance(e, SwappedOut):
-                swapped.add(e.request_id)
+                swapped.add(e.seq_id)
             elif isinstance(e, SwappedIn):
-                swapped.discard(e.request_id)
-            elif isinstance(e, RequestFinished):
-                finished.add(e.request_id)
+                swapped.discard(e.seq_id)
+            elif isinstance(e, SequenceFinished):
+                finished.add(e.seq_id)
         for rid in prompts:   # what each request did this step (see the legend in section 1)
             idle = " " if rid in finished else "~" if rid in swapped else "."
             out["timeline"][rid] += marks.get(rid, idle)
@@ -103,12 +103,12 @@ show_timeline("recompute, 20 blocks", recompute)
 preempted = of_type(recompute["events"], Preempted)
 assert not of_type(baseline["events"], Preempted)
 first_victim = "r0" if BROKEN == "oldest-first" else "r3"
-assert preempted and preempted[0].request_id == first_victim, (
-    f"the first victim is {preempted[0].request_id}, not {first_victim}: with preemption_policy='newest' (the "
+assert preempted and preempted[0].seq_id == first_victim, (
+    f"the first victim is {preempted[0].seq_id}, not {first_victim}: with preemption_policy='newest' (the "
     "default) the most recently admitted running request goes; r4 is still waiting, so that is r3, and the "
     "oldest requests keep going (first come, first served)")
 assert recompute["tokens"] == baseline["tokens"], "preemption changes when tokens are computed, not which"
-say(f"""Each X is a Preempted event: {', '.join(f'{e.request_id} in step {e.step}' for e in preempted)}.
+say(f"""Each X is a Preempted event: {', '.join(f'{e.seq_id} in step {e.step}' for e in preempted)}.
 After an X the request waits at the head of the queue, then prefills AGAIN (the second P):
 its prompt and every token it had generated, {sum(e.num_tokens_lost for e in preempted)} tokens of KV thrown away in all.
 The outputs are identical to the baseline's.""")
@@ -128,12 +128,12 @@ def watch_swaps(eng: LLMEngine, result) -> None:
     for e in result.events:
         if isinstance(e, SwappedOut) and "out" not in kv_seen:
             kv_seen["out"] = e
-            victim = next(r for r in eng.snapshot()["requests"] if r["request_id"] == e.request_id)
+            victim = next(r for r in eng.snapshot()["sequences"] if r["seq_id"] == e.seq_id)
             kv_seen["n"] = victim["num_computed_tokens"]    # tokens whose KV it keeps (status "swapped")
             # layer by layer, K of its CPU blocks, flattened to [blocks * BS, kv_heads, head_dim]
             kv_seen["cpu_k"] = [k[list(e.cpu_block_ids)].flatten(0, 1).clone() for k, _ in eng.runner.cpu_caches]
         elif isinstance(e, SwappedIn) and "out" in kv_seen and "in" not in kv_seen \
-                and e.request_id == kv_seen["out"].request_id:
+                and e.seq_id == kv_seen["out"].seq_id:
             kv_seen["in"] = e
             kv_seen["dev_k"] = [k[list(e.block_ids)].flatten(0, 1).clone() for k, _ in eng.runner.kv_caches]
 
@@ -160,17 +160,17 @@ assert all(e.mode == "swap" and e.num_tokens_lost == 0 for e in of_type(swap["ev
 # Every swap-out comes back: the same CPU blocks, in table order, into as many fresh device blocks.
 assert len(outs) == len(ins)
 for o in outs:
-    back = [i for i in ins if i.request_id == o.request_id and i.step >= o.step and i.cpu_block_ids == o.cpu_block_ids]
+    back = [i for i in ins if i.seq_id == o.seq_id and i.step >= o.step and i.cpu_block_ids == o.cpu_block_ids]
     assert back and len(back[0].block_ids) == len(o.block_ids), o
 
 # The KV really travels. Compute the victim's first n tokens from scratch in a fresh engine and compare K.
 out_event, in_event, n = kv_seen["out"], kv_seen["in"], kv_seen["n"]
-victim = out_event.request_id
+victim = out_event.seq_id
 fresh = LLMEngine(EngineConfig(**PRESSURE))
 ids = (fresh.tokenizer(PROMPTS[victim]).input_ids + swap["tokens"][victim])[:n]   # its tokens at swap-out
 fresh.add_request("again", ids, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
 fresh.step()                                         # one prefill: K/V of all n tokens
-fresh_table = fresh.snapshot()["requests"][0]["block_table"]
+fresh_table = fresh.snapshot()["sequences"][0]["block_table"]
 for layer, (k, _) in enumerate(fresh.runner.kv_caches):
     recomputed = k[fresh_table].flatten(0, 1)[:n]
     assert (kv_seen["cpu_k"][layer][:n] - recomputed).abs().max() < 1e-4, "the CPU pool holds the victim's KV"
@@ -202,15 +202,15 @@ cache_runs = {name: run(**cfg, enable_prefix_caching=True) for name, cfg in
 r = cache_runs["recompute"]
 show_timeline("recompute, 20 blocks, prefix cache on", r)
 cache_lost = sum(e.num_tokens_lost for e in of_type(r["events"], Preempted))
-victims = {e.request_id for e in of_type(r["events"], Preempted)}
+victims = {e.seq_id for e in of_type(r["events"], Preempted)}
 matches = of_type(r["events"], PrefixMatched)
 comeback = {}                     # a victim's lookups after its first one: its re-admissions
 for e in matches:
-    if e.request_id in victims and any(m.request_id == e.request_id and m.step < e.step for m in matches):
-        comeback[e.request_id] = comeback.get(e.request_id, 0) + e.num_hit_tokens
+    if e.seq_id in victims and any(m.seq_id == e.seq_id and m.step < e.step for m in matches):
+        comeback[e.seq_id] = comeback.get(e.seq_id, 0) + e.num_hit_tokens
 for e in of_type(r["events"], Preempted):
-    console.print(f"  {e.request_id} preempted in step {e.step} with {e.num_tokens_lost} tokens of KV; "
-                  f"back with {comeback.get(e.request_id, 0)} of them found in the cache")
+    console.print(f"  {e.seq_id} preempted in step {e.step} with {e.num_tokens_lost} tokens of KV; "
+                  f"back with {comeback.get(e.seq_id, 0)} of them found in the cache")
 for name, x in cache_runs.items():
     assert x["tokens"] == baseline["tokens"], name
 saved = sum(comeback.values())
@@ -250,10 +250,10 @@ for policy in ("newest", "priority", "shortest_remaining"):
         eng.check_invariants()
         first = first or next(iter(of_type(result.events, Preempted)), None)
     victims_by_policy[policy] = first
-    policy_table.add_row(policy, first.request_id, *("preempted" if rid == first.request_id else "runs"
+    policy_table.add_row(policy, first.seq_id, *("preempted" if rid == first.seq_id else "runs"
                                                      for rid in three))
 console.print(policy_table)
-assert {p: e.request_id for p, e in victims_by_policy.items()} == \
+assert {p: e.seq_id for p, e in victims_by_policy.items()} == \
     {"newest": "C", "priority": "A", "shortest_remaining": "B"}
 assert all(e.step == 2 for e in victims_by_policy.values())
 say("""C is the newest, A has the lowest priority, B has the most tokens left (20). A request that

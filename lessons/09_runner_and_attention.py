@@ -62,8 +62,8 @@ engine.add_request("hit", SYSTEM + "Why?", SamplingParams(max_tokens=4, logprobs
 result = engine.step()
 inputs, batch = recorded[-1]
 hit = next(e for e in result.events if isinstance(e, PrefixMatched))
-chunks = {e.request_id: e for e in result.events if isinstance(e, ChunkScheduled)}
-console.print(f"step {result.stats.step}: PrefixMatched {hit.request_id}: {hit.num_hit_tokens} of "
+chunks = {e.seq_id: e for e in result.events if isinstance(e, ChunkScheduled)}
+console.print(f"step {result.stats.step}: PrefixMatched {hit.seq_id}: {hit.num_hit_tokens} of "
               f"{hit.num_tokens} tokens cached, blocks {list(hit.block_ids)}")
 for rid, c in chunks.items():
     console.print(f"  {rid:4} {'prefill' if c.is_prefill else 'decode '} tokens {c.start}..{c.start + c.num_tokens - 1}")
@@ -79,7 +79,7 @@ for p in meta.prefills:
                   f"context_len {p.context_len} (cached prefix + chunk), block table {p.block_table.tolist()}")
 console.print(f"logits_indices {batch.logits_indices.tolist()}: the rows whose logits come back")
 
-assert hit.request_id == "hit" and hit.num_hit_tokens == len(SYSTEM) // BS * BS
+assert hit.seq_id == "hit" and hit.num_hit_tokens == len(SYSTEM) // BS * BS
 assert meta.num_decodes == 2 and [len(x.token_ids) for x in inputs].count(1) == 2, "two decodes"
 assert len(meta.decode_groups) == 1 and group.end - group.start == 2, "two decodes, one group"
 order = sorted(inputs, key=lambda x: len(x.token_ids) > 1)          # decodes first, as the runner lays them out

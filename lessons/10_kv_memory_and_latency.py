@@ -91,7 +91,7 @@ def run(budget: int) -> dict:
         result = eng.step()
         for e in result.events:
             if isinstance(e, TokenSampled):
-                token_steps.setdefault(e.request_id, []).append(e.step)
+                token_steps.setdefault(e.seq_id, []).append(e.step)
             elif isinstance(e, StepFinished):
                 steps[e.step] = e
     size = {s: e.num_prefill_tokens + e.num_decode_tokens for s, e in steps.items()}

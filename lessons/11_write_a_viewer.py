@@ -49,7 +49,7 @@ class MiniViewer:
         if BROKEN == "cached-is-free":
             kinds = ["free" if k == "cached" else k for k in kinds]
         pool = "".join(self.CELL[k] for k in kinds)
-        running = " ".join(f"{r}:{len(s.requests[r].block_table)}" for r in s.running)
+        running = " ".join(f"{r}:{len(s.sequences[r].block_table)}" for r in s.running)
         free = kinds.count("free")
         return f"{s.step:3d} {pool} free {free:2d}  running {running or '-'}  waiting {' '.join(s.waiting) or '-'}"
 
@@ -82,12 +82,12 @@ while engine.has_unfinished_requests():
     result = engine.step()
     snap = engine.snapshot()
     pool, folded = snap["pool"], viewer.state
-    tables = {r["request_id"]: r["block_table"] for r in snap["requests"]}
+    tables = {r["seq_id"]: r["block_table"] for r in snap["sequences"]}
     assert (folded.ref_counts, folded.free_queue) == (pool["ref_counts"], pool["free_queue"]), (
         f"after step {result.stats.step} the viewer's pool differs from the engine's: a viewer must fold every "
         "event, in order; BlocksFreed is what gives blocks back (ref counts down, released ones to the free "
         "queue), so a viewer that skips one keeps blocks the engine has freed")
-    assert all(folded.requests[r].block_table == t for r, t in tables.items()), "and the same block tables"
+    assert all(folded.sequences[r].block_table == t for r, t in tables.items()), "and the same block tables"
     assert viewer.lines[-1].split(" free ")[1].split()[0] == str(result.stats.num_free_blocks), (
         f"the viewer draws {viewer.lines[-1].split(' free ')[1].split()[0]} free blocks, the engine reports "
         f"{result.stats.num_free_blocks}: a block only the prefix cache holds is not free (its ref count is "

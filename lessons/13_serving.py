@@ -27,7 +27,7 @@ import httpx  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from nanoserve import LLM, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from nanoserve.events import BlocksFreed, ChunkScheduled, RequestAborted, RequestAdded, RequestFinished, TokenSampled  # noqa: E402
+from nanoserve.events import BlocksFreed, ChunkScheduled, RequestAdded, SequenceAborted, SequenceFinished, TokenSampled  # noqa: E402
 from nanoserve.serve.app import build_app  # noqa: E402
 from nanoserve.serve.background import BackgroundServer  # noqa: E402
 from nanoserve.trace import event_from_dict, fold, fold_all, synced_event  # noqa: E402
@@ -55,7 +55,7 @@ class Watcher:
                     self.events.append(event_from_dict(json.loads(line[len("data: "):])))
 
     def of(self, request_id: str) -> list:
-        return [e for e in self.events if getattr(e, "request_id", None) == request_id]
+        return [e for e in self.events if getattr(e, "seq_id", None) == request_id]
 
 
 def complete(http: httpx.Client, prompt: str, **fields) -> dict:
@@ -140,7 +140,7 @@ own events (ChunkScheduled says who ran in each step).""")
     batches: dict[int, list[str]] = {}
     for e in watch.events:
         if isinstance(e, ChunkScheduled) and e.step >= first:
-            batches.setdefault(e.step, []).append(f"{e.request_id}({e.num_tokens})")
+            batches.setdefault(e.step, []).append(f"{e.seq_id}({e.num_tokens})")
     table = Table("step", "requests in the forward pass (tokens)")
     for step, who in sorted(batches.items()):
         table.add_row(str(step), "  ".join(who))
@@ -155,7 +155,7 @@ own events (ChunkScheduled says who ran in each step).""")
     section("4. A client hangs up", """
 A client that closes its connection mid-stream makes Starlette cancel the
 response; the handler's `finally` asks the engine loop to abort the request,
-which it does between two steps: RequestAborted, and the request's blocks are
+which it does between two steps: SequenceAborted, and the request's blocks are
 freed (or stay in the prefix cache). Nothing is generated for nobody.""")
     server.engine_loop.step_delay = 0.02     # 200 tokens take >= 4 s: the hang-up lands first on a busy machine too
     with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "I will leave early",
@@ -166,14 +166,14 @@ freed (or stay in the prefix cache). Nothing is generated for nobody.""")
     wait_idle(server)
     server.engine_loop.step_delay = 0.0
     for _ in range(1000):                    # /events runs behind the engine by a moment: wait for the end
-        if any(isinstance(e, (RequestAborted, RequestFinished)) for e in watch.of(gone)):
+        if any(isinstance(e, (SequenceAborted, SequenceFinished)) for e in watch.of(gone)):
             break
         time.sleep(0.01)
     mine = watch.of(gone)
     tokens = sum(isinstance(e, TokenSampled) for e in mine)
     console.print(f"{gone}: fewer than 200 tokens generated (how many depends on when the hang-up lands), "
-                  f"then {[type(e).__name__ for e in mine if isinstance(e, (RequestAborted, BlocksFreed))]}")
-    assert any(isinstance(e, RequestAborted) for e in mine) and tokens < 200
+                  f"then {[type(e).__name__ for e in mine if isinstance(e, (SequenceAborted, BlocksFreed))]}")
+    assert any(isinstance(e, SequenceAborted) for e in mine) and tokens < 200
     def clean(e):
         e.check_invariants()
         return e.pool.num_used_blocks == (e.radix.num_cached_blocks if e.radix else 0)

@@ -59,7 +59,7 @@ def workload(add, step, has_work) -> list:
 def decode_steps(events) -> list[tuple[int, float]]:
     """(tokens computed, seconds) of every step in which a short request decoded."""
     decoding = {e.step for e in events if isinstance(e, ChunkScheduled) and not e.is_prefill
-                and e.request_id.startswith("s")}
+                and e.seq_id.startswith("s")}
     return [(e.num_prefill_tokens + e.num_decode_tokens, e.duration_s)
             for e in events if isinstance(e, StepFinished) and e.step in decoding]
 

@@ -91,13 +91,13 @@ def ranked(seqs: list[Sequence], length_penalty: float) -> list[Sequence]:
     return sorted(seqs, key=lambda s: score(s, length_penalty), reverse=True)
 
 
-def ready(group) -> bool:
-    """Can `group` take its beam step? Every live beam is running and has its next-token scores.
+def ready(request) -> bool:
+    """Can `request` take its beam step? Every live beam is running and has its next-token scores.
 
     A beam that was preempted waits to be readmitted (and, after recompute, to have its
     scores again), so that forks always share real blocks of a running parent.
     """
-    live = group.live
+    live = request.live
     return bool(live) and all(s.status is SequenceStatus.RUNNING and s.beam_logprobs is not None for s in live)
 
 
@@ -113,33 +113,33 @@ class BeamStep:
     pruned: list[Sequence]
 
 
-def decide(group, free_seats: int, eos_token_id: int | None) -> BeamStep:
-    """Every live beam of `group` has its next-token scores: keep the best continuations.
+def decide(request, free_seats: int, eos_token_id: int | None) -> BeamStep:
+    """Every live beam of `request` has its next-token scores: keep the best continuations.
 
     At most as many beams continue as the request has seats: its own, plus `free_seats`
     (after a user aborted one beam, its seat may have gone to another request).
     Changes nothing: the engine forks, prunes and appends what this returns.
     """
-    live = group.live
-    params = group.params
+    live = request.live
+    params = request.params
     end_ids = set(params.stop_token_ids)
     if eos_token_id is not None and not params.ignore_eos:
         end_ids.add(eos_token_id)
     keep, ended = select(live, min(params.beam_width, free_seats + sum(s.seats for s in live)), end_ids)
     moves, used = [], set()
     for c in keep:
-        fork = c.beam.request_id in used   # a beam's first continuation is the beam itself, a second one a fork
-        used.add(c.beam.request_id)
+        fork = c.beam.seq_id in used   # a beam's first continuation is the beam itself, a second one a fork
+        used.add(c.beam.seq_id)
         moves.append((c.beam, _token(c), fork))
     moves += [(c.beam, _token(c), True) for c in ended]   # an ended hypothesis is a fork that finishes at once
-    return BeamStep(moves, [s for s in live if s.request_id not in used])
+    return BeamStep(moves, [s for s in live if s.seq_id not in used])
 
 
-def finished_early(group) -> list[Sequence]:
+def finished_early(request) -> list[Sequence]:
     """After a beam step: the live beams to drop because none of them can beat the finished ones."""
-    live = group.live
-    params = group.params
-    if live and is_done([s for s in group.seqs if s.is_finished], live, params.beam_width, params.length_penalty):
+    live = request.live
+    params = request.params
+    if live and is_done([s for s in request.seqs if s.is_finished], live, params.beam_width, params.length_penalty):
         return live
     return []
 

@@ -61,10 +61,10 @@ def choose(engine, chunks: list[ScheduledChunk], inputs: list[RunInput], logits:
         choices.append(choice)
         seq = chunk.seq
         if any(bad[r] for r in rows):
-            choice.error = (f"the model's logits for {seq.request_id} at position {seq.num_tokens} are not a "
+            choice.error = (f"the model's logits for {seq.seq_id} at position {seq.num_tokens} are not a "
                             "distribution (NaN or infinite values); the request was stopped")
         elif chunk.draft_token_ids:
-            verdict = spec_decode.decide(chunk, logits[rows.start:rows.stop], drafts.q.get(seq.request_id),
+            verdict = spec_decode.decide(chunk, logits[rows.start:rows.stop], drafts.q.get(seq.seq_id),
                                          engine.sampler, engine.components.verify, engine.eos_token_id)
             choice.tokens, choice.num_accepted = verdict.tokens, verdict.num_accepted
         elif seq.params.use_beam_search:
@@ -82,10 +82,10 @@ def _sample(engine, plain: list[tuple[Choice, int]], logits: torch.Tensor) -> No
     for choice, r in plain:
         seq = choice.chunk.seq
         pairs.append((choice, None, seq.generator, r))
-        group = engine.groups[seq.group_id]
-        if group.needs_fork:   # the n sequences share the prompt and sample from the same row
-            for i in range(1, group.params.n):
-                seed = (group.seed * 1_000_003 + i) % 2**62
+        request = engine.requests[seq.request_id]
+        if request.needs_fork:   # the n sequences share the prompt and sample from the same row
+            for i in range(1, request.params.n):
+                seed = (request.seed * 1_000_003 + i) % 2**62
                 pairs.append((choice, seed, torch.Generator().manual_seed(seed), r))
     rows = [SamplingRow(c.chunk.seq.params, c.chunk.seq.prompt_token_ids, c.chunk.seq.output_token_ids, g,
                         engine.eos_token_id) for c, _, g, _ in pairs]

@@ -44,7 +44,7 @@ def commit(engine, chosen: list[Choice], drafts: Drafts, outputs: dict[str, Requ
             continue
         try:
             if choice.error is not None:
-                fail_request(engine, seq.group_id, choice.error, outputs)
+                fail_request(engine, seq.request_id, choice.error, outputs)
             elif choice.beam_logprobs is not None:
                 seq.beam_logprobs = choice.beam_logprobs
             else:
@@ -54,24 +54,24 @@ def commit(engine, chosen: list[Choice], drafts: Drafts, outputs: dict[str, Requ
                     accepted += choice.num_accepted
                 forks = []
                 if choice.forks:   # n > 1: the prompt is done; the n sequences share its blocks
-                    engine.groups[seq.group_id].forked, seq.seats = True, 1
+                    engine.requests[seq.request_id].forked, seq.seats = True, 1
                     forks = [(engine._fork_seq(seq, g), token) for g, token in choice.forks]
-                outputs[seq.group_id] = engine._append_tokens(seq, choice.tokens)
+                outputs[seq.request_id] = engine._append_tokens(seq, choice.tokens)
                 for fork, token in forks:
-                    outputs[seq.group_id] = engine._append_tokens(fork, [token])
+                    outputs[seq.request_id] = engine._append_tokens(fork, [token])
         except Exception as exc:   # noqa: BLE001 -- one request's failure must not stop the others
-            fail_request(engine, seq.group_id, f"{type(exc).__name__}: {exc}", outputs)
+            fail_request(engine, seq.request_id, f"{type(exc).__name__}: {exc}", outputs)
     if engine.proposer:            # drafts that were proposed but not run (no budget left) roll back too
-        ran = {c.chunk.seq.request_id for c in chosen if c.chunk.draft_token_ids}
+        ran = {c.chunk.seq.seq_id for c in chosen if c.chunk.draft_token_ids}
         for rid in drafts.tokens.keys() - ran:
-            if rid in engine.requests:
-                engine.proposer.accepted(engine.requests[rid], drafts.num_tokens[rid], 0)
-    for group in [g for g in engine.groups.values() if g.is_beam_search and beam_search.ready(g)]:
+            if rid in engine.sequences:
+                engine.proposer.accepted(engine.sequences[rid], drafts.num_tokens[rid], 0)
+    for request in [r for r in engine.requests.values() if r.is_beam_search and beam_search.ready(r)]:
         try:
             free_seats = engine.config.max_num_seqs - engine.scheduler.seats_used
-            apply_beam_step(engine, group, beam_search.decide(group, free_seats, engine.eos_token_id), outputs)
+            apply_beam_step(engine, request, beam_search.decide(request, free_seats, engine.eos_token_id), outputs)
         except Exception as exc:   # noqa: BLE001
-            fail_request(engine, group.request_id, f"{type(exc).__name__}: {exc}", outputs)
+            fail_request(engine, request.request_id, f"{type(exc).__name__}: {exc}", outputs)
     engine._spec_totals["drafted"] += drafted
     engine._spec_totals["accepted"] += accepted
     return drafted, accepted
@@ -88,33 +88,33 @@ def accept_drafts(engine, choice: Choice) -> None:
     freed = engine.kv.trim(seq)
     engine.proposer.accepted(seq, num_tokens_before, accepted)
     step = engine.step_count
-    engine._emit(ev.DraftVerified(step, seq.request_id, n, accepted, accepted if accepted < n else -1,
+    engine._emit(ev.DraftVerified(step, seq.seq_id, n, accepted, accepted if accepted < n else -1,
                                   choice.tokens[-1].token_id, accepted == n))
-    engine._emit(ev.KVTrimmed(step, seq.request_id, seq.num_computed_tokens, n - accepted, freed))
+    engine._emit(ev.KVTrimmed(step, seq.seq_id, seq.num_computed_tokens, n - accepted, freed))
 
 
-def apply_beam_step(engine, group, decided: beam_search.BeamStep, outputs: dict[str, RequestOutput]) -> None:
+def apply_beam_step(engine, request, decided: beam_search.BeamStep, outputs: dict[str, RequestOutput]) -> None:
     """Beam search: fork, prune and append what `beam_search.decide` chose; then drop the live beams
     that can no longer beat the finished ones."""
-    group.forked = True
-    for s in group.live:
+    request.forked = True
+    for s in request.live:
         s.seats = 1
     # Forks first, while every parent still has the state the candidates extend.
-    moves = [(engine._fork_seq(beam, torch.Generator().manual_seed(group.seed)) if fork else beam, token)
+    moves = [(engine._fork_seq(beam, torch.Generator().manual_seed(request.seed)) if fork else beam, token)
              for beam, token, fork in decided.moves]
     for s in decided.pruned:
-        outputs[group.request_id] = engine._prune(s)
+        outputs[request.request_id] = engine._prune(s)
     for seq, _ in moves:
         seq.beam_logprobs = None
     for seq, token in moves:
-        outputs[group.request_id] = engine._append_tokens(seq, [token])
-    for s in beam_search.finished_early(group):
-        outputs[group.request_id] = engine._prune(s)
+        outputs[request.request_id] = engine._append_tokens(seq, [token])
+    for s in beam_search.finished_early(request):
+        outputs[request.request_id] = engine._prune(s)
 
 
-def fail_request(engine, group_id: str, error: str, outputs: dict[str, RequestOutput]) -> None:
+def fail_request(engine, request_id: str, error: str, outputs: dict[str, RequestOutput]) -> None:
     """Finish every live sequence of a request with an error (finish_reason "abort", blocks released)."""
-    group = engine.groups.get(group_id)
-    for seq in group.live if group is not None else []:
+    request = engine.requests.get(request_id)
+    for seq in request.live if request is not None else []:
         seq.error = f"step {engine.step_count}: {error}"
-        outputs[group_id] = engine._finish(seq, SequenceStatus.FINISHED_ABORTED, delta="")
+        outputs[request_id] = engine._finish(seq, SequenceStatus.FINISHED_ABORTED, delta="")

@@ -127,8 +127,8 @@ class LLMEngine(Displayable):
         self.sampler = Sampler()
         self.proposer = build_proposer(config, self.loaded, dtype)   # None unless speculative decoding is on
         self.vocab_size = model.config.vocab_size
-        self.requests: dict[str, Sequence] = {}      # unfinished sequences by id (a request's first has its id)
-        self.groups: dict[str, Request] = {}         # unfinished requests by id, with all their sequences
+        self.sequences: dict[str, Sequence] = {}      # unfinished sequences by id (a request's first has its id)
+        self.requests: dict[str, Request] = {}         # unfinished requests by id, with all their sequences
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}   # by sequence id
         self._finished_ids: set[str] = set()         # for clear errors about requests that are over
         self._deltas: dict[str, str] = {}            # text each sequence added in the current step
@@ -156,9 +156,9 @@ class LLMEngine(Displayable):
         if request.seed is None:   # unseeded: a seed from the engine's RNG, so runs are reproducible
             request.seed = int(torch.randint(2**62, (1,), generator=self._rng))
             seq.generator = torch.Generator().manual_seed(request.seed)
-        self.groups[rid] = request
+        self.requests[rid] = request
         self._finished_ids.discard(rid)
-        self.requests[rid] = seq
+        self.sequences[rid] = seq
         self.detokenizers[rid] = prepared.detokenizer
         self.scheduler.add(seq)
         shown = engine_state.prompt_text(seq.prompt, seq.prompt_token_ids, self.tokenizer)   # token ids: their text
@@ -173,15 +173,15 @@ class LLMEngine(Displayable):
         Raises KeyError for an unknown id.
         """
         v.text("request_id", request_id)
-        if request_id in self.groups:
-            seqs = self.groups[request_id].live
-        elif request_id in self.requests:
-            seqs = [self.requests[request_id]]
+        if request_id in self.requests:
+            seqs = self.requests[request_id].live
+        elif request_id in self.sequences:
+            seqs = [self.sequences[request_id]]
         else:
             raise KeyError(self._unknown(request_id))
         out = None
         for seq in seqs:
-            self._emit(ev.RequestAborted(self.step_count, seq.request_id))
+            self._emit(ev.SequenceAborted(self.step_count, seq.seq_id))
             out = self._finish(seq, SequenceStatus.FINISHED_ABORTED, delta="")
         self._raise_subscriber_errors(out)
         return out
@@ -191,48 +191,48 @@ class LLMEngine(Displayable):
             return f"request {request_id!r} has already finished"
         return f"no unfinished request {request_id!r}"
 
-    def fork(self, request_id: str, seed: int | None = None) -> str:
+    def fork(self, seq_id: str, seed: int | None = None) -> str:
         """Fork a running sequence at its current position; returns the new sequence's id.
 
         The fork joins the same request as one more completion. It shares every
         block of its parent (nothing is copied until one of them writes into a
         shared, partly filled block) and continues with its own random stream,
         seeded by `seed` (default: a seed drawn from the engine's RNG; a replay
-        passes the one the first run drew). Raises KeyError for an unknown or finished request, ValueError when the
+        passes the one the first run drew). Raises KeyError for an unknown or finished sequence, ValueError when the
         sequence cannot be forked now; the engine is unchanged then.
         """
-        seq = self.requests.get(v.text("request_id", request_id))
+        seq = self.sequences.get(v.text("seq_id", seq_id))
         seed = v.optional_integer("seed", seed, minimum=0, maximum=2**64 - 1)
         if seq is None:
-            raise KeyError(self._unknown(request_id))
+            raise KeyError(self._unknown(seq_id))
         if seq.params.use_beam_search:
-            raise ValueError(f"{request_id!r} is a beam of a beam search, which forks its beams itself")
+            raise ValueError(f"{seq_id!r} is a beam of a beam search, which forks its beams itself")
         if seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens == 0:
             state = "is still computing its prompt" if seq.status is SequenceStatus.RUNNING else f"is {seq.status.value}"
-            raise ValueError(f"{request_id!r} {state}: only a running request that has started generating "
+            raise ValueError(f"{seq_id!r} {state}: only a running request that has started generating "
                              "can be forked")
         if self.scheduler.seats_used + 1 > self.config.max_num_seqs:
             raise ValueError(f"no free seat for a fork: max_num_seqs={self.config.max_num_seqs} sequences "
                              "already run")
         if seed is None:
             seed = int(torch.randint(2**62, (1,), generator=self._rng))
-        child_id = self._fork_seq(seq, torch.Generator().manual_seed(seed), seed).request_id
+        child_id = self._fork_seq(seq, torch.Generator().manual_seed(seed), seed).seq_id
         self._raise_subscriber_errors(child_id)
         return child_id
 
     def _fork_seq(self, parent: Sequence, generator: torch.Generator, seed: int = -1) -> Sequence:
         """A new running sequence of the same request, sharing `parent`'s tokens, text and blocks.
         (`seed`, the seed of `generator` when the caller knows it, goes into the Forked event.)"""
-        group = self.groups[parent.group_id]
-        child_id = group.fork_id()
-        while child_id in self.requests or child_id in self.groups:   # a user's request may have this id
-            child_id = group.fork_id()
+        request = self.requests[parent.request_id]
+        child_id = request.fork_id()
+        while child_id in self.sequences or child_id in self.requests:   # a user's request may have this id
+            child_id = request.fork_id()
         child = parent.fork(child_id, generator)
         self.kv.fork(parent, child, seed)
         self.scheduler.running.append(child)
-        group.seqs.append(child)
-        self.requests[child_id] = child
-        self.detokenizers[child_id] = copy.copy(self.detokenizers[parent.request_id])   # plain state: a shallow copy
+        request.seqs.append(child)
+        self.sequences[child_id] = child
+        self.detokenizers[child_id] = copy.copy(self.detokenizers[parent.seq_id])   # plain state: a shallow copy
         return child
 
     def shutdown(self) -> None:
@@ -252,10 +252,10 @@ class LLMEngine(Displayable):
         return self.clock.step
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.sequences)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.groups)
+        return len(self.requests)
 
     # -- the step ----------------------------------------------------------------------
 
@@ -272,10 +272,10 @@ class LLMEngine(Displayable):
             self._fail_step(exc, t0, None, rngs, outputs)
         plan = self.scheduler.schedule(drafts.tokens)                           # bookkeeping only
         for seq in plan.failed:
-            outputs[seq.group_id] = self._finish(seq, seq.status, delta="")
+            outputs[seq.request_id] = self._finish(seq, seq.status, delta="")
         for seq in plan.preempted:
             if self.proposer:
-                self.proposer.release(seq.request_id)   # its draft KV goes with its target KV
+                self.proposer.release(seq.seq_id)   # its draft KV goes with its target KV
         rngs.save(c.seq for c in plan.chunks)
         try:
             chosen = self._compute(plan, drafts)
@@ -344,9 +344,9 @@ class LLMEngine(Displayable):
 
     def _prune(self, seq: Sequence) -> RequestOutput:
         """Drop a beam: free its blocks, forget it (it is no completion of the request)."""
-        self._emit(ev.BeamPruned(self.step_count, seq.request_id))
+        self._emit(ev.BeamPruned(self.step_count, seq.seq_id))
         seq.pruned = True
-        self.groups[seq.group_id].seqs.remove(seq)
+        self.requests[seq.request_id].seqs.remove(seq)
         return self._finish(seq, SequenceStatus.FINISHED_ABORTED, delta="", quiet=True)
 
     # -- speculative decoding ---------------------------------------------------------------
@@ -371,28 +371,28 @@ class LLMEngine(Displayable):
             delta += text
             if status is not None:
                 return self._finish(seq, status, delta)
-        self._deltas[seq.request_id] = self._deltas.get(seq.request_id, "") + delta
-        return self.groups[seq.group_id].output(self._deltas)
+        self._deltas[seq.seq_id] = self._deltas.get(seq.seq_id, "") + delta
+        return self.requests[seq.request_id].output(self._deltas)
 
     def _finish(self, seq: Sequence, status: SequenceStatus, delta: str, quiet: bool = False) -> RequestOutput:
         """Close a sequence: free its blocks, forget it, say so; the request ends with its last sequence."""
-        self._deltas[seq.request_id] = self._deltas.get(seq.request_id, "") + delta
-        self.detokenizers.pop(seq.request_id)
+        self._deltas[seq.seq_id] = self._deltas.get(seq.seq_id, "") + delta
+        self.detokenizers.pop(seq.seq_id)
         if self.proposer:
-            self.proposer.release(seq.request_id)
+            self.proposer.release(seq.seq_id)
         if not seq.is_finished:   # (the scheduler already closed sequences it failed)
             self.scheduler.finish(seq, status)
-        self.requests.pop(seq.request_id)
+        self.sequences.pop(seq.seq_id)
         if not quiet:             # (a pruned beam is no completion: BeamPruned said it all)
-            self._emit(ev.RequestFinished(self.step_count, seq.request_id, seq.status.finish_reason,
+            self._emit(ev.SequenceFinished(self.step_count, seq.seq_id, seq.status.finish_reason,
                                           seq.num_output_tokens, seq.error or ""))
-        group = self.groups[seq.group_id]
+        request = self.requests[seq.request_id]
         # The request ends when the engine has closed its last sequence (not when the last one's
         # status says finished: the scheduler may fail two forks of a request in one step).
-        if not any(s.request_id in self.requests for s in group.seqs):
-            del self.groups[group.request_id]
-            self._finished_ids.add(group.request_id)
-        return group.output(self._deltas)
+        if not any(s.seq_id in self.sequences for s in request.seqs):
+            del self.requests[request.request_id]
+            self._finished_ids.add(request.request_id)
+        return request.output(self._deltas)
 
     # -- watching ------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ def snapshot(engine) -> dict:
     """`engine.snapshot()`: pool, block tables, queues, radix tree and CPU pool as plain data."""
     def view(seq: Sequence) -> dict:
         return {
-            "request_id": seq.request_id, "status": seq.status.value, "prompt": prompt_text(seq.prompt, seq.prompt_token_ids, engine.tokenizer),
+            "seq_id": seq.seq_id, "status": seq.status.value, "prompt": prompt_text(seq.prompt, seq.prompt_token_ids, engine.tokenizer),
             "num_prompt_tokens": seq.num_prompt_tokens, "output_text": seq.output_text,
             "num_output_tokens": seq.num_output_tokens, "num_computed_tokens": seq.num_computed_tokens,
             "block_table": list(seq.block_table), "max_tokens": seq.params.max_tokens,
@@ -39,10 +39,10 @@ def snapshot(engine) -> dict:
         "step": engine.step_count,
         "model": engine.config.model,
         "pool": engine.pool.snapshot(),
-        "waiting": [s.request_id for s in engine.scheduler.waiting],
-        "running": [s.request_id for s in engine.scheduler.running],
-        "swapped": [s.request_id for s in engine.scheduler.swapped],
-        "requests": [view(s) for s in engine.requests.values()],
+        "waiting": [s.seq_id for s in engine.scheduler.waiting],
+        "running": [s.seq_id for s in engine.scheduler.running],
+        "swapped": [s.seq_id for s in engine.scheduler.swapped],
+        "sequences": [view(s) for s in engine.sequences.values()],
         "radix": {"enabled": engine.radix is not None, "nodes": engine.radix.snapshot() if engine.radix else []},
         "cpu_pool": engine.cpu_pool.snapshot() if engine.cpu_pool else None,
         "config": {f.name: getattr(engine.config, f.name) for f in dataclasses.fields(engine.config)},
@@ -57,16 +57,16 @@ def check_invariants(engine) -> None:
     if engine.proposer:
         engine.proposer.check_invariants()
         for rid, st in getattr(engine.proposer, "states", {}).items():   # a draft model's own KV
-            seq = engine.requests.get(rid)
+            seq = engine.sequences.get(rid)
             assert seq is not None, f"draft KV kept for {rid}, which is not an unfinished sequence"
             assert st.num_computed < seq.num_tokens, (f"draft KV of {rid} covers {st.num_computed} of its "
                                                       f"{seq.num_tokens} tokens: a proposal would have nothing to feed")
     queues = engine.scheduler.running + list(engine.scheduler.waiting) + list(engine.scheduler.swapped)
-    live = {s.request_id for s in queues}
-    assert live == set(engine.requests), f"queues {sorted(live)} != sequences {sorted(engine.requests)}"
-    groups = {s.group_id for s in engine.requests.values()}
-    assert groups == set(engine.groups), f"sequences' requests {sorted(groups)} != requests {sorted(engine.groups)}"
-    if not engine.requests:   # nothing runs: the only blocks in use are the prefix cache's
+    live = {s.seq_id for s in queues}
+    assert live == set(engine.sequences), f"queues {sorted(live)} != sequences {sorted(engine.sequences)}"
+    owners = {s.request_id for s in engine.sequences.values()}
+    assert owners == set(engine.requests), f"sequences' requests {sorted(owners)} != requests {sorted(engine.requests)}"
+    if not engine.sequences:   # nothing runs: the only blocks in use are the prefix cache's
         cached = engine.radix.num_cached_blocks if engine.radix else 0
         assert engine.pool.num_used_blocks == cached, \
             f"{engine.pool.num_used_blocks - cached} blocks leaked with no requests"
@@ -88,15 +88,15 @@ def fold_mismatches(state, snap: dict) -> list[str]:
     same("free queue", state.free_queue, pool["free_queue"])
     for queue in ("running", "waiting", "swapped"):
         same(queue, getattr(state, queue), snap[queue])
-    live = sorted(rid for rid, v in state.requests.items() if not v.status.startswith("finished"))
-    same("live requests", live, sorted(r["request_id"] for r in snap["requests"]))
-    for r in snap["requests"]:
-        view = state.requests.get(r["request_id"])
+    live = sorted(rid for rid, v in state.sequences.items() if not v.status.startswith("finished"))
+    same("live sequences", live, sorted(r["seq_id"] for r in snap["sequences"]))
+    for r in snap["sequences"]:
+        view = state.sequences.get(r["seq_id"])
         if view is None:
             continue
         for name in ("status", "block_table", "num_computed_tokens", "num_output_tokens", "output_text",
                      "cache_node", "cpu_block_table", "num_prompt_tokens", "max_tokens"):
-            same(f"{r['request_id']}.{name}", getattr(view, name), r[name])
+            same(f"{r['seq_id']}.{name}", getattr(view, name), r[name])
     if snap["radix"]["enabled"]:
         nodes = {n["node_id"]: (n["parent_id"], n["block_ids"], n["num_tokens"], n["lock_count"])
                  for n in snap["radix"]["nodes"]}

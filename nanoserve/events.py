@@ -46,10 +46,10 @@ class EngineSynced(Event):
     block_size: int
     ref_counts: tuple[int, ...]       # per physical block
     free_queue: tuple[int, ...]       # block ids, head (next allocated) first
-    # (request_id, status, prompt, num_prompt_tokens, output_text, num_output_tokens,
+    # (seq_id, status, prompt, num_prompt_tokens, output_text, num_output_tokens,
     #  num_computed_tokens, block_table, max_tokens, cache_node, cpu_block_table) per live sequence,
     #  waiting and swapped ones included (older traces have only the first 9 fields)
-    requests: tuple[tuple, ...]
+    sequences: tuple[tuple, ...]
     # Radix prefix cache: (node_id, parent_id, text, num_tokens, block_ids, last_access) per node,
     # parents before children, the root (node 0) left out. Empty when prefix caching is off.
     radix: tuple[tuple, ...] = ()
@@ -64,7 +64,7 @@ class EngineSynced(Event):
 
 @dataclass(frozen=True, slots=True)
 class StepStarted(Event):
-    """A step begins: how many requests wait and run before scheduling."""
+    """A step begins: how many sequences wait and run before scheduling."""
 
     num_waiting: int
     num_running: int
@@ -72,7 +72,7 @@ class StepStarted(Event):
 
 @dataclass(frozen=True, slots=True)
 class RequestAdded(Event):
-    """A request entered the waiting queue.
+    """A request entered the waiting queue, as its first sequence (whose `seq_id` is the request's id).
 
     The last three fields make the call repeatable (nanoserve/whatif replays them): older
     traces lack them and still fold."""
@@ -87,19 +87,24 @@ class RequestAdded(Event):
     params: tuple[tuple[str, object], ...] = ()
     priority: int = 0
 
+    @property
+    def seq_id(self) -> str:
+        """The id of the request's first sequence: the request's own."""
+        return self.request_id
+
 
 @dataclass(frozen=True, slots=True)
-class RequestAdmitted(Event):
-    """A waiting request got its first blocks and joined the running batch."""
+class SequenceAdmitted(Event):
+    """A waiting sequence got its first blocks and joined the running batch (a preempted one: again)."""
 
-    request_id: str
+    seq_id: str
 
 
 @dataclass(frozen=True, slots=True)
 class ChunkScheduled(Event):
-    """This step computes tokens [start, start + num_tokens) of a request."""
+    """This step computes tokens [start, start + num_tokens) of a sequence."""
 
-    request_id: str
+    seq_id: str
     start: int
     num_tokens: int
     is_prefill: bool                  # False: a single decode token
@@ -107,55 +112,56 @@ class ChunkScheduled(Event):
 
 @dataclass(frozen=True, slots=True)
 class BlocksAllocated(Event):
-    """Blocks taken from the free queue and appended to a request's block table."""
+    """Blocks taken from the free queue and appended to a sequence's block table."""
 
-    request_id: str
+    seq_id: str
     block_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class BlocksFreed(Event):
-    """A request dropped its blocks; `released` went back to the free queue, in that order."""
+    """A sequence dropped its blocks; `released` went back to the free queue, in that order."""
 
-    request_id: str
+    seq_id: str
     block_ids: tuple[int, ...]
     released: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class Preempted(Event):
-    """A running request was evicted to make room; it will recompute its KV later."""
+    """A running sequence was evicted to make room; it recomputes its KV later, or swaps it back in."""
 
-    request_id: str
+    seq_id: str
     mode: str                         # "recompute" (KV dropped) or "swap" (KV moved to the CPU pool)
     num_tokens_lost: int              # tokens whose KV must be computed again (0 for a swap)
 
 
 @dataclass(frozen=True, slots=True)
 class TokenSampled(Event):
-    """A request got a new token; `text` is what it added to the visible output."""
+    """A sequence got a new token; `text` is what it added to the visible output."""
 
-    request_id: str
+    seq_id: str
     token_id: int
     text: str
     logprob: float
 
 
 @dataclass(frozen=True, slots=True)
-class RequestFinished(Event):
-    """A request ended: "stop", "length" or "abort" (with `error` when the engine gave up on it)."""
+class SequenceFinished(Event):
+    """A sequence ended: "stop", "length" or "abort" (with `error` when the engine gave up on it).
+    Its request ends with its last sequence."""
 
-    request_id: str
+    seq_id: str
     finish_reason: str
     num_output_tokens: int
     error: str = ""
 
 
 @dataclass(frozen=True, slots=True)
-class RequestAborted(Event):
-    """A user called abort_request on a request that had not finished."""
+class SequenceAborted(Event):
+    """A user called abort_request on a sequence (or on its request) that had not finished."""
 
-    request_id: str
+    seq_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,18 +177,18 @@ class StepFinished(Event):
 
 @dataclass(frozen=True, slots=True)
 class DraftProposed(Event):
-    """Speculative decoding: a proposer guessed these next tokens for a request."""
+    """Speculative decoding: a proposer guessed these next tokens for a sequence."""
 
-    request_id: str
+    seq_id: str
     method: str                       # "ngram" or "draft"
     token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class DraftVerified(Event):
-    """The target checked a request's draft: how many it accepted and what it emitted after them."""
+    """The target checked a sequence's draft: how many it accepted and what it emitted after them."""
 
-    request_id: str
+    seq_id: str
     num_drafted: int
     num_accepted: int
     first_rejected: int               # index of the first rejected draft token, -1 if all were accepted
@@ -192,9 +198,9 @@ class DraftVerified(Event):
 
 @dataclass(frozen=True, slots=True)
 class KVTrimmed(Event):
-    """KV written for rejected draft positions is dropped: the request keeps num_computed_tokens."""
+    """KV written for rejected draft positions is dropped: the sequence keeps num_computed_tokens."""
 
-    request_id: str
+    seq_id: str
     num_computed_tokens: int
     num_tokens_dropped: int
     block_ids: tuple[int, ...]        # trailing blocks given back (also in a BlocksFreed event)
@@ -204,19 +210,19 @@ class KVTrimmed(Event):
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatched(Event):
-    """A request looked its tokens up in the radix cache; the hit blocks join its table (0 tokens: a miss)."""
+    """A sequence looked its tokens up in the radix cache; the hit blocks join its table (0 tokens: a miss)."""
 
-    request_id: str
+    seq_id: str
     num_tokens: int                   # tokens looked up (the prompt, or prompt + output after preemption)
     num_hit_tokens: int               # tokens whose KV is reused: their prefill is skipped
-    block_ids: tuple[int, ...]        # the cached blocks now at the start of the request's table
+    block_ids: tuple[int, ...]        # the cached blocks now at the start of the sequence's table
 
 
 @dataclass(frozen=True, slots=True)
 class RadixInserted(Event):
-    """A new tree node: a request's freshly filled blocks, under `parent_id` (0 is the root)."""
+    """A new tree node: a sequence's freshly filled blocks, under `parent_id` (0 is the root)."""
 
-    request_id: str
+    seq_id: str
     node_id: int
     parent_id: int
     text: str                         # the span's tokens as text
@@ -237,10 +243,10 @@ class RadixSplit(Event):
 
 @dataclass(frozen=True, slots=True)
 class RadixLocked(Event):
-    """The deepest tree node a request holds moved (0: it holds none). A node's lock count is
-    the number of requests holding it or a node below it."""
+    """The deepest tree node a sequence holds moved (0: it holds none). A node's lock count is
+    the number of sequences holding it or a node below it."""
 
-    request_id: str
+    seq_id: str
     node_id: int
 
 
@@ -255,10 +261,10 @@ class RadixEvicted(Event):
 
 @dataclass(frozen=True, slots=True)
 class BlockDeduplicated(Event):
-    """A request's full block turned out to be in the cache already: it now uses the cached block."""
+    """A sequence's full block turned out to be in the cache already: it now uses the cached block."""
 
-    request_id: str
-    index: int                        # position in the request's block table
+    seq_id: str
+    index: int                        # position in the sequence's block table
     dropped: int                      # its own copy (freed, back to the free queue if nobody else holds it)
     kept: int                         # the cached block with the same tokens
     released: bool                    # True when `dropped` reached the free queue
@@ -269,17 +275,17 @@ class Forked(Event):
     """A new sequence shares all of its parent's blocks (n > 1, beam search or engine.fork)."""
 
     parent_id: str
-    request_id: str                   # the new sequence
+    seq_id: str                       # the new sequence
     block_ids: tuple[int, ...]        # the shared table: every ref count went up by one
     seed: int = -1                    # the seed of the new sequence's RNG (-1: not recorded)
 
 
 @dataclass(frozen=True, slots=True)
 class CowCopied(Event):
-    """Copy-on-write: a request about to write into a shared block got its own copy of it."""
+    """Copy-on-write: a sequence about to write into a shared block got its own copy of it."""
 
-    request_id: str
-    index: int                        # position in the request's block table
+    seq_id: str
+    index: int                        # position in the sequence's block table
     src: int                          # the shared block (one holder fewer)
     dst: int                          # a fresh block from the free queue, holding a copy of src's KV
 
@@ -288,14 +294,14 @@ class CowCopied(Event):
 class BeamPruned(Event):
     """Beam search dropped a beam that none of the best candidates continued; its blocks are freed."""
 
-    request_id: str
+    seq_id: str
 
 
 @dataclass(frozen=True, slots=True)
 class SwappedOut(Event):
-    """Swap preemption: a request's KV blocks were copied to the CPU pool and freed on the device."""
+    """Swap preemption: a sequence's KV blocks were copied to the CPU pool and freed on the device."""
 
-    request_id: str
+    seq_id: str
     block_ids: tuple[int, ...]        # device blocks, in table order (one holder fewer each)
     released: tuple[int, ...]         # the device blocks that went back to the free queue, in that order
     cpu_block_ids: tuple[int, ...]    # where each one's KV now lives
@@ -303,9 +309,9 @@ class SwappedOut(Event):
 
 @dataclass(frozen=True, slots=True)
 class SwappedIn(Event):
-    """A swapped request came back: its KV was copied from the CPU pool into fresh device blocks."""
+    """A swapped sequence came back: its KV was copied from the CPU pool into fresh device blocks."""
 
-    request_id: str
+    seq_id: str
     cpu_block_ids: tuple[int, ...]    # freed in the CPU pool
     block_ids: tuple[int, ...]        # fresh device blocks, in table order
 
@@ -350,12 +356,17 @@ class KVTransferred(Event):
     num_bytes: int
     duration_s: float                 # from the sender's request to the KV in this pool
 
+    @property
+    def seq_id(self) -> str:
+        """The id of the request's first sequence: the request's own."""
+        return self.request_id
+
 
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.__name__: cls
     for cls in (
-        EngineSynced, StepStarted, RequestAdded, RequestAdmitted, ChunkScheduled, BlocksAllocated,
-        BlocksFreed, Preempted, TokenSampled, RequestFinished, RequestAborted, StepFinished,
+        EngineSynced, StepStarted, RequestAdded, SequenceAdmitted, ChunkScheduled, BlocksAllocated,
+        BlocksFreed, Preempted, TokenSampled, SequenceFinished, SequenceAborted, StepFinished,
         DraftProposed, DraftVerified, KVTrimmed, PrefixMatched, RadixInserted, RadixSplit, RadixLocked,
         RadixEvicted, BlockDeduplicated, Forked, CowCopied, BeamPruned, SwappedOut, SwappedIn,
         CollectiveOps, RankPoolState, KVTransferred,

@@ -23,7 +23,7 @@ from nanoserve.view import (
     ROOT,
     RadixNodeView,
     RankView,
-    RequestView,
+    SequenceView,
     TransferView,
     ViewState,
 )
@@ -37,10 +37,10 @@ def synced_event(snapshot: dict) -> ev.EngineSynced:
     snapshots still convert.
     """
     pool = snapshot["pool"]
-    by_id = {r["request_id"]: r for r in snapshot["requests"]}
+    by_id = {r["seq_id"]: r for r in snapshot["sequences"]}
     order = list(snapshot["running"]) + list(snapshot["waiting"]) + list(snapshot.get("swapped", ()))
     requests = tuple(
-        (r["request_id"], r["status"], r["prompt"], r["num_prompt_tokens"], r["output_text"],
+        (r["seq_id"], r["status"], r["prompt"], r["num_prompt_tokens"], r["output_text"],
          r["num_output_tokens"], r["num_computed_tokens"], tuple(r["block_table"]), r["max_tokens"],
          r.get("cache_node", ROOT), tuple(r.get("cpu_block_table", ())))
         for r in (by_id[rid] for rid in order)
@@ -61,11 +61,11 @@ def _synced_state(e: ev.EngineSynced) -> ViewState:
                       prefix_caching=e.prefix_caching, num_cpu_blocks=e.num_cpu_blocks,
                       ranks=[RankView(rank, tuple(heads), size) for rank, heads, size in e.ranks])
     queues = {"running": state.running, "waiting": state.waiting, "swapped": state.swapped}
-    for fields in e.requests:
+    for fields in e.sequences:
         # 9 fields in traces recorded before the memory mechanisms, 11 since
         rid, status, prompt, n_prompt, text, n_out, n_computed, table, max_tokens = fields[:9]
         cache_node, cpu_table = fields[9:11] if len(fields) >= 11 else (ROOT, ())
-        state.requests[rid] = RequestView(rid, prompt, n_prompt, max_tokens, status, text, n_out, n_computed,
+        state.sequences[rid] = SequenceView(rid, prompt, n_prompt, max_tokens, status, text, n_out, n_computed,
                                           list(table), None, cache_node, list(cpu_table))
         if status in queues:
             queues[status].append(rid)
@@ -75,30 +75,30 @@ def _synced_state(e: ev.EngineSynced) -> ViewState:
     return state
 
 
-def _finish(state: ViewState, req: RequestView, reason: str) -> None:
+def _finish(state: ViewState, req: SequenceView, reason: str) -> None:
     if reason not in FINISHED_STATUS:
-        raise ValueError(f"unknown finish reason {reason!r} for request {req.request_id!r}")
+        raise ValueError(f"unknown finish reason {reason!r} for request {req.seq_id!r}")
     if req.status.startswith("finished"):
-        return  # RequestAborted then RequestFinished("abort"): count it once
+        return  # SequenceAborted then SequenceFinished("abort"): count it once
     req.status, req.finish_reason = FINISHED_STATUS[reason], reason
     req.cache_node = ROOT             # a finished request holds no cache node
     req.cpu_block_table = []          # nor CPU blocks (an aborted swapped request's are freed)
     for queue in (state.waiting, state.running, state.swapped):
-        if req.request_id in queue:
-            queue.remove(req.request_id)
-    state.finished.append(req.request_id)
+        if req.seq_id in queue:
+            queue.remove(req.seq_id)
+    state.finished.append(req.seq_id)
 
 
-def _new_request(state: ViewState, req: RequestView, queue: list[str]) -> None:
+def _new_request(state: ViewState, req: SequenceView, queue: list[str]) -> None:
     """A request view joins `queue`. An id can be reused once its request has finished: the new
     request replaces the old one's view (and its place in the finished list)."""
-    rid = req.request_id
-    old = state.requests.pop(rid, None)
+    rid = req.seq_id
+    old = state.sequences.pop(rid, None)
     if old is not None and not old.status.startswith("finished"):
         raise ValueError(f"request {rid!r} added while the one with that id is still {old.status}")
     if rid in state.finished:
         state.finished.remove(rid)
-    state.requests[rid] = req
+    state.sequences[rid] = req
     queue.append(rid)
 
 
@@ -168,10 +168,10 @@ def _fold_radix(state: ViewState, event: ev.Event) -> None:
 
 def _fork(state: ViewState, event: ev.Forked) -> None:
     """A new request view: a copy of the parent's, sharing every block of its table."""
-    parent = state.requests.get(event.parent_id)
+    parent = state.sequences.get(event.parent_id)
     if parent is None:
         raise ValueError(f"Forked from unknown request {event.parent_id!r}")
-    child = RequestView(event.request_id, parent.prompt, parent.num_prompt_tokens, parent.max_tokens,
+    child = SequenceView(event.seq_id, parent.prompt, parent.num_prompt_tokens, parent.max_tokens,
                         parent.status, parent.output_text, parent.num_output_tokens,
                         parent.num_computed_tokens, list(event.block_ids), None, parent.cache_node)
     for block_id in event.block_ids:
@@ -180,9 +180,9 @@ def _fork(state: ViewState, event: ev.Forked) -> None:
     state.touched_blocks.update(event.block_ids)
 
 
-def _fold_memory(state: ViewState, req: RequestView, event: ev.Event) -> None:
+def _fold_memory(state: ViewState, req: SequenceView, event: ev.Event) -> None:
     """Per-request memory events: prefix hits, locks, dedup, copy-on-write, pruning, swap."""
-    rid = req.request_id
+    rid = req.seq_id
     if isinstance(event, ev.PrefixMatched):
         for block_id in event.block_ids:
             _take(state, block_id)
@@ -260,8 +260,8 @@ def fold(state: ViewState | None, event: ev.Event) -> ViewState:
     if state is None:
         raise ValueError("trace must start with EngineSynced")
     state.step = max(state.step, event.step)
-    rid = getattr(event, "request_id", None)
-    req = state.requests.get(rid)
+    rid = getattr(event, "seq_id", None)
+    req = state.sequences.get(rid)
 
     if isinstance(event, ev.BlocksAllocated):
         for block_id in event.block_ids:
@@ -296,14 +296,14 @@ def fold(state: ViewState | None, event: ev.Event) -> ViewState:
     elif isinstance(event, (ev.CollectiveOps, ev.RankPoolState)):
         _fold_distributed(state, event)
     elif isinstance(event, ev.RequestAdded):
-        _new_request(state, RequestView(rid, event.prompt, event.num_prompt_tokens, event.max_tokens), state.waiting)
+        _new_request(state, SequenceView(rid, event.prompt, event.num_prompt_tokens, event.max_tokens), state.waiting)
     elif isinstance(event, ev.Forked):
         _fork(state, event)
     elif req is None:  # every other event is about a request we must know
         raise ValueError(f"{type(event).__name__} for unknown request {rid!r}")
     elif isinstance(event, _MEMORY_EVENTS):
         _fold_memory(state, req, event)
-    elif isinstance(event, ev.RequestAdmitted):
+    elif isinstance(event, ev.SequenceAdmitted):
         state.waiting.remove(rid)
         state.running.append(rid)
         req.status = "running"
@@ -330,9 +330,9 @@ def fold(state: ViewState | None, event: ev.Event) -> ViewState:
     elif isinstance(event, ev.TokenSampled):
         req.num_output_tokens += 1
         req.output_text += event.text
-    elif isinstance(event, ev.RequestFinished):
+    elif isinstance(event, ev.SequenceFinished):
         _finish(state, req, event.finish_reason)
-    elif isinstance(event, ev.RequestAborted):
+    elif isinstance(event, ev.SequenceAborted):
         _finish(state, req, "abort")
     return state
 

@@ -3,7 +3,7 @@
 `prepare()` does every check that can fail — types of the id, prompt,
 params and priority, tokenization, the vocabulary, `max_model_len`, seats
 and blocks for parallel sampling and beam search — and builds the request's
-first `Sequence`, its `Request` group and its detokenizer. Only then does the
+first `Sequence`, its `Request` and its detokenizer. Only then does the
 engine register them (plain dict and queue insertions that cannot fail), so
 a bad request leaves the engine exactly as it was: all or nothing.
 
@@ -43,7 +43,7 @@ class PreparedRequest:
 def prepare(engine, request_id, prompt, params, arrival_time=None, priority=0) -> PreparedRequest:
     """Check one request against the engine's model and limits; build it. Raises FieldError."""
     v.text("request_id", request_id)
-    if request_id in engine.requests or request_id in engine.groups:
+    if request_id in engine.sequences or request_id in engine.requests:
         raise FieldError("request_id", f"{request_id!r} is already in use")
     if params is None:
         params = SamplingParams()

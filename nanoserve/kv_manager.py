@@ -87,7 +87,7 @@ class KVManager:
         if needed:
             new_ids = self._take(needed)
             seq.block_table.extend(new_ids)
-            self.emit(ev.BlocksAllocated(self.step, seq.request_id, tuple(new_ids)))
+            self.emit(ev.BlocksAllocated(self.step, seq.seq_id, tuple(new_ids)))
 
     # -- copy-on-write ---------------------------------------------------------------------
 
@@ -110,7 +110,7 @@ class KVManager:
         self.pool.free([src])                  # one holder fewer; the others keep it
         seq.block_table[i] = dst
         self.moves.copies.append((src, dst))
-        self.emit(ev.CowCopied(self.step, seq.request_id, i, src, dst))
+        self.emit(ev.CowCopied(self.step, seq.seq_id, i, src, dst))
         return src, dst
 
     @property
@@ -137,7 +137,7 @@ class KVManager:
         assert not seq.block_table and seq.num_computed_tokens == 0
         self.num_lookup_tokens += seq.num_tokens
         self.num_hit_tokens += len(blocks) * self.pool.block_size
-        self.emit(ev.PrefixMatched(self.step, seq.request_id, seq.num_tokens,
+        self.emit(ev.PrefixMatched(self.step, seq.seq_id, seq.num_tokens,
                                    len(blocks) * self.pool.block_size, tuple(blocks)))
         if not blocks:
             return
@@ -157,7 +157,7 @@ class KVManager:
         if seq.cache_node is not None:
             self.cache.unlock(seq.cache_node)
         seq.cache_node = node
-        self.emit(ev.RadixLocked(self.step, seq.request_id, node.node_id if node is not None else 0))
+        self.emit(ev.RadixLocked(self.step, seq.seq_id, node.node_id if node is not None else 0))
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Put `seq`'s filled, computed blocks in the tree (no-op when nothing new filled)."""
@@ -167,13 +167,13 @@ class KVManager:
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.pool.block_size
         if num_full <= _depth_blocks(seq.cache_node):
             return
-        node, duplicates = self.cache.insert(seq.request_id, seq.token_ids(0, num_full * self.pool.block_size),
+        node, duplicates = self.cache.insert(seq.seq_id, seq.token_ids(0, num_full * self.pool.block_size),
                                              seq.block_table[:num_full])
         for index, own, cached in duplicates:
             self.pool.share([cached])
             released = self.pool.free([own])
             seq.block_table[index] = cached
-            self.emit(ev.BlockDeduplicated(self.step, seq.request_id, index, own, cached, bool(released)))
+            self.emit(ev.BlockDeduplicated(self.step, seq.seq_id, index, own, cached, bool(released)))
         self._relock(seq, node)
 
     # -- fork ---------------------------------------------------------------------------------
@@ -184,7 +184,7 @@ class KVManager:
         self.pool.share(parent.block_table)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
-        self.emit(ev.Forked(self.step, parent.request_id, child.request_id, tuple(child.block_table), seed))
+        self.emit(ev.Forked(self.step, parent.seq_id, child.seq_id, tuple(child.block_table), seed))
         if parent.cache_node is not None:
             self._relock(child, parent.cache_node)
 
@@ -203,7 +203,7 @@ class KVManager:
             self._relock(seq, None)
         if seq.block_table:
             released = self.pool.free(seq.block_table)
-            self.emit(ev.BlocksFreed(self.step, seq.request_id, tuple(seq.block_table), tuple(released)))
+            self.emit(ev.BlocksFreed(self.step, seq.seq_id, tuple(seq.block_table), tuple(released)))
             seq.block_table = []
         if seq.cpu_block_table:
             self.cpu_pool.free(seq.cpu_block_table)
@@ -217,7 +217,7 @@ class KVManager:
             return ()
         released = self.pool.free(extra)
         del seq.block_table[keep:]
-        self.emit(ev.BlocksFreed(self.step, seq.request_id, tuple(extra), tuple(released)))
+        self.emit(ev.BlocksFreed(self.step, seq.seq_id, tuple(extra), tuple(released)))
         return tuple(extra)
 
     # -- swap ---------------------------------------------------------------------------------
@@ -234,7 +234,7 @@ class KVManager:
         gpu_ids = seq.block_table
         released = self.pool.free(gpu_ids)
         seq.block_table, seq.cpu_block_table = [], cpu_ids
-        self.emit(ev.SwappedOut(self.step, seq.request_id, tuple(gpu_ids), tuple(released), tuple(cpu_ids)))
+        self.emit(ev.SwappedOut(self.step, seq.seq_id, tuple(gpu_ids), tuple(released), tuple(cpu_ids)))
 
     def swap_in(self, seq: Sequence) -> None:
         """Fresh device blocks for a swapped sequence, filled from its CPU blocks."""
@@ -243,7 +243,7 @@ class KVManager:
         cpu_ids = seq.cpu_block_table
         self.cpu_pool.free(cpu_ids)
         seq.cpu_block_table, seq.block_table = [], gpu_ids
-        self.emit(ev.SwappedIn(self.step, seq.request_id, tuple(cpu_ids), tuple(gpu_ids)))
+        self.emit(ev.SwappedIn(self.step, seq.seq_id, tuple(cpu_ids), tuple(gpu_ids)))
 
     # -- invariants ---------------------------------------------------------------------------
 
@@ -255,14 +255,14 @@ class KVManager:
             self.cache.check_invariants(dict(locks))
             for s in running:   # a sequence's table starts with the blocks of its locked path
                 path = [b for n in reversed(s.cache_node.path()) for b in n.block_ids] if s.cache_node else []
-                assert s.block_table[: len(path)] == path, f"{s.request_id}: table does not start with its cached path"
+                assert s.block_table[: len(path)] == path, f"{s.seq_id}: table does not start with its cached path"
         self.pool.check_invariants(tables)
         if self.cpu_pool is not None:
             self.cpu_pool.check_invariants([s.cpu_block_table for s in swapped])
         for s in swapped:
-            assert not s.block_table and s.cache_node is None, f"{s.request_id}: swapped but holds device blocks"
+            assert not s.block_table and s.cache_node is None, f"{s.seq_id}: swapped but holds device blocks"
             assert len(s.cpu_block_table) == self.pool.blocks_needed(0, s.num_computed_tokens), \
-                f"{s.request_id}: {len(s.cpu_block_table)} CPU blocks for {s.num_computed_tokens} tokens"
+                f"{s.seq_id}: {len(s.cpu_block_table)} CPU blocks for {s.num_computed_tokens} tokens"
 
 
 def _depth_blocks(node) -> int:

@@ -61,7 +61,7 @@ class LLM:
             # Whatever went wrong (a failed step, Ctrl-C), none of this call's requests stay behind
             # to be stepped by the next call.
             for rid in ids:
-                if rid in self.engine.groups:
+                if rid in self.engine.requests:
                     with contextlib.suppress(SubscriberError):   # (the abort is done even then)
                         self.engine.abort_request(rid)
             raise

@@ -36,7 +36,7 @@ def append_token(engine, seq: Sequence, token: SampledToken) -> tuple[SequenceSt
         seq.first_token_time = time.monotonic()
     n = seq.num_output_tokens
     may_stop = n >= params.min_tokens               # nothing stops a request before min_tokens
-    delta, hit_stop_string = engine.detokenizers[seq.request_id].update(seq.output_token_ids, may_stop)
+    delta, hit_stop_string = engine.detokenizers[seq.seq_id].update(seq.output_token_ids, may_stop)
     status = None
     is_eos = token.token_id == engine.eos_token_id and not params.ignore_eos
     if may_stop and (is_eos or token.token_id in params.stop_token_ids or hit_stop_string):
@@ -44,7 +44,7 @@ def append_token(engine, seq: Sequence, token: SampledToken) -> tuple[SequenceSt
     elif n >= params.max_tokens or seq.num_tokens >= engine.config.max_model_len:
         status = SequenceStatus.FINISHED_LENGTH
     if status is not None:   # release the text held back in case it started a stop string
-        delta += engine.detokenizers[seq.request_id].flush()
-    engine._emit(ev.TokenSampled(engine.step_count, seq.request_id, token.token_id, delta, token.logprob))
+        delta += engine.detokenizers[seq.seq_id].flush()
+    engine._emit(ev.TokenSampled(engine.step_count, seq.seq_id, token.token_id, delta, token.logprob))
     seq.output_text += delta
     return status, delta

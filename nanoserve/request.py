@@ -66,8 +66,8 @@ class Request:
                 index=i, text=s.output_text, token_ids=list(s.output_token_ids),
                 cumulative_logprob=s.cumulative_logprob,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=s.status.finish_reason, delta=deltas.get(s.request_id, ""), error=s.error,
-                seq_id=s.request_id,
+                finish_reason=s.status.finish_reason, delta=deltas.get(s.seq_id, ""), error=s.error,
+                seq_id=s.seq_id,
             )
             for i, s in enumerate(self.completions())
         ]

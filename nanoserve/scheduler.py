@@ -102,8 +102,8 @@ class StepPlan:
 
     out: SchedulerOutput
     budget: int                                          # tokens left of max_num_batched_tokens
-    drafts: dict[str, list[int]]                         # speculative decoding: request id -> draft tokens
-    scheduled: set[str] = field(default_factory=set)     # request ids in this step's batch (never preempted)
+    drafts: dict[str, list[int]]                         # speculative decoding: sequence id -> draft tokens
+    scheduled: set[str] = field(default_factory=set)     # sequence ids in this step's batch (never preempted)
 
 
 class Scheduler:
@@ -143,7 +143,7 @@ class Scheduler:
     # -- the step ------------------------------------------------------------------
 
     def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
-        """Plan one step. `drafts` (speculative decoding) maps a decoding request to its draft tokens.
+        """Plan one step. `drafts` (speculative decoding) maps a decoding sequence to its draft tokens.
 
         The four passes of the module docstring, in order, share one `StepPlan`: the token budget
         left and what is already in the batch (a scheduled sequence is never preempted).
@@ -169,7 +169,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:   # preempted earlier in this loop
                 continue
-            draft = plan.drafts.get(seq.request_id, [])
+            draft = plan.drafts.get(seq.seq_id, [])
             num_new = min(seq.num_uncomputed_tokens + len(draft), plan.budget)
             draft = draft[: max(0, num_new - seq.num_uncomputed_tokens)]   # what the budget leaves room for
             if self._reserve(seq, num_new, plan.scheduled, plan.out):
@@ -231,7 +231,7 @@ class Scheduler:
             self.waiting.remove(seq)   # not popleft(): beams _make_room preempted went to the front
             seq.set_status(SequenceStatus.RUNNING)
             self.running.append(seq)
-            self.emit(ev.RequestAdmitted(self.step, seq.request_id))
+            self.emit(ev.SequenceAdmitted(self.step, seq.seq_id))
             self.kv.commit_match(seq, node, cached)
             self.kv.grow(seq, num_new)
             self._add_chunk(out, seq, num_new, plan.scheduled)
@@ -258,7 +258,7 @@ class Scheduler:
                     need > self.kv.num_available_blocks - self.kv.evictable_in_path(node))
         if not short():
             return True
-        stuck = self._stuck_beams(scheduled, seq.group_id)
+        stuck = self._stuck_beams(scheduled, seq.request_id)
         while stuck and short():
             self._preempt(stuck.pop(), out)
         return not short()
@@ -266,9 +266,9 @@ class Scheduler:
     def _stuck_beams(self, scheduled: set[str], other_than: str) -> list[Sequence]:
         """Running beams (of requests other than `other_than`) that have their scores and wait for a
         sibling that is not running: they hold seats and blocks and compute nothing. Oldest first."""
-        waiting_for = {s.group_id for s in (*self.waiting, *self.swapped)} - {other_than}
-        return [s for s in self.running if s.num_uncomputed_tokens == 0 and s.group_id in waiting_for
-                and s.request_id not in scheduled]
+        waiting_for = {s.request_id for s in (*self.waiting, *self.swapped)} - {other_than}
+        return [s for s in self.running if s.num_uncomputed_tokens == 0 and s.request_id in waiting_for
+                and s.seq_id not in scheduled]
 
     def _reserve(self, seq: Sequence, num_new: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         """Get blocks for `num_new` more tokens of a running `seq`, preempting others if needed.
@@ -292,10 +292,10 @@ class Scheduler:
     def _victim(self, seq: Sequence, scheduled: set[str]) -> Sequence:
         """The running sequence to preempt for `seq`: a stuck beam of another request first (it
         makes no progress anyway), else one by `preemption_policy`; never one already in this batch."""
-        stuck = self._stuck_beams(scheduled, seq.group_id)
+        stuck = self._stuck_beams(scheduled, seq.request_id)
         if stuck:
             return stuck[-1]
-        candidates = [(i, s) for i, s in enumerate(self.running) if s.request_id not in scheduled]
+        candidates = [(i, s) for i, s in enumerate(self.running) if s.seq_id not in scheduled]
         policy = self.config.preemption_policy
         if policy == "priority":
             key = lambda c: (-c[1].priority, c[0])                                        # noqa: E731
@@ -313,8 +313,8 @@ class Scheduler:
         is_decode = num_new - len(draft) == 1 and start == seq.num_tokens - 1 and seq.num_output_tokens > 0
         chunk = ScheduledChunk(seq, start, num_new, is_prefill=not is_decode, draft_token_ids=draft)
         out.chunks.append(chunk)
-        scheduled.add(seq.request_id)
-        self.emit(ev.ChunkScheduled(self.step, seq.request_id, chunk.start, num_new, chunk.is_prefill))
+        scheduled.add(seq.seq_id)
+        self.emit(ev.ChunkScheduled(self.step, seq.seq_id, chunk.start, num_new, chunk.is_prefill))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Make room: swap `seq`'s KV to the CPU pool, or drop it to be recomputed later."""
@@ -322,13 +322,13 @@ class Scheduler:
         out.preempted.append(seq)
         if self.config.preemption_mode == "swap" and seq.block_table and self.kv.can_swap_out(seq):
             seq.set_status(SequenceStatus.SWAPPED)
-            self.emit(ev.Preempted(self.step, seq.request_id, "swap", 0))
+            self.emit(ev.Preempted(self.step, seq.seq_id, "swap", 0))
             self.kv.swap_out(seq)
             self.swapped.append(seq)
             return
         lost = seq.num_computed_tokens
         seq.set_status(SequenceStatus.WAITING)
-        self.emit(ev.Preempted(self.step, seq.request_id, "recompute", lost))
+        self.emit(ev.Preempted(self.step, seq.seq_id, "recompute", lost))
         self.kv.release(seq)
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
@@ -339,7 +339,7 @@ class Scheduler:
         lost = seq.num_computed_tokens
         (self.running if seq.status is SequenceStatus.RUNNING else self.swapped).remove(seq)
         seq.set_status(SequenceStatus.WAITING)
-        self.emit(ev.Preempted(self.step, seq.request_id, "recompute", lost))
+        self.emit(ev.Preempted(self.step, seq.seq_id, "recompute", lost))
         self.kv.release(seq, keep_kv=False)
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
@@ -367,14 +367,14 @@ class Scheduler:
     def check_invariants(self) -> None:
         self.kv.check_invariants(self.running, list(self.swapped))
         for seq in self.running:
-            assert seq.status is SequenceStatus.RUNNING, f"{seq.request_id} in running but {seq.status.name}"
+            assert seq.status is SequenceStatus.RUNNING, f"{seq.seq_id} in running but {seq.status.name}"
             expected = self.pool.blocks_needed(0, seq.num_computed_tokens)
             assert len(seq.block_table) == expected, (
-                f"{seq.request_id}: {len(seq.block_table)} blocks for {seq.num_computed_tokens} computed tokens"
+                f"{seq.seq_id}: {len(seq.block_table)} blocks for {seq.num_computed_tokens} computed tokens"
             )
         for seq in self.waiting:
             assert seq.status is SequenceStatus.WAITING and not seq.block_table and seq.cache_node is None, \
-                f"{seq.request_id}: waiting with blocks"
+                f"{seq.seq_id}: waiting with blocks"
         for seq in self.swapped:
-            assert seq.status is SequenceStatus.SWAPPED, f"{seq.request_id} in swapped but {seq.status.name}"
+            assert seq.status is SequenceStatus.SWAPPED, f"{seq.seq_id} in swapped but {seq.status.name}"
         assert self.seats_used <= self.config.max_num_seqs, f"{self.seats_used} seats > max_num_seqs"

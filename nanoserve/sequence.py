@@ -1,4 +1,4 @@
-"""Sequence: one request's tokens, KV bookkeeping and lifecycle.
+"""Sequence: one stream of tokens of a request, with its KV bookkeeping and lifecycle.
 
 A sequence is the unit the scheduler moves around. It knows its tokens
 (prompt + generated), how many of them already have KV in the cache
@@ -17,10 +17,18 @@ recomputed as if they were prompt. Preemption by swap copies its KV to the
 CPU block pool (`cpu_block_table`) and parks it as SWAPPED until there is
 room to copy it back.
 
-One request can own several sequences: `n > 1` and beam search fork the
-prompt's sequence (they share its blocks). `request_id` is the sequence's own
-id (the request's id for the first, "r1.1", "r1.2", ... for forks) and
-`group_id` the request it belongs to.
+The words, used the same way in code, events, snapshots and docs:
+
+* a *request* is what a user adds (`add_request`): a prompt and its sampling
+  parameters; `Request` in `request.py`, `engine.requests` by request id;
+* a *sequence* is one stream of tokens of a request, the unit the scheduler
+  moves and the block tables belong to: this class, `engine.sequences` by
+  `seq_id`. A request starts with one, whose `seq_id` is the request's id;
+  `n > 1` and beam search fork it ("r1.1", "r1.2", ...; they share its blocks),
+  and `request_id` names the request a sequence belongs to;
+* a *completion* is what the user gets back for one sequence
+  (`CompletionOutput` in `outputs.py`): n of them per request, or the best
+  beams (a pruned beam is a sequence that never becomes a completion).
 
 The scheduler owns the transitions; the engine owns text and stop checks.
 """
@@ -70,7 +78,7 @@ _TRANSITIONS = {
 
 @dataclass(slots=True, eq=False)   # an entity: two sequences are equal only if they are the same one
 class Sequence:
-    request_id: str                      # this sequence's id: the request's, or "<request>.<index>" for forks
+    seq_id: str                          # this sequence's id: the request's, or "<request>.<index>" for forks
     prompt: str | None                   # the text, when the request came as text
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -89,7 +97,7 @@ class Sequence:
     num_accepted: int = 0                # ... and how many of them the target accepted
     first_token_time: float | None = None
     finish_time: float | None = None
-    group_id: str = ""                   # the request this sequence belongs to ("" means request_id)
+    request_id: str = ""                 # the request this sequence belongs to ("" means seq_id: the first one)
     index: int = 0                       # which of the request's completions (forks count up)
     seats: int = 1                       # places in the running batch it takes: n until a request forks
     priority: int = 0                    # preemption_policy="priority": the lowest is preempted first
@@ -99,8 +107,8 @@ class Sequence:
     pruned: bool = False                 # beam search dropped this beam
 
     def __post_init__(self) -> None:
-        if not self.group_id:
-            self.group_id = self.request_id
+        if not self.request_id:
+            self.request_id = self.seq_id
 
     # -- token counts -------------------------------------------------------------
 
@@ -148,7 +156,7 @@ class Sequence:
     def set_status(self, new: SequenceStatus) -> None:
         """Move along the state machine; raise on a move it does not have."""
         if new not in _TRANSITIONS.get(self.status, ()):
-            raise RuntimeError(f"{self.request_id}: illegal transition {self.status.name} -> {new.name}")
+            raise RuntimeError(f"{self.seq_id}: illegal transition {self.status.name} -> {new.name}")
         self.status = new
         if new.is_finished:
             self.finish_time = time.monotonic()
@@ -161,6 +169,6 @@ class Sequence:
             generator=generator, status=SequenceStatus.RUNNING, output_token_ids=list(self.output_token_ids),
             output_text=self.output_text, cumulative_logprob=self.cumulative_logprob,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
-            first_token_time=self.first_token_time, group_id=self.group_id,
+            first_token_time=self.first_token_time, request_id=self.request_id,
             index=int(child_id.rsplit(".", 1)[1]), priority=self.priority,
         )

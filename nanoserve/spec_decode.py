@@ -54,11 +54,11 @@ from nanoserve.sequence import Sequence
 
 @dataclass(slots=True)
 class Drafts:
-    """What a proposer guessed: tokens per request, and q (None for one-hot n-gram drafts)."""
+    """What a proposer guessed: tokens per sequence, and q (None for one-hot n-gram drafts)."""
 
     tokens: dict[str, list[int]] = field(default_factory=dict)
-    q: dict[str, torch.Tensor] = field(default_factory=dict)   # request id -> [len(tokens), V]
-    num_tokens: dict[str, int] = field(default_factory=dict)   # request id -> its length when drafted
+    q: dict[str, torch.Tensor] = field(default_factory=dict)   # sequence id -> [len(tokens), V]
+    num_tokens: dict[str, int] = field(default_factory=dict)   # sequence id -> its length when drafted
 
 
 def sampling_rows(seq: Sequence, draft: list[int], eos: int | None, n: int) -> list[SamplingRow]:
@@ -114,9 +114,9 @@ class NgramProposer:
     def propose(self, seqs: list[Sequence], limits: dict[str, int]) -> Drafts:
         drafts = Drafts()
         for seq in seqs:
-            tokens = ngram_lookup(seq.all_token_ids, self.ngram_min, self.ngram_max, limits[seq.request_id])
+            tokens = ngram_lookup(seq.all_token_ids, self.ngram_min, self.ngram_max, limits[seq.seq_id])
             if tokens:
-                drafts.tokens[seq.request_id] = tokens
+                drafts.tokens[seq.seq_id] = tokens
         return drafts
 
     def accepted(self, seq: Sequence, num_tokens_before: int, num_accepted: int) -> None:
@@ -170,35 +170,35 @@ class DraftModelProposer:
         drafts = Drafts()
         active = []
         for seq in seqs:
-            k = limits[seq.request_id]
+            k = limits[seq.seq_id]
             if k < 1:
                 continue
-            st = self.states.setdefault(seq.request_id, _DraftState())
+            st = self.states.setdefault(seq.seq_id, _DraftState())
             # Room for the real tokens plus the k - 1 drafts fed back in.
             try:
                 self.pool.append_slots(st.block_table, seq.num_tokens + k - 1)
             except MemoryError:           # the draft cache is full: no guess for this one
-                self.release(seq.request_id)
+                self.release(seq.seq_id)
                 continue
             active.append((seq, k, st))
-            drafts.tokens[seq.request_id] = []
-        q_rows: dict[str, list[torch.Tensor]] = {seq.request_id: [] for seq, _, _ in active}
+            drafts.tokens[seq.seq_id] = []
+        q_rows: dict[str, list[torch.Tensor]] = {seq.seq_id: [] for seq, _, _ in active}
         for j in range(max((k for _, k, _ in active), default=0)):
             step = [(seq, st) for seq, k, st in active if k > j]
             inputs = []
             for seq, st in step:
-                draft = drafts.tokens[seq.request_id]
+                draft = drafts.tokens[seq.seq_id]
                 # Round 0 catches up on every real token the draft has not seen; later rounds feed the last guess.
                 new = seq.token_ids(st.num_computed, seq.num_tokens) if j == 0 else draft[-1:]
                 inputs.append(RunInput(new, st.num_computed, st.block_table))
                 st.num_computed += len(new)
             logits = self.runner.run(self.runner.prepare(inputs))                 # [len(step), V]
-            rows = [sampling_rows(seq, drafts.tokens[seq.request_id], self.eos, j + 1)[j] for seq, _ in step]
+            rows = [sampling_rows(seq, drafts.tokens[seq.seq_id], self.eos, j + 1)[j] for seq, _ in step]
             q = probs(logits, rows)                                               # [len(step), V]
             tokens = draw(q, rows).tolist()
             for (seq, _), token, q_row in zip(step, tokens, q):
-                drafts.tokens[seq.request_id].append(token)
-                q_rows[seq.request_id].append(q_row)
+                drafts.tokens[seq.seq_id].append(token)
+                q_rows[seq.seq_id].append(q_row)
         drafts.q = {rid: torch.stack(rows) for rid, rows in q_rows.items() if rows}
         return drafts
 
@@ -210,7 +210,7 @@ class DraftModelProposer:
         token is the new one and this holds anyway; after drafts that were never run (no budget
         left) nothing was appended, and without the bound the cache would cover every token.
         """
-        st = self.states.get(seq.request_id)
+        st = self.states.get(seq.seq_id)
         if st is None:
             return
         st.num_computed = min(st.num_computed, num_tokens_before + num_accepted, seq.num_tokens - 1)
@@ -277,10 +277,10 @@ def propose(proposer, running: list[Sequence], num_speculative_tokens: int, max_
     seqs = [s for s in running   # beams are scored together, one token per step
             if s.num_uncomputed_tokens == 1 and not s.params.use_beam_search]
     # Never draft past max_tokens or max_model_len: one step emits up to k + 1 tokens.
-    limits = {s.request_id: max(0, min(num_speculative_tokens, s.params.max_tokens - s.num_output_tokens - 1,
+    limits = {s.seq_id: max(0, min(num_speculative_tokens, s.params.max_tokens - s.num_output_tokens - 1,
                                        max_model_len - s.num_tokens - 1, pool_tokens - s.num_tokens)) for s in seqs}
     drafts = proposer.propose(seqs, limits)
-    drafts.num_tokens = {s.request_id: s.num_tokens for s in seqs if s.request_id in drafts.tokens}
+    drafts.num_tokens = {s.seq_id: s.num_tokens for s in seqs if s.seq_id in drafts.tokens}
     return drafts
 
 

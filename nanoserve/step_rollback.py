@@ -53,9 +53,9 @@ def undo(engine, plan: SchedulerOutput | None, rngs: RngStates) -> list[str]:
     rngs.restore()
     if engine.proposer:
         for seq in engine.scheduler.running:
-            engine.proposer.release(seq.request_id)
+            engine.proposer.release(seq.seq_id)
     if plan is None:
-        return [s.request_id for s in engine.scheduler.running]
+        return [s.seq_id for s in engine.scheduler.running]
     scheduler = engine.scheduler
     if not plan.moved:
         device_dst = {dst for _, dst in plan.moves.copies} | {dst for _, dst in plan.moves.swap_in}
@@ -67,9 +67,9 @@ def undo(engine, plan: SchedulerOutput | None, rngs: RngStates) -> list[str]:
         seq = chunk.seq
         if seq.status is SequenceStatus.RUNNING:
             freed = engine.kv.trim(seq)   # blocks past num_computed_tokens, which did not move
-            engine._emit(ev.KVTrimmed(engine.step_count, seq.request_id, seq.num_computed_tokens,
+            engine._emit(ev.KVTrimmed(engine.step_count, seq.seq_id, seq.num_computed_tokens,
                                       chunk.num_tokens, freed))
-    return [c.seq.request_id for c in plan.chunks]
+    return [c.seq.seq_id for c in plan.chunks]
 
 
 def failure(engine, exc: BaseException, plan: SchedulerOutput | None, request_ids: list[str], result):

@@ -24,12 +24,12 @@ from pathlib import Path
 
 from nanoserve.events import EVENT_TYPES, Event
 from nanoserve.fold import fold, fold_all, synced_event
-from nanoserve.view import FINISHED_STATUS, HISTORY_LEN, ROOT, RadixNodeView, RequestView, ViewState
+from nanoserve.view import FINISHED_STATUS, HISTORY_LEN, ROOT, RadixNodeView, SequenceView, ViewState
 
 __all__ = [
     "EventBus", "JsonlRecorder", "event_to_dict", "event_from_dict", "write_trace", "read_trace",
     # the view state and its fold, here too so `from nanoserve.trace import fold, ViewState` keeps working
-    "fold", "fold_all", "synced_event", "ViewState", "RequestView", "RadixNodeView", "FINISHED_STATUS",
+    "fold", "fold_all", "synced_event", "ViewState", "SequenceView", "RadixNodeView", "FINISHED_STATUS",
     "HISTORY_LEN", "ROOT",
 ]
 
@@ -109,13 +109,25 @@ def event_to_dict(event: Event) -> dict:
     return {"type": type(event).__name__, **fields}
 
 
+# Traces recorded before events said "sequence" for what is one (a request's forks and beams
+# are sequences too) still read: these types were renamed, and their `request_id` field, like
+# every sequence-level event's and EngineSynced's `requests`, is read as `seq_id` (`sequences`).
+_RENAMED_TYPES = {"RequestAdmitted": "SequenceAdmitted", "RequestFinished": "SequenceFinished",
+                  "RequestAborted": "SequenceAborted"}
+
+
 def event_from_dict(d: dict) -> Event:
     """Inverse of `event_to_dict`; ValueError on an unknown type or bad fields."""
     if not isinstance(d, dict):
         raise ValueError(f"event must be a JSON object, got {d!r}")
     d = dict(d)
     name = d.pop("type", None)
+    name = _RENAMED_TYPES.get(name, name) if isinstance(name, str) else name
     cls = EVENT_TYPES.get(name) if isinstance(name, str) else None
+    if cls is not None and "request_id" in d and "seq_id" in {f.name for f in dataclasses.fields(cls)}:
+        d["seq_id"] = d.pop("request_id")      # a trace from before the rename (see _RENAMED_TYPES)
+    if cls is EVENT_TYPES["EngineSynced"] and "requests" in d:
+        d["sequences"] = d.pop("requests")
     if cls is None:
         raise ValueError(f"unknown event type {name!r} in {d!r}")
     try:

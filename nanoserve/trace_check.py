@@ -109,7 +109,7 @@ def check_synced(event: ev.EngineSynced) -> None:
         raise ValueError(f"a pool of {event.num_blocks} blocks of {event.block_size} tokens cannot exist")
     if len(event.ref_counts) != event.num_blocks:
         raise ValueError(f"ref_counts has {len(event.ref_counts)} entries for {event.num_blocks} blocks")
-    for row in event.requests:
+    for row in event.sequences:
         if len(row) < 9 or not isinstance(row[0], str):
             raise ValueError(f"a request row needs at least 9 fields, got {row!r:.80}")
         tables = [(row[SYNCED_TABLE], event.num_blocks, "pool")]

@@ -3,7 +3,7 @@
 This module owns the plain data types a viewer reads: `ViewState` (block
 pool, block tables, queues, the radix tree, the CPU swap space, cache hit
 counters, and across processes the ranks of tensor parallelism and the KV
-handoffs of disaggregation), `RequestView`, `RadixNodeView`, `RankView` and
+handoffs of disaggregation), `SequenceView`, `RadixNodeView`, `RankView` and
 `TransferView`, and the questions viewers ask
 of them (who holds a block, a node's lock count, which blocks are cached and
 evictable). `fold.py` builds a ViewState from events; the TUI, the Graphviz
@@ -17,7 +17,7 @@ The bookkeeping mirrors the engine's:
 * the free queue holds the blocks with ref count 0, head (next allocated)
   first; freed blocks join the tail;
 * a node's lock count is not stored: it is the number of live requests whose
-  deepest held node (`RequestView.cache_node`) is that node or one below it.
+  deepest held node (`SequenceView.cache_node`) is that node or one below it.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ ROOT = 0            # the radix tree's root: no blocks, never drawn as a span
 
 
 @dataclass(slots=True)
-class RequestView:
+class SequenceView:
     """One request as a viewer sees it."""
 
-    request_id: str
+    seq_id: str
     prompt: str
     num_prompt_tokens: int
     max_tokens: int
@@ -104,7 +104,7 @@ class ViewState:
     block_size: int
     ref_counts: list[int]             # per physical block
     free_queue: list[int]             # block ids, head (next allocated) first
-    requests: dict[str, RequestView] = field(default_factory=dict)  # in arrival order, finished kept
+    sequences: dict[str, SequenceView] = field(default_factory=dict)  # in arrival order, finished kept
     waiting: list[str] = field(default_factory=list)    # request ids, next admitted first
     running: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)   # in finishing order
@@ -132,7 +132,7 @@ class ViewState:
     def block_owners(self) -> dict[int, list[str]]:
         """Block id -> ids of the requests whose block tables hold it (held blocks only)."""
         owners: dict[int, list[str]] = {}
-        for rid, req in self.requests.items():
+        for rid, req in self.sequences.items():
             for block_id in req.block_table:
                 if block_id in owners:
                     owners[block_id].append(rid)
@@ -161,7 +161,7 @@ class ViewState:
     def lock_counts(self) -> dict[int, int]:
         """Node id -> how many live requests hold it or a node below it (every node but the root)."""
         counts = {node_id: 0 for node_id in self.radix if node_id != ROOT}
-        for req in self.requests.values():
+        for req in self.sequences.values():
             if not req.status.startswith("finished"):
                 for node_id in self.radix_path(req.cache_node):
                     counts[node_id] += 1
@@ -200,4 +200,4 @@ class ViewState:
         return self.cache_hit_tokens / self.cache_lookup_tokens if self.cache_lookup_tokens else None
 
     def cpu_blocks_used(self) -> int:
-        return sum(len(req.cpu_block_table) for req in self.requests.values())
+        return sum(len(req.cpu_block_table) for req in self.sequences.values())

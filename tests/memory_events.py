@@ -32,8 +32,8 @@ from nanoserve.events import (
     RadixLocked,
     RadixSplit,
     RequestAdded,
-    RequestAdmitted,
-    RequestFinished,
+    SequenceAdmitted,
+    SequenceFinished,
     StepFinished,
     StepStarted,
     SwappedIn,
@@ -58,7 +58,7 @@ def memory_steps() -> list[list]:
     step1 = [
         StepStarted(1, 1, 0),
         PrefixMatched(1, "r1", 10, 0, ()),
-        RequestAdmitted(1, "r1"),
+        SequenceAdmitted(1, "r1"),
         BlocksAllocated(1, "r1", (0, 1, 2)),
         ChunkScheduled(1, "r1", 0, 10, True),
         RadixInserted(1, "r1", 1, 0, "You are a helpful bot.", 8, (0, 1)),
@@ -70,7 +70,7 @@ def memory_steps() -> list[list]:
     step2 = [
         StepStarted(2, 1, 1),
         PrefixMatched(2, "r2", 11, 8, (0, 1)),
-        RequestAdmitted(2, "r2"),
+        SequenceAdmitted(2, "r2"),
         RadixLocked(2, "r2", 1),
         BlocksAllocated(2, "r2", (3,)),
         ChunkScheduled(2, "r2", 8, 3, True),
@@ -116,7 +116,7 @@ def memory_steps() -> list[list]:
         SwappedIn(5, "r1", (0, 1, 2), (7, 8, 9)),
         RadixSplit(5, 1, 4, 1, "You are ", "a helpful bot."),
         PrefixMatched(5, "r3", 6, 4, (0,)),
-        RequestAdmitted(5, "r3"),
+        SequenceAdmitted(5, "r3"),
         RadixLocked(5, "r3", 4),
         BlocksAllocated(5, "r3", (10,)),
         ChunkScheduled(5, "r3", 4, 2, True),
@@ -126,7 +126,7 @@ def memory_steps() -> list[list]:
     ]
     step6 = [
         StepStarted(6, 0, 3),
-        RequestFinished(6, "r2", "length", 4),
+        SequenceFinished(6, "r2", "length", 4),
         RadixLocked(6, "r2", 0),
         BlocksFreed(6, "r2", (5, 3, 1, 0), (5,)),
         StepFinished(6, 0, 2, 2, 6, 0.01),

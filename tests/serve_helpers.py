@@ -72,7 +72,7 @@ def check_clean(server) -> None:
     def check(engine):
         engine.check_invariants()
         cached = engine.radix.num_cached_blocks if engine.radix else 0
-        return not engine.requests and not engine.groups, engine.pool.num_used_blocks, cached
+        return not engine.sequences and not engine.requests, engine.pool.num_used_blocks, cached
 
     empty, used, cached = on_engine(server, check)
     assert empty, "requests are left in the engine"

@@ -174,7 +174,7 @@ def block_line() -> int:
     (dict(block_ids=[-1]), "block -1, outside the pool"),
     (dict(block_ids="0 1"), "block_ids should be tuple[int, ...]"),
     (dict(block_ids=[1.5]), "block_ids should be tuple[int, ...]"),
-    (dict(request_id=7), "request_id should be str"),
+    (dict(request_id=7), "seq_id should be str"),   # (an old trace: its request_id is read as seq_id)
     (dict(step="3"), "step should be int"),
 ])
 def test_bad_trace_in_export_and_replay(capsys, tmp_path, changes, needle):

@@ -29,7 +29,7 @@ def test_token_id_prompt_shows_its_text():
     events = []
     engine.subscribe(events.append)
     engine.add_request("ids", [72, 105, 33], SamplingParams(max_tokens=2))        # bytes of "Hi!"
-    (view,) = engine.snapshot()["requests"]
+    (view,) = engine.snapshot()["sequences"]
     assert view["prompt"] == "Hi!"
     assert events[-1].prompt == "Hi!"                                              # RequestAdded agrees
 

@@ -77,7 +77,7 @@ def test_greedy_outputs_equal_a_single_engine(tiny_llama, llama_pair):
         assert t.num_bytes == len(t.src_block_ids) * per_block
         assert t.sent_digest == t.landed_digest
     transfers = [e for e in seen if isinstance(e, ev.KVTransferred)]
-    assert [(e.request_id, e.num_bytes, e.block_ids) for e in transfers] == \
+    assert [(e.seq_id, e.num_bytes, e.block_ids) for e in transfers] == \
         [(t.request_id, t.num_bytes, tuple(t.block_ids)) for t in llama_pair.transfers[-len(PROMPTS):]]
     # The prefix cache lives on the prefill side: the shared system prompt was computed once there.
     assert llama_pair.decode.radix is None

@@ -120,7 +120,7 @@ def test_the_per_rank_check_notices_a_pool_out_of_step(tiny_gpt2, workers):
         engine.add_request("b", "zyxwvutsrq", SamplingParams(max_tokens=4, temperature=0))
         engine.step()
         engine.check_invariants()
-        a, b = engine.requests["a"].block_table, engine.requests["b"].block_table
+        a, b = engine.sequences["a"].block_table, engine.sequences["b"].block_table
         engine.runner.local.move(("copy", [(b[0], a[0])]))    # rank 0 alone overwrites a block of "a"
         with pytest.raises(AssertionError, match="rank 0: a: position 0 should be token"):
             engine.check_invariants()

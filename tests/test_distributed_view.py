@@ -52,7 +52,7 @@ def test_fold_keeps_ranks_collectives_and_transfers():
     disagg = fold_all(read_trace(DISAGG_TRACE))
     arrived = [e for e in read_trace(DISAGG_TRACE) if isinstance(e, ev.KVTransferred)]
     assert [(t.request_id, t.block_ids, t.num_bytes) for t in disagg.transfers] == \
-        [(e.request_id, list(e.block_ids), e.num_bytes) for e in arrived]
+        [(e.seq_id, list(e.block_ids), e.num_bytes) for e in arrived]
     assert disagg.ranks == [] and fold_all(read_trace(OLD_TRACE)).ranks == []
 
 
@@ -135,7 +135,7 @@ def test_shards_compute_the_full_layer(tiny_llama):
 
 
 def test_split_picture_is_drawn_from_the_shards(tiny_llama, tiny_gpt2):
-    request = {"request_id": "q0", "num_computed_tokens": 10, "block_table": [3, 7, 9]}
+    request = {"seq_id": "q0", "num_computed_tokens": 10, "block_table": [3, 7, 9]}
     source = split_dot(split_plan(tiny_llama.model, 2), request, block_size=4, num_blocks=48)
     for r in range(2):
         shard = describe_shard(shard_model(tiny_llama.model, r, 2))

@@ -102,7 +102,7 @@ def test_abort_running_frees_all_blocks_at_once(engine):
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert engine.kv.num_available_blocks == available_before + held
     engine.check_invariants()
-    assert [e for e in engine.step().events if isinstance(e, ev.RequestAborted)][0].request_id == "a"
+    assert [e for e in engine.step().events if isinstance(e, ev.SequenceAborted)][0].seq_id == "a"
     run_to_end(engine)
     engine.clear_prefix_cache()
     assert engine.pool.num_used_blocks == 0
@@ -206,14 +206,14 @@ def test_events_tell_the_whole_story(engine):
     engine.add_request("b", [3, 4], greedy(3, ignore_eos=True))
     run_to_end(engine)
     kinds = {type(e).__name__ for e in seen}
-    for name in ("EngineSynced", "RequestAdded", "RequestAdmitted", "ChunkScheduled", "BlocksAllocated",
-                 "BlocksFreed", "TokenSampled", "RequestFinished", "StepStarted", "StepFinished"):
+    for name in ("EngineSynced", "RequestAdded", "SequenceAdmitted", "ChunkScheduled", "BlocksAllocated",
+                 "BlocksFreed", "TokenSampled", "SequenceFinished", "StepStarted", "StepFinished"):
         assert name in kinds
     view = fold_all(seen)
     pool = engine.pool.snapshot()
     assert view.free_queue == pool["free_queue"] and view.ref_counts == pool["ref_counts"]
-    assert view.requests["a"].num_output_tokens == 6
-    assert view.requests["b"].status == "finished_length"
+    assert view.sequences["a"].num_output_tokens == 6
+    assert view.sequences["b"].status == "finished_length"
 
 
 def test_fold_matches_snapshot_after_every_step_under_preemption(tiny_llama):
@@ -234,8 +234,8 @@ def test_fold_matches_snapshot_after_every_step_under_preemption(tiny_llama):
         assert state.free_queue == snap["pool"]["free_queue"]
         assert state.ref_counts == snap["pool"]["ref_counts"]
         assert state.running == snap["running"] and state.waiting == snap["waiting"]
-        for r in snap["requests"]:
-            assert state.requests[r["request_id"]].block_table == r["block_table"]
+        for r in snap["sequences"]:
+            assert state.sequences[r["seq_id"]].block_table == r["block_table"]
     assert preempted > 0
 
 
@@ -288,8 +288,8 @@ def test_subscribing_mid_run_folds_to_the_snapshot(tiny_llama):
         snap = engine.snapshot()
         assert state.running == snap["running"] and state.waiting == snap["waiting"]
         assert state.free_queue == snap["pool"]["free_queue"]
-        for r in snap["requests"]:
-            view = state.requests[r["request_id"]]
+        for r in snap["sequences"]:
+            view = state.sequences[r["seq_id"]]
             assert (view.block_table, view.max_tokens) == (r["block_table"], r["max_tokens"])
         engine.step()
 
@@ -303,7 +303,7 @@ def test_abort_running_request_frees_all_blocks_at_once():
     engine.add_request("b", list(range(40, 50)), SamplingParams(max_tokens=20, temperature=0))
     for _ in range(4):
         engine.step()
-    seq = engine.requests["a"]
+    seq = engine.sequences["a"]
     assert seq.status is SequenceStatus.RUNNING and len(seq.block_table) >= 8
     table = list(seq.block_table)
     free_before = engine.pool.num_free_blocks

@@ -144,7 +144,7 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
                 STATS["prefix cache hits"] += 1
             elif isinstance(e, ev.Preempted):
                 STATS[f"preempted ({e.mode})"] += 1
-                if e.request_id.startswith("b"):      # (the machine's beam searches are "b<n>")
+                if e.seq_id.startswith("b"):      # (the machine's beam searches are "b<n>")
                     STATS[f"beams preempted ({e.mode})"] += 1
             elif name in ("CowCopied", "SwappedIn", "BeamPruned", "DraftVerified", "Forked"):
                 STATS[name] += 1
@@ -269,11 +269,11 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
                 self.engine.abort_request("no-such-request")
             return
         rid = data.draw(st.sampled_from(sorted(self.live)))
-        seqs = self.engine.groups[rid].live
-        tables = {s.request_id: list(s.block_table) for s in seqs}
+        seqs = self.engine.requests[rid].live
+        tables = {s.seq_id: list(s.block_table) for s in seqs}
         for s in seqs:
             if s.status is not SequenceStatus.RUNNING:
-                assert s.block_table == [], f"{s.request_id}: {s.status.name} but holds blocks {s.block_table}"
+                assert s.block_table == [], f"{s.seq_id}: {s.status.name} but holds blocks {s.block_table}"
         refs_before = [b.ref_count for b in self.engine.pool.blocks]
         n_events = len(self.events)
         out = self._call(self.engine.abort_request, rid)
@@ -285,9 +285,9 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
         for b, times in dropped.items():
             assert self.engine.pool.blocks[b].ref_count == refs_before[b] - times
         freed = [e for e in self.events[n_events:] if isinstance(e, ev.BlocksFreed)]
-        assert sorted(e.request_id for e in freed) == sorted(r for r, t in tables.items() if t)
+        assert sorted(e.seq_id for e in freed) == sorted(r for r, t in tables.items() if t)
         for e in freed:
-            assert sorted(e.block_ids) == sorted(tables[e.request_id])
+            assert sorted(e.block_ids) == sorted(tables[e.seq_id])
         assert out.finished and all(c.finish_reason is not None for c in out.outputs)
         if not self.live[rid][1].use_beam_search:
             prev = self.tokens_seen.get(rid, [])
@@ -300,26 +300,26 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
     @rule(data=st.data())
     def abort_one_sequence(self, data):
         """Abort one beam or one fork of a request (its id is "<request>.<i>"): the rest go on."""
-        seq_ids = sorted(r for r, s in self.engine.requests.items() if r != s.group_id)
+        seq_ids = sorted(r for r, s in self.engine.sequences.items() if r != s.request_id)
         if not seq_ids:
             return
         sid = data.draw(st.sampled_from(seq_ids))
-        group_id = self.engine.requests[sid].group_id
+        request_id = self.engine.sequences[sid].request_id
         out = self._call(self.engine.abort_request, sid)
-        assert sid not in self.engine.requests
+        assert sid not in self.engine.sequences
         STATS["single beams or forks aborted"] += 1
-        assert out.request_id == group_id
+        assert out.request_id == request_id
         if out.finished:
             self._check_output(out)
 
     @rule(data=st.data())
     def fork(self, data):
         """Fork a sequence at its current position; a bad target changes nothing."""
-        seq_ids = sorted(self.engine.requests)
-        forkable = [r for r in seq_ids if self.engine.requests[r].num_output_tokens
-                    and self.engine.requests[r].status is SequenceStatus.RUNNING]
+        seq_ids = sorted(self.engine.sequences)
+        forkable = [r for r in seq_ids if self.engine.sequences[r].num_output_tokens
+                    and self.engine.sequences[r].status is SequenceStatus.RUNNING]
         target = data.draw(st.sampled_from(forkable * 4 + seq_ids + ["no-such-request"]))
-        seq = self.engine.requests.get(target)
+        seq = self.engine.sequences.get(target)
         before = self.engine.snapshot()
         if seq is None:
             with pytest.raises(KeyError):
@@ -331,8 +331,8 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
                 self.engine.fork(target)
         else:
             child_id = self._call(self.engine.fork, target)
-            child = self.engine.requests[child_id]
-            assert child.block_table == seq.block_table and child.group_id == seq.group_id
+            child = self.engine.sequences[child_id]
+            assert child.block_table == seq.block_table and child.request_id == seq.request_id
             assert child.output_token_ids == seq.output_token_ids
             assert all(self.engine.pool.blocks[b].ref_count >= 2 for b in child.block_table)
             event("a fork")
@@ -402,7 +402,7 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
         self.checked = 1
         self.engine.check_invariants()
         self.watcher.check(self.engine)
-        assert set(self.engine.groups) == set(self.live)
+        assert set(self.engine.requests) == set(self.live)
 
     def teardown(self):
         if hasattr(self, "engine"):

@@ -28,8 +28,8 @@ from nanoserve.events import (
     RadixLocked,
     RadixSplit,
     RequestAdded,
-    RequestAdmitted,
-    RequestFinished,
+    SequenceAdmitted,
+    SequenceFinished,
     StepStarted,
     SwappedIn,
     SwappedOut,
@@ -64,7 +64,7 @@ def test_miss_then_insert_and_lock():
     assert tree(s) == {0: (-1, [], [1]), 1: (0, [0, 1], [])}
     node = s.radix[1]
     assert (node.text, node.num_tokens, node.last_access) == ("You are a helpful bot.", 8, 1)
-    assert s.requests["r1"].cache_node == 1 and s.lock_counts() == {1: 1}
+    assert s.sequences["r1"].cache_node == 1 and s.lock_counts() == {1: 1}
     assert (s.cache_hit_tokens, s.cache_lookup_tokens) == (0, 10) and s.cache_hit_rate() == 0
     assert s.inserted_nodes == {1} and s.hit_nodes == set()
     assert s.cached_blocks() == {0: 1, 1: 1} and s.evictable_blocks() == set()
@@ -72,7 +72,7 @@ def test_miss_then_insert_and_lock():
 
 def test_prefix_hit_shares_cached_blocks():
     s = at(2)
-    r2 = s.requests["r2"]
+    r2 = s.sequences["r2"]
     assert r2.block_table == [0, 1, 3] and r2.num_computed_tokens == 11
     assert refs(s)[:4] == [3, 3, 1, 1] and s.free_queue == list(range(4, 12))
     assert s.hit_nodes == {1} and s.inserted_nodes == set()        # marks were cleared at StepStarted
@@ -84,7 +84,7 @@ def test_prefix_hit_shares_cached_blocks():
 
 def test_fork_shares_every_block():
     s = fold_all(events_through(2) + [StepStarted(3, 0, 2), Forked(3, "r2", "r2.1", (0, 1, 3))])
-    child, parent = s.requests["r2.1"], s.requests["r2"]
+    child, parent = s.sequences["r2.1"], s.sequences["r2"]
     assert child.block_table == [0, 1, 3] and child.block_table is not parent.block_table
     assert (child.prompt, child.status, child.num_computed_tokens, child.output_text, child.cache_node) == \
         (parent.prompt, "running", 11, parent.output_text, 1)
@@ -97,10 +97,10 @@ def test_cow_dedup_and_new_nodes():
     events = events_through(2) + [StepStarted(3, 0, 2), Forked(3, "r2", "r2.1", (0, 1, 3)),
                                   CowCopied(3, "r2.1", 2, 3, 4)]
     s = fold_all(events)
-    assert s.requests["r2.1"].block_table == [0, 1, 4] and s.requests["r2"].block_table == [0, 1, 3]
+    assert s.sequences["r2.1"].block_table == [0, 1, 4] and s.sequences["r2"].block_table == [0, 1, 3]
     assert refs(s)[3:5] == [1, 1] and 4 not in s.free_queue
     s = at(3)
-    assert s.requests["r2.1"].block_table == [0, 1, 3]                 # the copy was the same as block 3
+    assert s.sequences["r2.1"].block_table == [0, 1, 3]                 # the copy was the same as block 3
     assert refs(s)[:5] == [4, 4, 2, 3, 0] and s.free_queue == list(range(5, 12)) + [4]
     assert tree(s) == {0: (-1, [], [1]), 1: (0, [0, 1], [2, 3]), 2: (1, [2], []), 3: (1, [3], [])}
     assert s.lock_counts() == {1: 3, 2: 1, 3: 2}
@@ -110,7 +110,7 @@ def test_cow_dedup_and_new_nodes():
 
 def test_swap_out_keeps_cached_blocks_and_fills_the_cpu_pool():
     s = at(4)
-    r1 = s.requests["r1"]
+    r1 = s.sequences["r1"]
     assert s.swapped == ["r1"] and "r1" not in s.running and r1.status == "swapped"
     assert r1.block_table == [] and r1.cpu_block_table == [0, 1, 2] and r1.num_computed_tokens == 12
     assert s.cpu_blocks_used() == 3
@@ -121,9 +121,9 @@ def test_swap_out_keeps_cached_blocks_and_fills_the_cpu_pool():
 
 def test_prune_evict_swap_in_and_split():
     s = at(5)
-    assert s.requests["r2.1"].status == "finished_pruned" and s.requests["r2.1"].finish_reason == "pruned"
+    assert s.sequences["r2.1"].status == "finished_pruned" and s.sequences["r2.1"].finish_reason == "pruned"
     assert "r2.1" in s.finished and "r2.1" not in s.running
-    r1 = s.requests["r1"]
+    r1 = s.sequences["r1"]
     assert r1.block_table == [7, 8, 9] and r1.cpu_block_table == [] and r1.status == "running"
     assert s.swapped == [] and s.running == ["r2", "r1", "r3"]
     # node 2 went; node 1 was cut: node 4 holds block 0 and is node 1's parent
@@ -146,13 +146,13 @@ def test_finish_releases_locks_and_leaves_evictable_blocks():
 
 
 def test_finished_request_holds_no_lock_even_without_radix_locked():
-    s = fold_all(events_through(1) + [RequestFinished(2, "r1", "stop", 1)])
-    assert s.requests["r1"].cache_node == 0 and s.lock_counts() == {1: 0}
+    s = fold_all(events_through(1) + [SequenceFinished(2, "r1", "stop", 1)])
+    assert s.sequences["r1"].cache_node == 0 and s.lock_counts() == {1: 0}
 
 
 def test_recompute_preemption_releases_the_lock():
     s = fold_all(events_through(1) + [Preempted(2, "r1", "recompute", 10)])
-    assert s.waiting == ["r1", "r2"] and s.requests["r1"].num_computed_tokens == 0 and s.lock_counts() == {1: 0}
+    assert s.waiting == ["r1", "r2"] and s.sequences["r1"].num_computed_tokens == 0 and s.lock_counts() == {1: 0}
 
 
 def test_split_keeps_marks_and_lock_paths():
@@ -164,13 +164,13 @@ def test_split_keeps_marks_and_lock_paths():
 def test_dedup_not_released_keeps_the_block_out_of_the_free_queue():
     s = fold_all(events_through(2) + [Forked(3, "r2", "r2.1", (0, 1, 3)),
                                       BlockDeduplicated(3, "r2", 2, 3, 1, False)])
-    assert s.requests["r2"].block_table == [0, 1, 1]
+    assert s.sequences["r2"].block_table == [0, 1, 1]
     assert refs(s)[:4] == [4, 5, 1, 1] and 3 not in s.free_queue
 
 
 def test_fork_of_a_waiting_request_waits_and_unknown_parent_fails():
     s = fold_all(events_through(1) + [RequestAdded(1, "w", "p", 1, 2), Forked(1, "w", "w.1", ())])
-    assert s.waiting == ["r2", "w", "w.1"] and s.requests["w.1"].status == "waiting"
+    assert s.waiting == ["r2", "w", "w.1"] and s.sequences["w.1"].status == "waiting"
     with pytest.raises(ValueError, match="unknown request 'nope'"):
         fold(s, Forked(1, "nope", "x", ()))
     with pytest.raises(ValueError, match="unknown request 'ghost'"):
@@ -179,7 +179,7 @@ def test_fork_of_a_waiting_request_waits_and_unknown_parent_fails():
 
 def test_evicted_blocks_join_the_free_queue_in_order():
     s = fold_all(events_through(1) + [RadixInserted(1, "r1", 5, 1, "more", 8, (2, 3)), RadixLocked(1, "r1", 0)])
-    s = fold(s, RequestFinished(2, "r1", "stop", 1))
+    s = fold(s, SequenceFinished(2, "r1", "stop", 1))
     s.ref_counts[0:4] = [1, 1, 1, 2]     # as if r1's BlocksFreed had run: only the tree holds 0 1 2, 3 once more
     s = fold(s, RadixEvicted(2, 5, (3, 2), 1))
     assert 5 not in s.radix and s.radix[1].children == [] and s.free_queue[-2:] == [3, 2]
@@ -195,7 +195,7 @@ def test_fork_cow_swap_matches_simulation(data):
     n = 10
     ref, free, tables, swapped = [0] * n, list(range(n)), {"a": []}, set()
     s = fold_all([EngineSynced(0, "m", n, 2, (0,) * n, tuple(range(n)), (), num_cpu_blocks=8),
-                  RequestAdded(0, "a", "p", 2, 4), RequestAdmitted(1, "a")])
+                  RequestAdded(0, "a", "p", 2, 4), SequenceAdmitted(1, "a")])
     for step in range(1, 25):
         rid = data.draw(st.sampled_from(sorted(tables)))
         op = data.draw(st.sampled_from(["alloc", "fork", "cow", "swap"]))
@@ -239,7 +239,7 @@ def test_fork_cow_swap_matches_simulation(data):
             continue
         s = fold(s, event)
         assert s.ref_counts == ref and s.free_queue == free
-        assert {r: s.requests[r].block_table for r in tables} == tables
+        assert {r: s.sequences[r].block_table for r in tables} == tables
         assert set(s.swapped) == swapped
 
 
@@ -262,7 +262,7 @@ def snapshot_of(state: ViewState) -> dict:
     locks = state.lock_counts()
 
     def req(r):
-        return {"request_id": r.request_id, "status": r.status, "prompt": r.prompt,
+        return {"seq_id": r.seq_id, "status": r.status, "prompt": r.prompt,
                 "num_prompt_tokens": r.num_prompt_tokens, "output_text": r.output_text,
                 "num_output_tokens": r.num_output_tokens, "num_computed_tokens": r.num_computed_tokens,
                 "block_table": r.block_table, "max_tokens": r.max_tokens, "cache_node": r.cache_node,
@@ -273,7 +273,7 @@ def snapshot_of(state: ViewState) -> dict:
         "pool": {"num_blocks": state.num_blocks, "block_size": state.block_size,
                  "ref_counts": state.ref_counts, "free_queue": state.free_queue},
         "waiting": state.waiting, "running": state.running, "swapped": state.swapped,
-        "requests": [req(state.requests[rid]) for rid in live],
+        "sequences": [req(state.sequences[rid]) for rid in live],
         "radix": {"enabled": state.prefix_caching, "nodes": [
             {"node_id": n.node_id, "parent_id": n.parent_id, "text": n.text, "num_tokens": n.num_tokens,
              "block_ids": n.block_ids, "lock_count": locks[n.node_id], "last_access": n.last_access}
@@ -292,7 +292,7 @@ def test_synced_snapshot_rebuilds_tree_queues_and_locks(step):
     assert back.ref_counts == s.ref_counts and back.free_queue == s.free_queue
     assert back.prefix_caching and back.num_cpu_blocks == 6
     for rid in s.running + s.waiting + s.swapped:
-        a, b = back.requests[rid], s.requests[rid]
+        a, b = back.sequences[rid], s.sequences[rid]
         assert (a.block_table, a.cache_node, a.cpu_block_table) == (b.block_table, b.cache_node, b.cpu_block_table)
 
 
@@ -300,19 +300,19 @@ def test_old_snapshot_and_nine_field_requests_still_load():
     old = {"step": 2, "model": "m", "pool": {"num_blocks": 4, "block_size": 2, "ref_counts": [1, 0, 0, 0],
                                               "free_queue": [1, 2, 3]},
            "waiting": [], "running": ["a"],
-           "requests": [{"request_id": "a", "status": "running", "prompt": "p", "num_prompt_tokens": 2,
+           "sequences": [{"seq_id": "a", "status": "running", "prompt": "p", "num_prompt_tokens": 2,
                          "output_text": "", "num_output_tokens": 0, "num_computed_tokens": 2, "block_table": [0],
                          "max_tokens": 4}]}
     e = synced_event(old)
     assert e.radix == () and not e.prefix_caching and e.num_cpu_blocks == 0
-    assert e.requests[0][9:] == (0, ())
+    assert e.sequences[0][9:] == (0, ())
     s = fold(None, EngineSynced(0, "m", 4, 2, (1, 0, 0, 0), (1, 2, 3),
                                 (("a", "running", "p", 2, "", 0, 2, (0,), 4),)))
-    assert s.requests["a"].cache_node == 0 and s.requests["a"].cpu_block_table == [] and s.radix_nodes() == []
+    assert s.sequences["a"].cache_node == 0 and s.sequences["a"].cpu_block_table == [] and s.radix_nodes() == []
 
 
 def test_radix_node_view_defaults():
-    assert RadixNodeView(3, 0, "t", 4, [1]).children == [] and BeamPruned(1, "x").request_id == "x"
+    assert RadixNodeView(3, 0, "t", 4, [1]).children == [] and BeamPruned(1, "x").seq_id == "x"
     assert PrefixMatched(1, "a", 3, 0, ()).block_ids == () and RadixLocked(1, "a", 0).node_id == 0
 
 
@@ -348,7 +348,7 @@ def test_fold_matches_engine_snapshots(config, requests, fork_at, expect):
         assert (state.running, state.waiting, state.swapped) == (snap.running, snap.waiting, snap.swapped)
         assert state.radix == snap.radix and state.lock_counts() == snap.lock_counts()
         for rid in snap.running + snap.waiting + snap.swapped:
-            a, b = state.requests[rid], snap.requests[rid]
+            a, b = state.sequences[rid], snap.sequences[rid]
             assert (a.block_table, a.cpu_block_table, a.cache_node, a.num_computed_tokens, a.status) == \
                 (b.block_table, b.cpu_block_table, b.cache_node, b.num_computed_tokens, b.status)
     kinds = {type(e).__name__ for e in events}

@@ -12,7 +12,7 @@ from memory_events import memory_state
 from nanoserve import EngineConfig, LLMEngine, SamplingParams
 from nanoserve.events import Preempted, StepFinished
 from nanoserve.scenarios import record
-from nanoserve.trace import RequestView, ViewState, fold_all, read_trace
+from nanoserve.trace import SequenceView, ViewState, fold_all, read_trace
 from nanoserve.viz.graphviz import (
     SHARED_FILL,
     TOUCHED_LINE,
@@ -57,16 +57,16 @@ def node_line(source: str, name: str) -> str:
 
 def node_of(state: ViewState, rid: str) -> str:
     """A request's node name: its arrival index (request ids may hold ':' or spaces)."""
-    return f"req{list(state.requests).index(rid)}"
+    return f"req{list(state.sequences).index(rid)}"
 
 
 def shared_state() -> ViewState:
     """Three running requests; a and b share physical block 1; blocks 1 and 5 touched this step."""
     s = ViewState(3, "hand-made", 8, 4, [1, 2, 1, 0, 0, 1, 0, 0], [3, 4, 6, 7])
-    s.requests["a"] = RequestView("a", "x", 8, 4, "running", num_computed_tokens=6, block_table=[0, 1])
-    s.requests["b"] = RequestView("b", "y", 8, 4, "running", num_computed_tokens=7, block_table=[2, 1])
-    s.requests["c"] = RequestView("c", "z", 3, 4, "running", num_computed_tokens=3, block_table=[5])
-    s.requests["w"] = RequestView("w", "z", 3, 4, "waiting")
+    s.sequences["a"] = SequenceView("a", "x", 8, 4, "running", num_computed_tokens=6, block_table=[0, 1])
+    s.sequences["b"] = SequenceView("b", "y", 8, 4, "running", num_computed_tokens=7, block_table=[2, 1])
+    s.sequences["c"] = SequenceView("c", "z", 3, 4, "running", num_computed_tokens=3, block_table=[5])
+    s.sequences["w"] = SequenceView("w", "z", 3, 4, "waiting")
     s.running, s.waiting, s.touched_blocks = ["a", "b", "c"], ["w"], {1, 5}
     return s
 
@@ -78,10 +78,10 @@ def test_tables_arrows_match_block_tables_at_every_step(trace):
         source = tables_dot(state)
         arrows = set(re.findall(r"(req\d+):b(\d+):e -> physical:p(\d+):w", source))
         expected = {(node_of(state, rid), str(i), str(b)) for rid in state.running + state.waiting
-                    for i, b in enumerate(state.requests[rid].block_table)}
+                    for i, b in enumerate(state.sequences[rid].block_table)}
         assert arrows == expected, f"step {step}"
         for rid in state.running + state.waiting:
-            if state.requests[rid].block_table:
+            if state.sequences[rid].block_table:
                 assert f"<B>{rid}</B>" in node_line(source, node_of(state, rid))
             else:  # waiting without blocks: listed in one small box
                 assert f">{rid}</TD>" in node_line(source, "no_blocks")
@@ -97,7 +97,7 @@ def test_tables_show_ref_counts_and_partial_last_block(trace, preempt_step):
     expected = {str(b): str(r) for b, r in enumerate(state.ref_counts) if r > 0}
     assert refs == expected and refs, "every block in use, and only those, with its ref count"
     for rid in state.running:
-        req, bs = state.requests[rid], state.block_size
+        req, bs = state.sequences[rid], state.block_size
         last = len(req.block_table) - 1
         held = req.num_computed_tokens - last * bs
         assert 0 < held <= bs
@@ -107,7 +107,7 @@ def test_tables_show_ref_counts_and_partial_last_block(trace, preempt_step):
 
 def test_awkward_request_ids():
     state = shared_state()
-    state.requests = {f"chat:{k} <x>": v for k, v in state.requests.items()}
+    state.sequences = {f"chat:{k} <x>": v for k, v in state.sequences.items()}
     state.running, state.waiting = ["chat:a <x>", "chat:b <x>", "chat:c <x>"], ["chat:w <x>"]
     source = tables_dot(state)
     assert "chat:a &lt;x&gt;" in source and "req0:b1:e -> physical:p1:w" in source
@@ -260,8 +260,8 @@ def test_state_of_live_engine_matches_snapshot():
     state = state_of(engine)
     assert not engine.bus.active, "state_of unsubscribes again"
     snapshot = engine.snapshot()
-    for r in snapshot["requests"]:
-        assert state.requests[r["request_id"]].block_table == r["block_table"]
+    for r in snapshot["sequences"]:
+        assert state.sequences[r["seq_id"]].block_table == r["block_table"]
     assert state.ref_counts == snapshot["pool"]["ref_counts"]
     assert state.free_queue == snapshot["pool"]["free_queue"]
     from_snapshot = state_from_snapshot(snapshot)

@@ -234,7 +234,7 @@ def test_aborting_one_beam_never_overfills_the_batch(tiny_llama):
     engine.add_request("b", [1, 2, 3, 4], greedy(8, beam_width=3))
     engine.add_request("r", [5, 6, 7], greedy(3))
     engine.add_request("w", [8, 9], greedy(6))      # waits for a seat
-    while "b.2" not in engine.requests:
+    while "b.2" not in engine.sequences:
         engine.step()
     engine.abort_request("b.2")
     finished = drive(engine, watcher)
@@ -280,7 +280,7 @@ def test_a_reused_request_id_leaves_no_ghost_in_the_viewers(tiny_llama):
         engine.add_request("same", [1, 2, 3], greedy(3))
         drive(engine, watcher)
         assert watcher.state.running == [] and watcher.state.finished.count("same") == 1
-        assert watcher.state.requests["same"].status == "finished_length"
+        assert watcher.state.sequences["same"].status == "finished_length"
 
 
 # -- found by benchmarks/fuzz_engine.py ------------------------------------------------------------------
@@ -297,7 +297,7 @@ def test_two_forks_failed_in_one_step_close_their_request_once(tiny_llama):
     engine.step()
     engine.fork("r")
     result = engine.step()
-    failed = [e.request_id for e in result.events if isinstance(e, ev.RequestFinished)]
+    failed = [e.seq_id for e in result.events if isinstance(e, ev.SequenceFinished)]
     assert failed == ["r", "r.1"]
     engine.check_invariants()
     watcher.check(engine)

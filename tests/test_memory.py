@@ -121,8 +121,8 @@ def test_blocks_are_cached_as_they_fill_so_concurrent_requests_share(tiny_llama)
     result = engine.step()
     hit = next(e for e in result.events if isinstance(e, ev.PrefixMatched))
     assert hit.num_hit_tokens == 32                               # all of "first"'s prefix, while it runs
-    first = engine.requests["first"]
-    assert engine.requests["second"].block_table[:8] == first.block_table[:8]
+    first = engine.sequences["first"]
+    assert engine.sequences["second"].block_table[:8] == first.block_table[:8]
     assert all(engine.pool.blocks[b].ref_count == 3 for b in first.block_table[:8])   # 2 tables + the tree
     run_to_end(engine)
 
@@ -239,15 +239,15 @@ def test_fork_shares_blocks_and_continues_like_the_parent(tiny_llama):
     engine.add_request("r", list(range(3, 17)), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for _ in range(2):
         engine.step()                 # 15 tokens have KV: the last block is partly filled
-    parent = engine.requests["r"]
+    parent = engine.sequences["r"]
     child_id = engine.fork("r")
-    child = engine.requests[child_id]
+    child = engine.sequences[child_id]
     assert child_id == "r.1" and child.block_table == parent.block_table
     events = run_to_end_events(engine)
     fork_events = [e for e in events if isinstance(e, ev.CowCopied)]
     assert fork_events, "the shared partial block must be copied on the first write"
-    out = [e for e in events if isinstance(e, ev.RequestFinished)]
-    assert {e.request_id for e in out} == {"r", "r.1"}
+    out = [e for e in events if isinstance(e, ev.SequenceFinished)]
+    assert {e.seq_id for e in out} == {"r", "r.1"}
 
 
 def test_bad_forks_and_bad_params_change_nothing(tiny_llama):

@@ -18,18 +18,18 @@ def shows_mechanism(name: str, events: list) -> bool:
     kinds = [type(e).__name__ for e in events]
     if name == "continuous-batching":
         # A request is admitted in a step after another has finished, while others still run.
-        first_finish = next(i for i, e in enumerate(events) if isinstance(e, ev.RequestFinished))
-        return any(isinstance(e, ev.RequestAdmitted) for e in events[first_finish:])
+        first_finish = next(i for i, e in enumerate(events) if isinstance(e, ev.SequenceFinished))
+        return any(isinstance(e, ev.SequenceAdmitted) for e in events[first_finish:])
     if name == "memory-pressure":
         return "Preempted" in kinds
     if name == "long-prompt":
         # The long prompt is split over several steps while another request decodes in the same step.
-        steps = {e.step for e in events if isinstance(e, ev.ChunkScheduled) and e.request_id == "long" and e.is_prefill}
+        steps = {e.step for e in events if isinstance(e, ev.ChunkScheduled) and e.seq_id == "long" and e.is_prefill}
         decode_steps = {e.step for e in events if isinstance(e, ev.ChunkScheduled) and not e.is_prefill}
         return len(steps) > 1 and bool(steps & decode_steps)
     if name == "shared-system-prompt":
         hits = [e for e in events if isinstance(e, ev.PrefixMatched) and e.num_hit_tokens]
-        return sum(isinstance(e, ev.RequestFinished) for e in events) == 5 and len(hits) >= 3
+        return sum(isinstance(e, ev.SequenceFinished) for e in events) == 5 and len(hits) >= 3
     if name == "parallel-sampling":       # forks share their parent's blocks, then copy on write
         shared = any(isinstance(e, ev.Forked) and e.block_ids for e in events)
         return shared and all(k in kinds for k in ("CowCopied", "BeamPruned"))
@@ -114,14 +114,14 @@ def test_chat_scenario_shows_its_mechanism_on_smollm2(name, smollm2, tmp_path):
     assert not state.running and not state.waiting and not state.swapped
     added = [e for e in events if isinstance(e, ev.RequestAdded)]
     assert all(e.prompt.startswith("<|im_start|>system") for e in added)      # the model's own chat format
-    finished = {e.request_id: e for e in events if isinstance(e, ev.RequestFinished)}
-    texts = {rid: state.requests[rid].output_text for rid in finished}
+    finished = {e.seq_id: e for e in events if isinstance(e, ev.SequenceFinished)}
+    texts = {rid: state.sequences[rid].output_text for rid in finished}
     assert all("<|im_end|>" not in t and "<|im_start|>" not in t for t in texts.values())
     if name == "shared-system-prompt":      # every later request reuses all full blocks of the system prompt
         system = smollm2.tokenizer.apply_chat_template([{"role": "system", "content": TEACHER}], tokenize=False)
         bs = get_scenario(name).chat.config["block_size"]
         full = len(smollm2.tokenizer(system).input_ids) // bs * bs
-        hits = [e for e in events if isinstance(e, ev.PrefixMatched) and e.request_id != "q0"]
+        hits = [e for e in events if isinstance(e, ev.PrefixMatched) and e.seq_id != "q0"]
         assert full >= 2 * bs and len(hits) == 4 and all(e.num_hit_tokens >= full for e in hits)
     if name == "speculative-decoding":      # the answers copy the prompt: most drafts are accepted
         drafted = sum(e.num_drafted for e in events if isinstance(e, ev.DraftVerified))

@@ -87,7 +87,7 @@ def send_workload(url: str, srv) -> list[Arrival]:
     try:
         waiting = []
         for _ in range(500):
-            waiting = on_engine(srv, lambda e: [(s.request_id, s.prompt) for s in e.scheduler.waiting])
+            waiting = on_engine(srv, lambda e: [(s.seq_id, s.prompt) for s in e.scheduler.waiting])
             if len(waiting) == len(WORKLOAD):
                 break
             threading.Event().wait(0.02)
@@ -108,7 +108,7 @@ async def test_attach_frames_equal_a_local_live_engine(server):
     attached.frames = []
     async with attached.run_test(size=WIDE) as pilot:
         await wait_for(pilot, lambda: attached.frames)
-        assert attached.frames[0].state.step == 0 and not attached.frames[0].state.requests
+        assert attached.frames[0].state.step == 0 and not attached.frames[0].state.sequences
         arrivals = await asyncio.to_thread(send_workload, url, srv)
         await wait_for(pilot, lambda: len(attached.frame.state.finished) == len(WORKLOAD), timeout=60)
         await pilot.pause(0.3)

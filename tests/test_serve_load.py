@@ -12,7 +12,7 @@ import pytest
 from serve_helpers import check_clean, on_engine, running_server, wait_idle
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.events import Preempted, PrefixMatched, RequestAborted
+from nanoserve.events import Preempted, PrefixMatched, SequenceAborted
 from nanoserve.models.loader import load_model
 from nanoserve.trace import read_trace
 
@@ -80,7 +80,7 @@ def test_64_streaming_clients_with_hang_ups(loaded, tiny_llama_dir, tmp_path):
 
     # The hang-ups, and only they, were aborted by the server when their connections closed; they are gone.
     events = read_trace(trace)
-    aborted = {e.request_id for e in events if isinstance(e, RequestAborted)}
+    aborted = {e.seq_id for e in events if isinstance(e, SequenceAborted)}
     assert aborted == hung_up
     assert aborted <= finished_ids                          # the engine knows them only as over
     assert not book["live"]

@@ -30,10 +30,10 @@ from nanoserve.events import (
     RadixLocked,
     RadixSplit,
     RankPoolState,
-    RequestAborted,
     RequestAdded,
-    RequestAdmitted,
-    RequestFinished,
+    SequenceAborted,
+    SequenceAdmitted,
+    SequenceFinished,
     StepFinished,
     StepStarted,
     SwappedIn,
@@ -43,7 +43,7 @@ from nanoserve.events import (
 from nanoserve.trace import (
     EventBus,
     JsonlRecorder,
-    RequestView,
+    SequenceView,
     event_from_dict,
     event_to_dict,
     fold,
@@ -60,14 +60,14 @@ SAMPLES = [
                   ("b", "waiting", "x", 1, "out", 2, 0, (), 8))),
     StepStarted(1, num_waiting=1, num_running=1),
     RequestAdded(1, "c", "the prompt ✓", 3, 16),
-    RequestAdmitted(1, "b"),
+    SequenceAdmitted(1, "b"),
     ChunkScheduled(1, "b", 0, 3, True),
     BlocksAllocated(1, "b", (2, 3)),
     BlocksFreed(1, "a", (0, 1), (1, 0)),
     Preempted(1, "a", "recompute", 4),
     TokenSampled(1, "b", 42, " 世界\t\"q\"", -0.125),
-    RequestFinished(1, "b", "abort", 3, error="out of blocks"),
-    RequestAborted(1, "c"),
+    SequenceFinished(1, "b", "abort", 3, error="out of blocks"),
+    SequenceAborted(1, "c"),
     StepFinished(1, 2, 3, 1, 6, 0.0125),
     DraftProposed(2, "r1", "ngram", (5, 6, 7)),
     DraftVerified(2, "r1", 3, 1, 1, 9, False),
@@ -104,7 +104,7 @@ def test_samples_cover_every_event_type():
 def test_event_to_dict_tags_type_and_uses_lists():
     d = event_to_dict(SAMPLES[0])
     assert d["type"] == "EngineSynced"
-    assert d["requests"][0][7] == [0, 1] and isinstance(d["ref_counts"], list)
+    assert d["sequences"][0][7] == [0, 1] and isinstance(d["ref_counts"], list)
     json.dumps(d)  # plain JSON data
 
 
@@ -145,8 +145,8 @@ def test_corrupt_line_names_line_number(tmp_path):
 
 def test_bad_fields_in_file_name_line_number(tmp_path):
     path = tmp_path / "fields.jsonl"
-    path.write_text('{"type": "RequestAdmitted", "step": 1}\n', encoding="utf-8")  # no request_id
-    with pytest.raises(ValueError, match=r"fields\.jsonl:1:.*RequestAdmitted"):
+    path.write_text('{"type": "SequenceAdmitted", "step": 1}\n', encoding="utf-8")  # no request_id
+    with pytest.raises(ValueError, match=r"fields\.jsonl:1:.*SequenceAdmitted"):
         read_trace(path)
 
 
@@ -220,10 +220,10 @@ def test_fold_hand_written_sequence():
         RequestAdded(0, "r1", "Hello there", 6, 4),
         RequestAdded(0, "r2", "Hi", 2, 8),
         StepStarted(1, 2, 0),
-        RequestAdmitted(1, "r1"),
+        SequenceAdmitted(1, "r1"),
         BlocksAllocated(1, "r1", (0, 1)),
         ChunkScheduled(1, "r1", 0, 6, True),
-        RequestAdmitted(1, "r2"),
+        SequenceAdmitted(1, "r2"),
         BlocksAllocated(1, "r2", (2,)),
         ChunkScheduled(1, "r2", 0, 2, True),
         TokenSampled(1, "r1", 11, " world", -0.5),
@@ -233,7 +233,7 @@ def test_fold_hand_written_sequence():
         Preempted(2, "r1", "recompute", 7),
         ChunkScheduled(2, "r2", 2, 1, False),
         TokenSampled(2, "r2", 12, "!", -0.1),
-        RequestFinished(2, "r2", "length", 1),
+        SequenceFinished(2, "r2", "length", 1),
         BlocksFreed(2, "r2", (2,), (2,)),
         StepFinished(2, 1, 0, 1, 8, 0.02),
     ]
@@ -243,8 +243,8 @@ def test_fold_hand_written_sequence():
     assert s.free_queue == [3, 4, 5, 6, 7, 1, 0, 2]
     assert s.waiting == ["r1"] and s.running == [] and s.finished == ["r2"]
     assert s.touched_blocks == {0, 1, 2}
-    assert s.requests["r1"] == RequestView("r1", "Hello there", 6, 4, "waiting", " world", 1, 0, [], None)
-    assert s.requests["r2"] == RequestView("r2", "Hi", 2, 8, "finished_length", "!", 1, 3, [], "length")
+    assert s.sequences["r1"] == SequenceView("r1", "Hello there", 6, 4, "waiting", " world", 1, 0, [], None)
+    assert s.sequences["r2"] == SequenceView("r2", "Hi", 2, 8, "finished_length", "!", 1, 3, [], "length")
     assert s.last_step == events[-1]
     assert s.history == [(1, 8, 0, 5, 0.01), (2, 0, 1, 8, 0.02)]
 
@@ -252,7 +252,7 @@ def test_fold_hand_written_sequence():
     assert mid.running == ["r1", "r2"] and mid.waiting == []
     assert mid.ref_counts[:3] == [1, 1, 1] and mid.free_queue == [3, 4, 5, 6, 7]
     assert mid.block_owners() == {0: ["r1"], 1: ["r1"], 2: ["r2"]}
-    assert mid.requests["r1"].num_computed_tokens == 6 and mid.requests["r1"].status == "running"
+    assert mid.sequences["r1"].num_computed_tokens == 6 and mid.sequences["r1"].status == "running"
 
 
 def test_fold_sync_restores_live_requests():
@@ -264,24 +264,24 @@ def test_fold_sync_restores_live_requests():
     assert s.step == 5 and s.running == ["a", "c"] and s.waiting == ["b"]
     assert s.free_queue == [3, 2] and s.ref_counts == [1, 2, 0, 0]
     assert s.block_owners() == {0: ["a"], 1: ["a", "c"]}
-    assert s.requests["a"].output_text == "xy" and s.requests["a"].block_table == [0, 1]
-    assert s.requests["a"].max_tokens == 10
+    assert s.sequences["a"].output_text == "xy" and s.sequences["a"].block_table == [0, 1]
+    assert s.sequences["a"].max_tokens == 10
 
 
 def test_fold_preempt_goes_to_front_and_abort_is_idempotent():
     s = fold_all([sync(4), RequestAdded(0, "a", "", 1, 1), RequestAdded(0, "b", "", 1, 1),
-                  RequestAdded(0, "c", "", 1, 1), RequestAdmitted(1, "a"), Preempted(1, "a", "recompute", 1)])
-    assert s.waiting == ["a", "b", "c"] and s.requests["a"].status == "waiting"
-    s = fold(s, RequestAborted(1, "b"))
-    s = fold(s, RequestFinished(1, "b", "abort", 0))
+                  RequestAdded(0, "c", "", 1, 1), SequenceAdmitted(1, "a"), Preempted(1, "a", "recompute", 1)])
+    assert s.waiting == ["a", "b", "c"] and s.sequences["a"].status == "waiting"
+    s = fold(s, SequenceAborted(1, "b"))
+    s = fold(s, SequenceFinished(1, "b", "abort", 0))
     assert s.finished == ["b"] and s.waiting == ["a", "c"]
-    assert s.requests["b"].status == "finished_aborted" and s.requests["b"].finish_reason == "abort"
-    s = fold(s, RequestFinished(3, "c", "stop", 0))
-    assert s.requests["c"].status == "finished_stopped" and s.step == 3
+    assert s.sequences["b"].status == "finished_aborted" and s.sequences["b"].finish_reason == "abort"
+    s = fold(s, SequenceFinished(3, "c", "stop", 0))
+    assert s.sequences["c"].status == "finished_stopped" and s.step == 3
 
 
 def test_step_started_clears_touched_blocks():
-    s = fold_all([sync(4), RequestAdded(0, "a", "", 1, 1), RequestAdmitted(1, "a"), BlocksAllocated(1, "a", (0,))])
+    s = fold_all([sync(4), RequestAdded(0, "a", "", 1, 1), SequenceAdmitted(1, "a"), BlocksAllocated(1, "a", (0,))])
     assert s.touched_blocks == {0}
     assert fold(s, StepStarted(2, 0, 1)).touched_blocks == set()
 
@@ -342,5 +342,5 @@ def test_fold_pool_matches_simulation(num_blocks, data):
         state = fold(state, event)
         assert state.free_queue == pool.free
         assert state.ref_counts == pool.ref
-        assert {r: state.requests[r].block_table for r in rids} == tables
+        assert {r: state.sequences[r].block_table for r in rids} == tables
         assert state.step == step

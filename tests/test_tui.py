@@ -105,7 +105,7 @@ def test_grid_layout_gets_more_detailed_with_room():
 
 def test_describe_block_lists_owner_and_token_positions():
     state = ReplaySource(read_trace(TRACE)).frame(PREEMPT_STEP).state
-    text = describe_block(state, state.requests["r1"].block_table[-1]).plain
+    text = describe_block(state, state.sequences["r1"].block_table[-1]).plain
     assert "ref count 1" in text and "r1" in text and "tokens 24-25 (2/4)" in text
     free = state.free_queue[0]
     assert "free · position 0" in describe_block(state, free).plain
@@ -293,14 +293,14 @@ async def test_live_add_request_dialog():
         await pilot.click("#prompt")
         await pilot.press("enter")
         assert not isinstance(app.screen, AddRequestScreen)
-        await wait_for(pilot, lambda: "u1" in app.frame.state.requests)
-        req = app.frame.state.requests["u1"]
+        await wait_for(pilot, lambda: "u1" in app.frame.state.sequences)
+        req = app.frame.state.sequences["u1"]
         assert (req.prompt, req.max_tokens, req.status) == ("Hi there", 5, "waiting")
-        before = list(app.frame.state.requests)                   # the scenario's first arrivals and u1
+        before = list(app.frame.state.sequences)                   # the scenario's first arrivals and u1
         assert before[-1] == "u1"
         await pilot.press("a", "escape")                          # cancel adds nothing
         await pilot.pause()
-        assert list(app.frame.state.requests) == before
+        assert list(app.frame.state.sequences) == before
 
 
 @run_async
@@ -314,8 +314,8 @@ async def test_live_abort_selected_request():
         await pilot.press("x")
         await wait_for(pilot, lambda: "r2" in app.frame.state.finished)
         state = app.frame.state
-        assert state.requests["r2"].status == "finished_aborted" and not state.requests["r2"].block_table
-        assert "RequestAborted" in app.query_one(EventLog).text
+        assert state.sequences["r2"].status == "finished_aborted" and not state.sequences["r2"].block_table
+        assert "SequenceAborted" in app.query_one(EventLog).text
         await pilot.press("x")                                    # already finished
         assert "r2 has already finished" in notices(app)
 
@@ -331,11 +331,11 @@ async def test_live_fork_selected_request():
         for n in (1, 2, 3):
             await pilot.press("n")
             await wait_for(pilot, lambda: step_of(app) == n)
-        assert app.frame.state.requests["r1"].num_output_tokens > 0
+        assert app.frame.state.sequences["r1"].num_output_tokens > 0
         await pilot.press("f")
-        await wait_for(pilot, lambda: "r1.1" in app.frame.state.requests)
+        await wait_for(pilot, lambda: "r1.1" in app.frame.state.sequences)
         state = app.frame.state
-        assert state.requests["r1.1"].block_table == state.requests["r1"].block_table
+        assert state.sequences["r1.1"].block_table == state.sequences["r1"].block_table
         assert "r1.1" in state.running and "Forked" in app.query_one(EventLog).text
         await wait_for(pilot, lambda: "r1.1 shares its blocks" in notices(app))
         app.query_one(RequestList).selected = "r2"
@@ -361,7 +361,7 @@ async def test_live_presets_restart_engine():
         assert step_of(app) == 0 and app.source.description.startswith("memory-pressure")
         await pilot.press("n")
         await wait_for(pilot, lambda: step_of(app) == 1)
-        assert len(app.frame.state.requests) == 5
+        assert len(app.frame.state.sequences) == 5
 
 
 @run_async
@@ -606,10 +606,10 @@ async def test_narrow_screen_cuts_nothing():
         state = app.frame.state
         requests = app.query_one(RequestList)
         width = requests.scrollable_content_region.width
-        for rid in state.requests:
+        for rid in state.sequences:
             first, _ = request_lines(state, rid, "#ffffff", width)
-            assert first.text.rstrip().endswith(str(state.requests[rid].num_computed_tokens) + (
-                " on CPU" if state.requests[rid].cpu_block_table else "")), first.text
+            assert first.text.rstrip().endswith(str(state.sequences[rid].num_computed_tokens) + (
+                " on CPU" if state.sequences[rid].cpu_block_table else "")), first.text
         tree = app.query_one(RadixTree)
         room = tree.scrollable_content_region.width
         assert fits(root_label(state, room - 3), room - 3)

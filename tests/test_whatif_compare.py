@@ -53,7 +53,7 @@ def test_swap_instead_of_recompute(pressure):
     first_preemption = next(e.step for e in a.events if isinstance(e, ev.Preempted))
     assert c.first_divergence == first_preemption      # the same run until the policy is asked
     # greedy-free plain workload: sampled with per-request seeds, so the same tokens either way
-    tokens = [{(e.request_id, e.token_id) for e in run.events if isinstance(e, ev.TokenSampled)} for run in pressure]
+    tokens = [{(e.seq_id, e.token_id) for e in run.events if isinstance(e, ev.TokenSampled)} for run in pressure]
     assert tokens[0] == tokens[1]
     text = str(c)
     assert "preemption_mode recompute -> swap" in text and f"first diverge at step {first_preemption}" in text
@@ -71,7 +71,7 @@ def test_branch_with_swapped_preemption_mode_shows_in_the_difference_panel(tiny_
     c = compare(run, branch)
     assert c.difference("swaps") > 0
     assert c.a.totals()["preemptions"] > 0
-    outputs = [{rid: [e.token_id for e in r.events if isinstance(e, ev.TokenSampled) and e.request_id == rid]
+    outputs = [{rid: [e.token_id for e in r.events if isinstance(e, ev.TokenSampled) and e.seq_id == rid]
                 for rid in ("r0", "r1", "r2", "r3")} for r in (run, branch)]
     assert outputs[0] == outputs[1]                     # greedy: identical text
     assert compare(run, run.branch(first).run_to()).first_divergence is None

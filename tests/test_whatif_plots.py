@@ -39,7 +39,7 @@ def watched(tiny_llama):
         tree = {b for blocks in engine.radix.held_blocks() for b in blocks}
         notes[run.step_count] = dict(
             free=len(snap["pool"]["free_queue"]), cached=sum(1 for b in tree if refs[b] == 1),
-            swapped_blocks=sum(len(r["cpu_block_table"]) for r in snap["requests"]),
+            swapped_blocks=sum(len(r["cpu_block_table"]) for r in snap["sequences"]),
             swapped=set(snap["swapped"]), waiting=set(snap["waiting"]), stats=result.stats,
             sampled={o.request_id for o in result.outputs})
     return run, notes
@@ -90,7 +90,7 @@ def test_latency_data_sums_the_measured_step_times(watched):
     run, notes = watched
     m = measure(run.events)
     d = latency_data(m)
-    first = {e.request_id: e.step for e in reversed(run.events) if isinstance(e, ev.TokenSampled)}
+    first = {e.seq_id: e.step for e in reversed(run.events) if isinstance(e, ev.TokenSampled)}
     expect = {rid: 1000 * sum(notes[s]["stats"].duration_s for s in range(m.requests[rid].added_step + 1, step + 1))
               for rid, step in first.items()}
     assert d["ttft_ms"] == pytest.approx([expect[rid] for rid in m.ttft_s()])

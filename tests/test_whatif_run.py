@@ -51,7 +51,7 @@ def original(tiny_llama):
 
 def test_the_workload_exercises_every_mechanism(original):
     kinds = {type(e) for e in original.events}
-    assert {ev.SwappedOut, ev.SwappedIn, ev.PrefixMatched, ev.DraftVerified, ev.Forked, ev.RequestAborted} <= kinds
+    assert {ev.SwappedOut, ev.SwappedIn, ev.PrefixMatched, ev.DraftVerified, ev.Forked, ev.SequenceAborted} <= kinds
     assert [c.kind for c in original.log.commands].count(CommandKind.ADD) == 4
     assert all(dict(c.params)["seed"] is not None for c in original.log.commands if c.kind is CommandKind.ADD)
 
@@ -84,7 +84,7 @@ def _outputs(events):
     tokens = {}
     for e in events:
         if isinstance(e, ev.TokenSampled):
-            tokens.setdefault(e.request_id, []).append(e.token_id)
+            tokens.setdefault(e.seq_id, []).append(e.token_id)
     return tokens
 
 

@@ -259,7 +259,7 @@ class NanoserveApp(App[None]):
     def _add_request(self, request: dict | None) -> None:
         if request is None:
             return
-        known = self.frame.state.requests if self.frame else {}
+        known = self.frame.state.sequences if self.frame else {}
         self._added += 1
         while f"u{self._added}" in known:
             self._added += 1

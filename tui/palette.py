@@ -34,4 +34,4 @@ EVICTED = "strike #e06c75"            # evicted (drawn once, under its former pa
 
 def request_colours(state: ViewState) -> dict[str, str]:
     """Request id -> its colour, by arrival order (stable over a run and its replay)."""
-    return {rid: REQUEST_COLOURS[i % len(REQUEST_COLOURS)] for i, rid in enumerate(state.requests)}
+    return {rid: REQUEST_COLOURS[i % len(REQUEST_COLOURS)] for i, rid in enumerate(state.sequences)}

@@ -35,7 +35,7 @@ def showcase_step(name: str, events: list) -> int:
         return preempted[1] if len(preempted) > 1 else preempted[0]
     if name == "long-prompt":
         decode_steps = {e.step for e in events if isinstance(e, ev.ChunkScheduled) and not e.is_prefill}
-        return first(lambda e: isinstance(e, ev.ChunkScheduled) and e.request_id == "long"
+        return first(lambda e: isinstance(e, ev.ChunkScheduled) and e.seq_id == "long"
                      and e.is_prefill and e.step in decode_steps)
     if name == "speculative-decoding":
         return first(lambda e: isinstance(e, ev.DraftVerified) and e.num_accepted > 0)
@@ -48,8 +48,8 @@ def showcase_step(name: str, events: list) -> int:
     if name == "tensor-parallel":           # a fork's copy-on-write, replayed on both ranks
         return first(lambda e: isinstance(e, ev.CowCopied))
     # continuous-batching: the step in which a request is admitted after another finished
-    finished = first(lambda e: isinstance(e, ev.RequestFinished))
-    return first(lambda e: isinstance(e, ev.RequestAdmitted) and e.step > finished)
+    finished = first(lambda e: isinstance(e, ev.SequenceFinished))
+    return first(lambda e: isinstance(e, ev.SequenceAdmitted) and e.step > finished)
 
 
 async def shoot(trace: Path, step: int, size: tuple[int, int], out: Path, select: str | None = None) -> None:
@@ -62,7 +62,7 @@ async def shoot(trace: Path, step: int, size: tuple[int, int], out: Path, select
         while app.frame is None or app.frame.state.step != step:
             await pilot.pause(0.05)
         if select is not None:
-            app.query_one(PoolGrid).selected = app.frame.state.requests[select].block_table[-1]
+            app.query_one(PoolGrid).selected = app.frame.state.sequences[select].block_table[-1]
         await pilot.pause(0.2)
         for _ in range(100):          # the footer fills its keys in a later refresh (slower on a busy machine)
             if app.query(FooterKey):

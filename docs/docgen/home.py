@@ -24,7 +24,7 @@ def _ranges(ids: list[int]) -> str:
 
 
 def _request(engine, rid: str) -> dict:
-    return next(r for r in engine.snapshot()["requests"] if r["request_id"] == rid)
+    return next(r for r in engine.snapshot()["sequences"] if r["seq_id"] == rid)
 
 
 def home(read, out: Result) -> None:
@@ -62,7 +62,7 @@ def getting_started(read, out: Result) -> None:
 
     out.region(page, "gs.loop", session.session_region(bodies["gs.loop"], ns))
     freed = [e for e in ns["result"].events if type(e).__name__ == "BlocksFreed"]
-    assert len(freed) == 1 and freed[0].request_id == "r1", "the prose reads the last step's one BlocksFreed"
+    assert len(freed) == 1 and freed[0].seq_id == "r1", "the prose reads the last step's one BlocksFreed"
     kept = [b for b in freed[0].block_ids if b not in freed[0].released]
     radix = engine.snapshot()["radix"]["nodes"]
     tree_blocks = {b for n in radix for b in n["block_ids"]}

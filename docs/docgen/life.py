@@ -10,6 +10,8 @@ Graphviz, and the page's walkthrough states its numbers from the same events.
 from __future__ import annotations
 
 import html
+import sys
+from pathlib import Path
 
 from graphviz import Digraph
 
@@ -17,6 +19,7 @@ from docgen import Result, regions
 from docgen.home import _ranges
 from docgen.pictures import graphviz_svg
 from docgen.scenarios import words
+import nanoserve
 from nanoserve import EngineConfig, LLMEngine, SamplingParams
 from nanoserve import events as ev
 
@@ -57,13 +60,74 @@ def run() -> tuple[LLMEngine, list]:
     return ns["engine"], ns["events"][1:]
 
 
+# What each module does in a step, for the route (a module the step enters that is missing
+# here fails the job: the page must name every module a request passes through).
+ROLES = {
+    "engine.py": "`step()`: the hub that calls each part below in turn and emits the events",
+    "trace.py": "`EventBus`: hands each event to the subscribers",
+    "step_rollback.py": "saves the sequences' RNG states, so a failed step can be undone",
+    "spec_decode.py": "speculative decoding: drafts before scheduling, a `Verdict` after the forward",
+    "scheduler.py": "`schedule()`: the passes that decide who runs this step and with how many tokens",
+    "kv_manager.py": "the block work of that plan: prefix match, new blocks, copy-on-write, swaps",
+    "sequence.py": "the sequence's token counts and status changes",
+    "block_pool.py": "ref counts and the free queue",
+    "radix_cache.py": "the prefix lookup at admission; after the commit, newly full blocks join the tree",
+    "runner.py": "`prepare` and `run`: the flat row of tokens, their slots, one forward",
+    "kernels/backends.py": "which attention backend runs",
+    "kernels/torch_backend.py": "the attention metadata of the step (decode groups, prefill parts)",
+    "attention.py": "`paged_attention`: K/V written at their slots, attention through the block tables",
+    "kernels/reference.py": "K/V gathered block by block through a block table",
+    "models/llama.py": "the model's layers",
+    "models/cpu_linear.py": "the linear layers' CPU path",
+    "choose.py": "a `Choice` per chunk that reached its sequence's end (no bookkeeping changes)",
+    "sampling_params.py": "the request's sampling settings",
+    "request.py": "the request the sequence belongs to (with n > 1, its forks-to-be)",
+    "sampler.py": "penalties, temperature, top-k/top-p/min-p, the draw",
+    "beam_search.py": "beam search: a `BeamStep` of forks, continuations and prunes",
+    "commit.py": "the engine applies the choices: tokens, forks, trims of rejected drafts, beam steps",
+    "postprocess.py": "`append_token`: the token joins its sequence; the stop checks",
+    "detokenizer.py": "token ids to text, holding back partial characters and stop strings",
+    "outputs.py": "`RequestOutput` and the step's statistics",
+}
+
+
+def route(step: int) -> list[str]:
+    """The engine's modules in the order step `step` of CODE first enters them (a profile hook)."""
+    engine = LLMEngine(EngineConfig(**CONFIG))
+    greedy = dict(temperature=0, ignore_eos=True)
+    engine.add_request("warm", WARM, SamplingParams(max_tokens=2, **greedy))
+    engine.add_request("other", "Hi", SamplingParams(max_tokens=12, **greedy))
+    engine.step()
+    engine.step()
+    engine.add_request("life", LIFE, SamplingParams(max_tokens=4, **greedy))
+    while engine.step_count < step - 1:
+        engine.step()
+    root, seen = Path(nanoserve.__file__).parent, []
+
+    def entered(frame, event, arg):
+        name = frame.f_code.co_filename
+        if event == "call" and name.startswith(str(root)):
+            module = Path(name).relative_to(root).as_posix()
+            if module not in seen:
+                seen.append(module)
+
+    sys.setprofile(entered)
+    try:
+        engine.step()
+    finally:
+        sys.setprofile(None)
+    missing = [m for m in seen if m not in ROLES]
+    assert not missing, f"the route page has no role for {missing}: add them to ROLES"
+    return seen
+
+
 def cell(e) -> tuple[int, str]:
     """(column, text) for one event of `life`."""
     if isinstance(e, ev.RequestAdded):
         return 0, f"add_request: {e.num_prompt_tokens} tokens"
-    if isinstance(e, ev.RequestFinished):
+    if isinstance(e, ev.SequenceFinished):
         return 0, f"finished: {e.finish_reason}"
-    if isinstance(e, ev.RequestAdmitted):
+    if isinstance(e, ev.SequenceAdmitted):
         return 0, "admitted"
     if isinstance(e, ev.ChunkScheduled):
         kind = "prefill" if e.is_prefill else "decode"
@@ -83,7 +147,7 @@ def cell(e) -> tuple[int, str]:
 
 def diagram(events: list) -> str:
     """A table drawn by Graphviz: a row per step, a column per module, the events of `life` in the cells."""
-    mine = [e for e in events if getattr(e, "request_id", None) == "life" and not isinstance(e, ev.RadixLocked)]
+    mine = [e for e in events if getattr(e, "seq_id", None) == "life" and not isinstance(e, ev.RadixLocked)]
     finished = {e.step: e for e in events if isinstance(e, ev.StepFinished)}
     arrival = next(e.step for e in mine if isinstance(e, ev.RequestAdded))
     rows = ["before"] + sorted({e.step for e in mine if not isinstance(e, ev.RequestAdded)})
@@ -119,7 +183,7 @@ def make(read) -> Result:
     out = Result()
     engine, events = run()
     out.files["docs/img/life-of-a-request.svg"] = graphviz_svg(diagram(events))
-    mine = [e for e in events if getattr(e, "request_id", None) == "life"]
+    mine = [e for e in events if getattr(e, "seq_id", None) == "life"]
 
     def first(kind):
         return next(e for e in mine if isinstance(e, kind))
@@ -128,9 +192,9 @@ def make(read) -> Result:
     chunks = [e for e in mine if isinstance(e, ev.ChunkScheduled)]
     prefill = [c for c in chunks if c.is_prefill]
     tokens = [e for e in mine if isinstance(e, ev.TokenSampled)]
-    freed, done = first(ev.BlocksFreed), first(ev.RequestFinished)
+    freed, done = first(ev.BlocksFreed), first(ev.SequenceFinished)
     budget = CONFIG["max_num_batched_tokens"]
-    decoders = [f"`{e.request_id}`" for e in events if isinstance(e, ev.ChunkScheduled)
+    decoders = [f"`{e.seq_id}`" for e in events if isinstance(e, ev.ChunkScheduled)
                 and e.step == prefill[0].step and not e.is_prefill]
     decodes_in_first = len(decoders)
     assert match.num_hit_tokens > 0 and len(prefill) >= 2, "the walkthrough tells a cache hit and a chunked prefill"
@@ -148,4 +212,7 @@ def make(read) -> Result:
         "kept": len(freed.block_ids) - len(freed.released),
     })
     out.region(PAGE, "life.code", regions.block(CODE, "python"))
+    steps = route(prefill[-1].step)
+    out.facts(PAGE, "life", {"route_step": prefill[-1].step, "route_count": len(steps)})
+    out.region(PAGE, "life.route", "\n" + "\n".join(f"{i}. `{m}`: {ROLES[m]}" for i, m in enumerate(steps, 1)) + "\n")
     return out

@@ -111,7 +111,7 @@ def fork(out: Result) -> None:
     drive(engine, {1: [("p", PROMPT, SamplingParams(n=4, max_tokens=8, temperature=0, ignore_eos=True))]})
     state = camera.at(2)
     picture(out, "tables-n4-fork", "tables", state)
-    tables = [state.requests[r].block_table for r in state.running]
+    tables = [state.sequences[r].block_table for r in state.running]
     full = len(PROMPT) // 4
     shared = tables[0][:full]
     assert all(t[:full] == shared for t in tables) and all(state.ref_counts[b] == len(tables) for b in shared)
@@ -126,7 +126,7 @@ def fork(out: Result) -> None:
     drive(beams, {1: [("b", PROMPT, SamplingParams(beam_width=3, n=3, temperature=0, max_tokens=6, min_tokens=6))]})
     state = beam_camera.at(4)
     picture(out, "tables-beam-search", "tables", state)
-    tables = {r: state.requests[r].block_table for r in state.running}
+    tables = {r: state.sequences[r].block_table for r in state.running}
     common = [b for b in next(iter(tables.values())) if all(b in t for t in tables.values())]
     copied = [e for e in beam_camera.events if isinstance(e, ev.CowCopied) and e.step == 4]
     assert common[:full] == list(range(full)), "the caption says all beams share the prompt's blocks"
@@ -162,25 +162,25 @@ def preemption(out: Result) -> None:
 
     out5 = of(runs["swap"], ev.SwappedOut, 5)
     assert len(out5) == 1, "the captions tell one swap-out in step 5"
-    victim = out5[0].request_id
+    victim = out5[0].seq_id
     took = [e for e in of(runs["swap"], ev.BlocksAllocated, 5) if set(e.block_ids) & set(out5[0].block_ids)]
-    never = [r for r, req in swap.requests.items() if r in swap.waiting and not req.block_table
-             and not any(e.request_id == r and e.step <= 5 for e in of(runs["swap"], ev.RequestAdmitted))]
-    assert [e.request_id for e in of(runs["recompute"], ev.Preempted, 5)] == [victim], "same victim in both runs"
+    never = [r for r, req in swap.sequences.items() if r in swap.waiting and not req.block_table
+             and not any(e.seq_id == r and e.step <= 5 for e in of(runs["swap"], ev.SequenceAdmitted))]
+    assert [e.seq_id for e in of(runs["recompute"], ev.Preempted, 5)] == [victim], "same victim in both runs"
     lost = sum(e.num_tokens_lost for e in of(runs["recompute"], ev.Preempted))
     moved = sum(len(e.block_ids) for e in of(runs["swap"], ev.SwappedOut))
     moved_in = sum(len(e.block_ids) for e in of(runs["swap"], ev.SwappedIn))
     base = computed(runs["baseline"])
     assert computed(runs["recompute"]) == base + lost and computed(runs["swap"]) == base
     cached = runs["cached"]
-    victims = {e.request_id for e in of(cached, ev.Preempted)}
+    victims = {e.seq_id for e in of(cached, ev.Preempted)}
     matches = of(cached, ev.PrefixMatched)
-    comeback = sum(e.num_hit_tokens for e in matches if e.request_id in victims
-                   and any(m.request_id == e.request_id and m.step < e.step for m in matches))
+    comeback = sum(e.num_hit_tokens for e in matches if e.seq_id in victims
+                   and any(m.seq_id == e.seq_id and m.step < e.step for m in matches))
     cache_lost = sum(e.num_tokens_lost for e in of(cached, ev.Preempted))
     out.facts(PREEMPT, "pr", {
         "victim": f"`{victim}`", "blocks": len(out5[0].block_ids), "cpu": _ranges(list(out5[0].cpu_block_ids)),
-        "took": (f"`{took[0].request_id}` took block {words(took[0].block_ids)}" if took else "nobody took them yet"),
+        "took": (f"`{took[0].seq_id}` took block {words(took[0].block_ids)}" if took else "nobody took them yet"),
         "waiting": (f"{words(f'`{r}`' for r in never)} still {'waits' if len(never) == 1 else 'wait'} for a first "
                     "admission" if never else "every other request has been admitted"),
         "base": base, "recompute": computed(runs["recompute"]), "lost": lost, "out": moved, "in": moved_in,

@@ -27,7 +27,7 @@ TUI, CLASS = "tui.md", "classroom.md"
 
 def of(events, kind, step=None, rid=None):
     return [e for e in events if isinstance(e, kind) and (step is None or e.step == step)
-            and (rid is None or getattr(e, "request_id", None) == rid)]
+            and (rid is None or getattr(e, "seq_id", None) == rid)]
 
 
 def words(items) -> str:
@@ -41,15 +41,15 @@ def memory_pressure(events, trace: Path, out: Result) -> None:
     bs = state.block_size
     preempted = of(events, ev.Preempted, step)
     assert len(preempted) == 1 and preempted[0].mode == "recompute", "the prose tells one recompute preemption"
-    victim = preempted[0].request_id
+    victim = preempted[0].seq_id
     evicted = of(events, ev.RadixEvicted, step)
     assert evicted, "the prose says the cache evicted a leaf before anyone was preempted"
     got = next(e for e in of(events, ev.BlocksAllocated, step) if set(e.block_ids) & set(evicted[0].block_ids))
     freed = of(events, ev.BlocksFreed, step, victim)[0]
     before = state_at(trace, step - 1)
     assert victim == before.running[-1], "the prose says the victim is the newest running request"
-    assert victim not in {e.request_id for e in of(events, ev.ChunkScheduled, step)}, "not in the batch"
-    assert before.requests[victim].num_computed_tokens % state.block_size == 0, \
+    assert victim not in {e.seq_id for e in of(events, ev.ChunkScheduled, step)}, "not in the batch"
+    assert before.sequences[victim].num_computed_tokens % state.block_size == 0, \
         "the prose says the victim's blocks were full, so its next token needed a new block"
     owners, kinds = state.block_owners(), state.block_kinds()
     still_shared = [b for b in freed.block_ids if owners.get(b)]
@@ -57,7 +57,7 @@ def memory_pressure(events, trace: Path, out: Result) -> None:
     assert not freed.released and not state.free_queue, \
         "the prose says the victim's blocks all stayed (shared or cached) and the free queue is empty"
     assert set(freed.block_ids) == set(still_shared) | {b for b in freed.block_ids if kinds[b] == "cached"}
-    r0 = state.requests["r0"]
+    r0 = state.sequences["r0"]
     last = r0.block_table[-1]
     index = len(r0.block_table) - 1
     fill = r0.num_computed_tokens - index * bs
@@ -67,13 +67,13 @@ def memory_pressure(events, trace: Path, out: Result) -> None:
         "block": last, "logical": index, "tokens": f"{index * bs}–{index * bs + fill - 1}",
         "fill": f"{fill}/{bs}", "r0_table": f"`{table}`", "shared": words(shared),
         "evicted_node": evicted[0].node_id, "evicted_last": evicted[0].last_access,
-        "evicted_blocks": words(evicted[0].block_ids), "got": f"`{got.request_id}`",
+        "evicted_blocks": words(evicted[0].block_ids), "got": f"`{got.seq_id}`",
         "victim": f"`{victim}`", "lost": preempted[0].num_tokens_lost, "victim_blocks": len(freed.block_ids),
         "victim_shared": words(still_shared), "cached": words(cached_only),
         "waiting": words(f"`{r}`" for r in state.waiting),
     })
     out.region(TUI, "mp.caption", f"Memory pressure, step {step}: a {state.num_blocks}-block pool shared by "
-                                  f"{len(state.requests)} requests.")
+                                  f"{len(state.sequences)} requests.")
     # the same step as Graphviz pictures, for slides
     for what, build in (("tables", tables_dot), ("pool", pool_dot)):
         out.files[f"docs/img/memory-pressure-{what}.svg"] = graphviz_svg(build(state))
@@ -83,21 +83,21 @@ def memory_pressure(events, trace: Path, out: Result) -> None:
         f"nanoserve export --trace pressure.jsonl --step {step} --what pool --format png", "bash"))
 
     steps = [e.step for e in of(events, ev.Preempted)]
-    victims = [e.request_id for e in of(events, ev.Preempted)]
+    victims = [e.seq_id for e in of(events, ev.Preempted)]
     out.facts(CLASS, "mp", {"steps": words(steps), "victims": words(f"`{v}`" for v in dict.fromkeys(victims))})
 
 
 def continuous_batching(events, out: Result) -> None:
     step = showcase_step("continuous-batching", events)
-    first = of(events, ev.RequestFinished)[0]
-    freed = of(events, ev.BlocksFreed, first.step, first.request_id)[0]
+    first = of(events, ev.SequenceFinished)[0]
+    freed = of(events, ev.BlocksFreed, first.step, first.seq_id)[0]
     kept = [b for b in freed.block_ids if b not in freed.released]
-    admitted = of(events, ev.RequestAdmitted, step)[0].request_id
+    admitted = of(events, ev.SequenceAdmitted, step)[0].seq_id
     arrived = of(events, ev.RequestAdded, rid=admitted)[0].step
     seats = SCENARIOS["continuous-batching"].config["max_num_seqs"]
     assert kept, "the prose says the finished request's full blocks stay cached"
     assert arrived < first.step, "the prose says the admitted request had been waiting for a seat"
-    facts = {"finished": f"`{first.request_id}`", "finish_step": first.step, "kept": words(kept),
+    facts = {"finished": f"`{first.seq_id}`", "finish_step": first.step, "kept": words(kept),
              "released": words(freed.released), "admitted": f"`{admitted}`", "step": step,
              "arrived": arrived, "seats": seats}
     out.facts(CLASS, "cb", {k: facts[k] for k in ("finished", "finish_step", "kept", "released", "admitted",
@@ -134,10 +134,10 @@ def parallel(events, out: Result) -> None:
 def swap(events, out: Result) -> None:
     step = showcase_step("swap-preemption", events)
     first = of(events, ev.SwappedOut, step)[0]
-    back = next(e for e in of(events, ev.SwappedIn, rid=first.request_id) if e.step > step)
-    out.facts(TUI, "sw", {"step": step, "victim": f"`{first.request_id}`", "blocks": len(first.block_ids),
+    back = next(e for e in of(events, ev.SwappedIn, rid=first.seq_id) if e.step > step)
+    out.facts(TUI, "sw", {"step": step, "victim": f"`{first.seq_id}`", "blocks": len(first.block_ids),
                           "cpu": _ranges(list(first.cpu_block_ids)), "back": back.step})
-    out.facts(CLASS, "sw", {"out": step, "back": back.step, "victim": f"`{first.request_id}`"})
+    out.facts(CLASS, "sw", {"out": step, "back": back.step, "victim": f"`{first.seq_id}`"})
 
 
 def speculative(events, out: Result) -> None:

@@ -33,7 +33,7 @@ async def shoot(trace: Path, step: int, size: tuple[int, int], out: Path, select
         while app.frame is None or app.frame.state.step != step:
             await pilot.pause(0.05)
         if select is not None:
-            app.query_one(PoolGrid).selected = app.frame.state.requests[select].block_table[-1]
+            app.query_one(PoolGrid).selected = app.frame.state.sequences[select].block_table[-1]
         svg = ""
         for _ in range(100):                       # at most ~10 s
             await pilot.pause(0.1)

@@ -17,7 +17,7 @@ def greedy(n: int) -> SamplingParams:
 
 
 def table_of(engine: LLMEngine, rid: str) -> dict:
-    return next(r for r in engine.snapshot()["requests"] if r["request_id"] == rid)
+    return next(r for r in engine.snapshot()["sequences"] if r["seq_id"] == rid)
 
 
 def slots(out: Result) -> None:
@@ -48,13 +48,13 @@ def two_steps(out: Result) -> None:
     events = []
     while engine.has_unfinished_requests():
         events += engine.step().events
-    finish = next(e.step for e in events if isinstance(e, ev.RequestFinished) and e.request_id == "S")
-    admit = next(e.step for e in events if isinstance(e, ev.RequestAdmitted) and e.request_id == "W")
+    finish = next(e.step for e in events if isinstance(e, ev.SequenceFinished) and e.seq_id == "S")
+    admit = next(e.step for e in events if isinstance(e, ev.SequenceAdmitted) and e.seq_id == "W")
     assert admit == finish + 1, "the prose says W takes S's seat in the very next step"
     shown = [e for e in events if e.step in (finish, admit) and not isinstance(e, ev.RequestAdded)]
     out.region(PAGE, "step.events", regions.block("\n".join(_short(e) for e in shown)))
-    freed = next(e for e in shown if isinstance(e, ev.BlocksFreed) and e.request_id == "S")
-    grew = [e for e in shown if isinstance(e, ev.BlocksAllocated) and e.request_id == "L"]
+    freed = next(e for e in shown if isinstance(e, ev.BlocksFreed) and e.seq_id == "S")
+    grew = [e for e in shown if isinstance(e, ev.BlocksAllocated) and e.seq_id == "L"]
     assert freed.released == tuple(reversed(freed.block_ids)), "the prose says: released last block first"
     assert grew, "the prose explains L's new block"
     out.facts(PAGE, "step.ev", {

@@ -30,9 +30,9 @@ def make(read) -> Result:
     preempted = next(e for e in run.events if isinstance(e, ev.Preempted))
     assert c.first_divergence == preempted.step, "the prose says the runs part at the first preemption"
     assert c.difference("swaps") > 0 and c.a.totals()["swaps"] == 0
-    tokens = [[(e.request_id, e.token_id) for e in r.events if isinstance(e, ev.TokenSampled)] for r in (run, swap)]
+    tokens = [[(e.seq_id, e.token_id) for e in r.events if isinstance(e, ev.TokenSampled)] for r in (run, swap)]
     assert sorted(tokens[0]) == sorted(tokens[1]), "the prose says the greedy tokens are the same either way"
-    out.facts(PAGE, "whatif", {"first": c.first_divergence, "victim": preempted.request_id})
+    out.facts(PAGE, "whatif", {"first": c.first_divergence, "victim": preempted.seq_id})
 
     out.region(PAGE, "whatif.cli", run_console(held["whatif.cli"]))
     a, b = scenario_pair("memory-pressure", {"preemption_mode": "swap"})

@@ -44,7 +44,7 @@ def split_source() -> str:
         engine.add_request("q0", SPLIT_PROMPT, SamplingParams(max_tokens=8, temperature=0))
         for _ in range(SPLIT_STEPS):
             engine.step()
-        request = engine.snapshot()["requests"][0]
+        request = engine.snapshot()["sequences"][0]
     return split_dot(split_plan(loaded.model, 2), request, block_size=SPLIT_CONFIG["block_size"],
                      num_blocks=SPLIT_CONFIG["num_blocks"])
 

@@ -116,7 +116,7 @@ def prefill_main(comm, model: torch.nn.Module, config: EngineConfig, eos_token_i
             result = engine.step()
             reply.num_prefill_tokens = result.stats.num_prefill_tokens
             for out in result.outputs:
-                seq = engine.requests.get(out.request_id)
+                seq = engine.sequences.get(out.request_id)
                 if seq is None:        # finished on its first token (max_model_len): no KV to hand over
                     reply.handoffs.append(Handoff(out.request_id, [], 0, 0, "", 0.0))
                     continue

@@ -71,7 +71,7 @@ def adopt(engine, request_id: str, prompt, params, payload: torch.Tensor | None,
     if not num_tokens:   # a one-token prompt: nothing came, it waits and computes its token here
         engine._emit(ev.KVTransferred(step, request_id, src, dst, (), (), 0, 0, seconds))
         return []
-    seq = engine.requests[request_id]
+    seq = engine.sequences[request_id]
     scheduler = engine.scheduler
     blocks = engine.kv.pool.allocate(engine.kv.pool.blocks_needed(0, num_tokens))
     import_blocks(engine.runner.kv_caches, blocks, payload)
@@ -79,7 +79,7 @@ def adopt(engine, request_id: str, prompt, params, payload: torch.Tensor | None,
     seq.block_table, seq.num_computed_tokens = list(blocks), num_tokens
     seq.set_status(SequenceStatus.RUNNING)
     scheduler.running.append(seq)
-    engine._emit(ev.RequestAdmitted(step, request_id))
+    engine._emit(ev.SequenceAdmitted(step, request_id))
     engine._emit(ev.BlocksAllocated(step, request_id, tuple(blocks)))
     engine._emit(ev.KVTransferred(step, request_id, src, dst, tuple(src_block_ids), tuple(blocks), num_tokens,
                                   payload.numel() * payload.element_size(), seconds + time.perf_counter() - t0))

@@ -206,10 +206,10 @@ def expected_kv(engine) -> list[ExpectedKV]:
     out = []
     for seq in engine.scheduler.running:
         n = min(seq.num_computed_tokens, seq.num_tokens)
-        out.append(ExpectedKV(seq.request_id, list(seq.block_table), seq.token_ids(0, n)))
+        out.append(ExpectedKV(seq.seq_id, list(seq.block_table), seq.token_ids(0, n)))
     for seq in engine.scheduler.swapped:
         n = min(seq.num_computed_tokens, seq.num_tokens)
-        out.append(ExpectedKV(seq.request_id, list(seq.cpu_block_table), seq.token_ids(0, n), on_cpu=True))
+        out.append(ExpectedKV(seq.seq_id, list(seq.cpu_block_table), seq.token_ids(0, n), on_cpu=True))
     if engine.radix is not None:
         for node in engine.radix.nodes.values():
             if node is engine.radix.root:

@@ -32,9 +32,9 @@ def _forked(ctx: Context, prompt_len: int):
     engine.add_request("a", prompts(1, prompt_len, seed=9)[0], SamplingParams(max_tokens=6, temperature=0.9, seed=1))
     engine.step()                                    # the prefill: prompt_len tokens of KV, one sampled token
     reference_invariants(engine)
-    parent = engine.requests["a"]
+    parent = engine.sequences["a"]
     refs = [engine.pool.blocks[b].ref_count for b in parent.block_table]   # (the prefix cache holds full ones)
-    child = engine.requests[engine.fork("a")]
+    child = engine.sequences[engine.fork("a")]
     return engine, parent, child, refs
 
 

@@ -66,7 +66,7 @@ def run_engine(ctx: Context, components: Components, requests: list[tuple], conf
             if out.finished:
                 outputs[out.request_id] = [list(c.token_ids) for c in out.outputs]
         for rid, at in (fork_at or {}).items():
-            if at == step and rid in engine.requests:
+            if at == step and rid in engine.sequences:
                 engine.fork(rid)
                 reference_invariants(engine)
     else:

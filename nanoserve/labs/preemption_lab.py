@@ -41,7 +41,7 @@ def _trace(ctx: Context, components, config: dict):
     seen: list[tuple[int, str, str]] = []
 
     def on_step(engine, result, before):
-        seen.extend((e.step, e.request_id, e.mode) for e in result.events if isinstance(e, Preempted))
+        seen.extend((e.step, e.seq_id, e.mode) for e in result.events if isinstance(e, Preempted))
     _, outputs = run_engine(ctx, components, _pressure(), config, on_step=on_step)
     return seen, outputs
 

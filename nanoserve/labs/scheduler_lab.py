@@ -46,13 +46,13 @@ def budget_respected(ctx: Context) -> None:
 
 def decodes_first(ctx: Context) -> None:
     def on_step(engine, result, before):
-        decoding = {r["request_id"] for r in before["requests"] if r["status"] == "running"
+        decoding = {r["seq_id"] for r in before["sequences"] if r["status"] == "running"
                     and r["num_prompt_tokens"] + r["num_output_tokens"] - r["num_computed_tokens"] == 1}
         chunks = _chunks(result)
-        got = {c.request_id for c in chunks}
+        got = {c.seq_id for c in chunks}
         starved = sorted(decoding - got)
         expect(not starved, f"step {result.stats.step}: {', '.join(starved)} was decoding but got no token while "
-               f"prefill chunks took the budget ({[(c.request_id, c.num_tokens) for c in chunks]})",
+               f"prefill chunks took the budget ({[(c.seq_id, c.num_tokens) for c in chunks]})",
                "schedule decodes first (one token each), then prefill chunks with what is left: a decode "
                "costs one token, and starving it stalls a request that is already streaming")
         kinds = [c.is_prefill for c in chunks]
@@ -66,7 +66,7 @@ def chunked_prefill(ctx: Context) -> None:
     sizes: list[int] = []
 
     def on_step(engine, result, before):
-        sizes.extend(c.num_tokens for c in _chunks(result) if c.request_id == "long" and c.is_prefill)
+        sizes.extend(c.num_tokens for c in _chunks(result) if c.seq_id == "long" and c.is_prefill)
     try:
         run_engine(ctx, ctx.components(), [("long", prompts(1, 21, seed=2)[0], _params(3))],
                    {"max_num_batched_tokens": BUDGET, "num_blocks": 32}, max_steps=40, on_step=on_step)
@@ -80,11 +80,11 @@ def chunked_prefill(ctx: Context) -> None:
 
 def whole_prompts(ctx: Context) -> None:
     def on_step(engine, result, before):
-        left = {r["request_id"]: r["num_prompt_tokens"] - r["num_computed_tokens"] for r in before["requests"]}
+        left = {r["seq_id"]: r["num_prompt_tokens"] - r["num_computed_tokens"] for r in before["sequences"]}
         for c in _chunks(result):
-            if c.is_prefill and c.request_id in left and left[c.request_id] > 0:
-                expect(c.num_tokens == left[c.request_id],
-                       f"step {result.stats.step}: {c.request_id} computed {c.num_tokens} of its {left[c.request_id]} "
+            if c.is_prefill and c.seq_id in left and left[c.seq_id] > 0:
+                expect(c.num_tokens == left[c.seq_id],
+                       f"step {result.stats.step}: {c.seq_id} computed {c.num_tokens} of its {left[c.seq_id]} "
                        "prompt tokens with enable_chunked_prefill=False",
                        "without chunked prefill a prompt runs whole: if it does not fit in the budget left, "
                        "_chunk_size returns 0 and it waits for a step with room")

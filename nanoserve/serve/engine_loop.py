@@ -253,7 +253,7 @@ class EngineLoop:
 
     def _abort(self, request_id: str) -> None:
         self._sinks.pop(request_id, None)
-        if request_id in self.engine.groups:       # not finished in the meantime
+        if request_id in self.engine.requests:       # not finished in the meantime
             self.engine.abort_request(request_id)
             if self.metrics:
                 self.metrics.aborted(request_id)

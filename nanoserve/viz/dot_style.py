@@ -28,7 +28,7 @@ FONT = "Helvetica"
 
 def colours_of(state: ViewState) -> dict[str, tuple[str, str]]:
     """Request id -> (fill, line). Arrival order, so colours stay put from step to step."""
-    return {rid: PALETTE[i % len(PALETTE)] for i, rid in enumerate(state.requests)}
+    return {rid: PALETTE[i % len(PALETTE)] for i, rid in enumerate(state.sequences)}
 
 
 def graph(name: str, title: str, rankdir: str) -> Digraph:

@@ -67,10 +67,10 @@ def tables_dot(state: ViewState) -> str:
     """Each live request's block table with arrows to the physical blocks it maps to."""
     g = graph("tables", _title(state, "block tables"), rankdir="LR")
     colours, owners = colours_of(state), state.block_owners()
-    with_blocks = [rid for rid in _live(state) if state.requests[rid].block_table]
-    node = {rid: f"req{i}" for i, rid in enumerate(state.requests)}  # ids may hold ':' or spaces
+    with_blocks = [rid for rid in _live(state) if state.sequences[rid].block_table]
+    node = {rid: f"req{i}" for i, rid in enumerate(state.sequences)}  # ids may hold ':' or spaces
     for rid in with_blocks:
-        req, (fill, line) = state.requests[rid], colours[rid]
+        req, (fill, line) = state.sequences[rid], colours[rid]
         rows = [f'<TR><TD BGCOLOR="{line}"><FONT COLOR="white"><B>{html.escape(rid)}</B></FONT></TD>'
                 f'<TD BGCOLOR="{line}"><FONT COLOR="white">{req.status}</FONT></TD></TR>',
                 f'<TR><TD COLSPAN="2">{req.num_computed_tokens} tokens in KV</TD></TR>']
@@ -91,7 +91,7 @@ def tables_dot(state: ViewState) -> str:
     # swapped-out requests: their KV sits in the CPU pool, no device blocks
     if state.swapped:
         rows = [f'<TR><TD BGCOLOR="{colours[rid][0]}">{html.escape(rid)}</TD><TD>CPU '
-                f'{" ".join(map(str, state.requests[rid].cpu_block_table))}</TD></TR>' for rid in state.swapped]
+                f'{" ".join(map(str, state.sequences[rid].cpu_block_table))}</TD></TR>' for rid in state.swapped]
         g.node("swapped", html_table(['<TR><TD COLSPAN="2" BORDER="0"><I>swapped out, KV in the CPU pool:</I>'
                                        '</TD></TR>'] + rows))
     # keep the requests top to bottom in queue order (running first)
@@ -184,7 +184,7 @@ def pool_dot(state: ViewState, columns: int | None = None) -> str:
 
 def _cpu_pool(g: Digraph, state: ViewState, colours: dict[str, tuple[str, str]], columns: int) -> None:
     """The CPU swap pool under the free queue: each CPU block coloured by the swapped request it holds."""
-    holder = {b: rid for rid in state.swapped for b in state.requests[rid].cpu_block_table}
+    holder = {b: rid for rid in state.swapped for b in state.sequences[rid].cpu_block_table}
     cells = [f'<TD WIDTH="40" BGCOLOR="{colours[holder[b]][0] if b in holder else FREE_FILL}">'
              f'c{b}<BR/>{html.escape(holder.get(b, "")) or "&nbsp;"}</TD>'
              for b in range(min(state.num_cpu_blocks, MAX_POOL_CELLS))]

@@ -55,9 +55,9 @@ def radix_tree_dot(state: ViewState) -> str:
     g.attr(ranksep="0.35")
     g.node("n0", html_table(['<TR><TD BGCOLOR="#525252"><FONT COLOR="white"><B>root</B></FONT></TD></TR>']))
 
-    # who holds what: a request holds its deepest node (RequestView.cache_node) and every node above it
+    # who holds what: a request holds its deepest node (SequenceView.cache_node) and every node above it
     holders: dict[int, list[str]] = {}
-    for rid, req in state.requests.items():
+    for rid, req in state.sequences.items():
         if not req.status.startswith("finished") and req.cache_node in state.radix and req.cache_node != ROOT:
             holders.setdefault(req.cache_node, []).append(rid)
 

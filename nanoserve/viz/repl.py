@@ -87,14 +87,14 @@ def render_engine(engine):
     table = Table(box=None, pad_edge=False, header_style="bold")
     for col in ("request", "status", "prompt+out", "computed", "block table"):
         table.add_column(col)
-    for i, r in enumerate(s["requests"]):
+    for i, r in enumerate(s["sequences"]):
         for b in r["block_table"]:
             owners[b] = i
             holders[b] = holders.get(b, 0) + 1
         bt = " ".join(map(str, r["block_table"][:16])) + (" …" if len(r["block_table"]) > 16 else "")
         if r.get("cpu_block_table"):
             bt = "CPU " + " ".join(map(str, r["cpu_block_table"][:16]))
-        table.add_row(Text(r["request_id"], style=_colour(i)), r["status"],
+        table.add_row(Text(r["seq_id"], style=_colour(i)), r["status"],
                       f"{r['num_prompt_tokens']}+{r['num_output_tokens']}", str(r["num_computed_tokens"]), f"[{bt}]")
     used = pool["num_blocks"] - len(pool["free_queue"])
     swapped = f"  swapped {len(s['swapped'])}" if s.get("swapped") else ""
@@ -114,7 +114,7 @@ def render_engine(engine):
         cpu = s["cpu_pool"]
         parts.append(Text(f"CPU swap pool: {cpu['num_blocks'] - len(cpu['free_queue'])}/{cpu['num_blocks']} "
                           "blocks used", style="dim"))
-    if s["requests"]:
+    if s["sequences"]:
         parts.append(table)
     parts.append(POOL_KEY)
     return Panel(Group(*parts), title="LLMEngine", title_align="left", border_style="blue")

@@ -2,7 +2,7 @@
 
     from nanoserve.distributed.sharding import split_plan
     from nanoserve.viz.tp_dot import split_dot
-    dot = split_dot(split_plan(model, 2), request=engine.snapshot()["requests"][0], block_size=16)
+    dot = split_dot(split_plan(model, 2), request=engine.snapshot()["sequences"][0], block_size=16)
 
 One column per rank, top to bottom in the order a token's hidden state
 meets them: the vocab-parallel embedding, the column-parallel projections
@@ -63,7 +63,7 @@ def _kv_table(rank: int, kv_heads: tuple[int, ...], request: dict | None, block_
             f'KV heads {", ".join(map(str, kv_heads))} only</TD></TR>']
     if request is not None:
         per_block = 2 * num_layers * block_size * len(kv_heads) * head_dim * elem
-        rows.append(f'<TR><TD COLSPAN="2"><I>{html.escape(request["request_id"])}</I>: '
+        rows.append(f'<TR><TD COLSPAN="2"><I>{html.escape(request["seq_id"])}</I>: '
                     f'{request["num_computed_tokens"]} tokens, {per_block} B of each block here</TD></TR>')
         for i, b in enumerate(request["block_table"]):
             held = min(max(request["num_computed_tokens"] - i * block_size, 0), block_size)

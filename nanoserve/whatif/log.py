@@ -103,7 +103,7 @@ class CommandLog:
 
     def __call__(self, event: ev.Event) -> None:
         if isinstance(event, ev.EngineSynced):
-            if not self._started and (event.step > 0 or event.requests):
+            if not self._started and (event.step > 0 or event.sequences):
                 self._incomplete(f"recording began at step {event.step}, after the engine had work")
             if not self._started:
                 self.config, self.model = dict(event.config), event.model
@@ -124,9 +124,9 @@ class CommandLog:
             if event.seed < 0:
                 self._incomplete("the trace was recorded before Forked events carried seeds")
             self.commands.append(Command(CommandKind.FORK, event.step, event.parent_id, seed=event.seed,
-                                         child_id=event.request_id))
-        elif isinstance(event, ev.RequestAborted):
-            self.commands.append(Command(CommandKind.ABORT, event.step, event.request_id))
+                                         child_id=event.seq_id))
+        elif isinstance(event, ev.SequenceAborted):
+            self.commands.append(Command(CommandKind.ABORT, event.step, event.seq_id))
 
     def _incomplete(self, why: str) -> None:
         if self.complete:

@@ -118,18 +118,18 @@ def measure(events) -> RunMetrics:
         state = fold(state, event)
         if isinstance(event, ev.EngineSynced):
             config = dict(event.config)
-            requests = {rid: RequestRow(rid, event.step) for rid in state.requests}
+            requests = {rid: RequestRow(rid, event.step) for rid in state.sequences}
         elif isinstance(event, (ev.RequestAdded, ev.Forked)):
-            requests[event.request_id] = RequestRow(event.request_id, event.step)
+            requests[event.seq_id] = RequestRow(event.seq_id, event.step)
         elif isinstance(event, ev.ChunkScheduled):
-            scheduled[event.request_id] = scheduled.get(event.request_id, False) or event.is_prefill
+            scheduled[event.seq_id] = scheduled.get(event.seq_id, False) or event.is_prefill
         elif isinstance(event, ev.TokenSampled):
-            row = requests[event.request_id]
+            row = requests[event.seq_id]
             row.token_steps.append(event.step)
             if row.first_token_step is None:
                 row.first_token_step = event.step
-        elif isinstance(event, ev.RequestFinished | ev.RequestAborted):
-            row = requests[event.request_id]
+        elif isinstance(event, ev.SequenceFinished | ev.SequenceAborted):
+            row = requests[event.seq_id]
             if row.finish_step is None:
                 row.finish_step = event.step
                 row.finish_reason = getattr(event, "finish_reason", "abort")
@@ -159,7 +159,7 @@ def _phase(state: ViewState, rid: str, scheduled: dict[str, bool]) -> str | None
     """What request `rid` did in the step that just ended (None: not in the run at that step)."""
     if rid in scheduled:
         return "prefill" if scheduled[rid] else "decode"
-    req = state.requests.get(rid)
+    req = state.sequences.get(rid)
     if req is None or req.status.startswith("finished"):
         return None
     if req.status == "swapped":

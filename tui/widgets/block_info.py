@@ -17,7 +17,7 @@ from nanoserve_tui.palette import CACHED, CPU, FREE, SHARED, request_colours
 
 def token_span(state: ViewState, request_id: str, block_id: int) -> str:
     """Which token positions `block_id` holds for one request, e.g. "logical 2, tokens 8-10 (3/4)"."""
-    req, bs = state.requests[request_id], state.block_size
+    req, bs = state.sequences[request_id], state.block_size
     i = req.block_table.index(block_id)
     filled = max(0, min(bs, req.num_computed_tokens - i * bs))
     if filled == 0:
@@ -65,7 +65,7 @@ def legend(state: ViewState | None) -> Text:
 
 def cpu_strip(state: ViewState, colours: dict[str, str], width: int) -> Text:
     """The CPU swap pool in one line: a cell per CPU block, in the colour of the swapped request holding it."""
-    holder = {b: rid for rid in state.swapped for b in state.requests[rid].cpu_block_table}
+    holder = {b: rid for rid in state.swapped for b in state.sequences[rid].cpu_block_table}
     text = Text.assemble(("CPU swap ", "bold"), (f"{len(holder)}/{state.num_cpu_blocks} ", "dim"))
     room = width - text.cell_len
     # the roomiest look that fits: 2-wide cells with gaps, without gaps, then 1 wide (and "…")

@@ -19,9 +19,9 @@ from nanoserve_tui.widgets.lines import LinesView, wrap
 
 COLOURS = {
     "EngineSynced": "bold white", "StepStarted": "bold #56b6c2", "StepFinished": "bold #56b6c2",
-    "RequestAdded": "#e5c07b", "RequestAdmitted": "#98c379", "ChunkScheduled": "#82aaff",
+    "RequestAdded": "#e5c07b", "SequenceAdmitted": "#98c379", "ChunkScheduled": "#82aaff",
     "BlocksAllocated": "#98c379", "BlocksFreed": "#d19a66", "Preempted": "bold #e06c75",
-    "TokenSampled": "#9a9a9a", "RequestFinished": "#c678dd", "RequestAborted": "bold #e06c75",
+    "TokenSampled": "#9a9a9a", "SequenceFinished": "#c678dd", "SequenceAborted": "bold #e06c75",
     "DraftProposed": "#7fdbca", "DraftVerified": "#56b6c2", "KVTrimmed": "#d19a66",
     "PrefixMatched": "bold #e5c07b", "RadixInserted": "#98c379", "RadixSplit": "#82aaff", "RadixLocked": "#9a9a9a",
     "RadixEvicted": "#e06c75", "BlockDeduplicated": "#7fdbca", "Forked": "bold #c678dd", "CowCopied": "#c678dd",
@@ -41,75 +41,75 @@ def describe(e: ev.Event) -> str:
     """One line of detail for an event (everything but its type and timings)."""
     match e:
         case ev.EngineSynced():
-            return f"{e.model}: {e.num_blocks} blocks × {e.block_size} tokens, {len(e.requests)} requests"
+            return f"{e.model}: {e.num_blocks} blocks × {e.block_size} tokens, {len(e.sequences)} requests"
         case ev.StepStarted():
             return f"step {e.step}: {e.num_waiting} waiting, {e.num_running} running"
         case ev.StepFinished():
             return (f"{plural(e.num_seqs, 'sequence')}, {e.num_prefill_tokens} prefill + {e.num_decode_tokens} "
                     f"decode tokens, {plural(e.num_free_blocks, 'block')} free")
         case ev.RequestAdded():
-            return (f"{e.request_id}: {plural(e.num_prompt_tokens, 'prompt token')}, max {e.max_tokens} "
+            return (f"{e.seq_id}: {plural(e.num_prompt_tokens, 'prompt token')}, max {e.max_tokens} "
                     f"{printable(e.prompt)[:40]!r}")
         case ev.ChunkScheduled():
             kind = "prefill" if e.is_prefill else "decode"
-            return f"{e.request_id} {kind} tokens {e.start}-{e.start + e.num_tokens - 1}"
+            return f"{e.seq_id} {kind} tokens {e.start}-{e.start + e.num_tokens - 1}"
         case ev.BlocksAllocated():
-            return f"{e.request_id} +{_ids(e.block_ids)}"
+            return f"{e.seq_id} +{_ids(e.block_ids)}"
         case ev.BlocksFreed():
-            return f"{e.request_id} -{_ids(e.block_ids)}, to the free queue {_ids(e.released)}"
+            return f"{e.seq_id} -{_ids(e.block_ids)}, to the free queue {_ids(e.released)}"
         case ev.Preempted():
             if e.mode == "swap":
-                return f"{e.request_id} (swap): its KV moves to the CPU pool"
-            return f"{e.request_id} ({e.mode}): {e.num_tokens_lost} tokens of KV to compute again"
+                return f"{e.seq_id} (swap): its KV moves to the CPU pool"
+            return f"{e.seq_id} ({e.mode}): {e.num_tokens_lost} tokens of KV to compute again"
         case ev.TokenSampled():
-            return f"{e.request_id} token {e.token_id} {token_text(e.text)} logprob {e.logprob:.2f}"
-        case ev.RequestFinished():
-            return f"{e.request_id} {e.finish_reason} after {e.num_output_tokens} tokens" + (
+            return f"{e.seq_id} token {e.token_id} {token_text(e.text)} logprob {e.logprob:.2f}"
+        case ev.SequenceFinished():
+            return f"{e.seq_id} {e.finish_reason} after {e.num_output_tokens} tokens" + (
                 f": {printable(e.error)}" if e.error else "")
         case ev.DraftProposed():
-            return f"{e.request_id} {e.method} guesses {_ids(e.token_ids)}"
+            return f"{e.seq_id} {e.method} guesses {_ids(e.token_ids)}"
         case ev.DraftVerified():
             extra = "bonus" if e.is_bonus else "corrected"
-            return f"{e.request_id} accepted {e.num_accepted}/{e.num_drafted}, {extra} token {e.token_id}"
+            return f"{e.seq_id} accepted {e.num_accepted}/{e.num_drafted}, {extra} token {e.token_id}"
         case ev.KVTrimmed():
-            return (f"{e.request_id} dropped KV of {e.num_tokens_dropped} rejected tokens, keeps "
+            return (f"{e.seq_id} dropped KV of {e.num_tokens_dropped} rejected tokens, keeps "
                     f"{e.num_computed_tokens}, gives back {_ids(e.block_ids)}")
         case ev.PrefixMatched():
             if not e.num_hit_tokens:
-                return f"{e.request_id} miss: none of its {e.num_tokens} tokens cached"
-            return (f"{e.request_id} hit {e.num_hit_tokens}/{e.num_tokens} tokens, reuses {_ids(e.block_ids)}: "
+                return f"{e.seq_id} miss: none of its {e.num_tokens} tokens cached"
+            return (f"{e.seq_id} hit {e.num_hit_tokens}/{e.num_tokens} tokens, reuses {_ids(e.block_ids)}: "
                     f"their prefill is skipped")
         case ev.RadixInserted():
             return (f"node {e.node_id} under {e.parent_id}: {printable(e.text)[:30]!r} {_ids(e.block_ids)} "
-                    f"from {e.request_id}")
+                    f"from {e.seq_id}")
         case ev.RadixSplit():
             return (f"node {e.node_id} cut after {e.num_blocks} blocks: head {e.new_node_id} "
                     f"{printable(e.head_text)[:20]!r}, tail {printable(e.tail_text)[:20]!r}")
         case ev.RadixLocked():
-            return f"{e.request_id} holds node {e.node_id}" if e.node_id else f"{e.request_id} holds no node"
+            return f"{e.seq_id} holds node {e.node_id}" if e.node_id else f"{e.seq_id} holds no node"
         case ev.RadixEvicted():
             return f"node {e.node_id} (last used step {e.last_access}) -> free queue {_ids(e.block_ids)}"
         case ev.BlockDeduplicated():
-            return (f"{e.request_id} logical {e.index}: block {e.dropped} equals cached {e.kept}, uses it"
+            return (f"{e.seq_id} logical {e.index}: block {e.dropped} equals cached {e.kept}, uses it"
                     + (f"; {e.dropped} freed" if e.released else ""))
         case ev.Forked():
-            return f"{e.parent_id} -> {e.request_id}, sharing {_ids(e.block_ids)}"
+            return f"{e.parent_id} -> {e.seq_id}, sharing {_ids(e.block_ids)}"
         case ev.CowCopied():
-            return f"{e.request_id} logical {e.index}: shared block {e.src} copied to {e.dst} before writing"
+            return f"{e.seq_id} logical {e.index}: shared block {e.src} copied to {e.dst} before writing"
         case ev.BeamPruned():
-            return f"{e.request_id} dropped: no best candidate continues it"
+            return f"{e.seq_id} dropped: no best candidate continues it"
         case ev.SwappedOut():
-            return (f"{e.request_id} {_ids(e.block_ids)} -> CPU {_ids(e.cpu_block_ids)}, "
+            return (f"{e.seq_id} {_ids(e.block_ids)} -> CPU {_ids(e.cpu_block_ids)}, "
                     f"to the free queue {_ids(e.released)}")
         case ev.SwappedIn():
-            return f"{e.request_id} CPU {_ids(e.cpu_block_ids)} -> {_ids(e.block_ids)}"
+            return f"{e.seq_id} CPU {_ids(e.cpu_block_ids)} -> {_ids(e.block_ids)}"
         case ev.CollectiveOps():
             return f"{e.kind} ×{e.count}, {e.num_bytes} bytes from rank 0"
         case ev.RankPoolState():
             return (f"rank {e.rank} (KV heads {_ids(e.kv_heads)}): wrote {e.num_blocks_written} blocks, "
                     f"copied {e.num_blocks_copied}, swapped {e.num_blocks_swapped}, slots {e.digest}")
         case ev.KVTransferred():
-            return (f"{e.request_id} {e.src} {_ids(e.src_block_ids)} -> {e.dst} {_ids(e.block_ids)}: "
+            return (f"{e.seq_id} {e.src} {_ids(e.src_block_ids)} -> {e.dst} {_ids(e.block_ids)}: "
                     f"KV of {e.num_tokens} tokens, {e.num_bytes} bytes")
     fields = [f for f in dataclasses.fields(e) if f.name not in ("step", "duration_s")]
     return " ".join(str(getattr(e, f.name)) for f in fields)

@@ -133,7 +133,7 @@ def _cell_lines(state: ViewState, b: int, owners: dict[int, list[str]], kind: st
     elif kind == "cached":
         owner, fill = "cache", ""
     elif holders:
-        req = state.requests[holders[0]]
+        req = state.sequences[holders[0]]
         i = req.block_table.index(b)
         owner, fill = holders[0], f"{max(0, min(bs, req.num_computed_tokens - i * bs))}/{bs}"
     else:

@@ -32,7 +32,7 @@ SELECTED = Style.parse("on #2c4a6e")
 
 def request_lines(state: ViewState, rid: str, colour: str, width: int) -> tuple[Strip, Strip]:
     """Two lines: id, status, progress; then the newest generated text that fits."""
-    req = state.requests[rid]
+    req = state.sequences[rid]
     total = str(req.max_tokens) if req.max_tokens else "?"
     bar = BAR if width >= 60 else BAR // 2                       # narrow panels: a shorter bar
     filled = min(bar, round(bar * req.num_output_tokens / req.max_tokens)) if req.max_tokens else 0

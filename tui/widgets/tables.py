@@ -31,7 +31,7 @@ def shared_blocks(state: ViewState, live: list[str]) -> set[int]:
     multi = {b for b, ref in enumerate(state.ref_counts) if ref > 1}
     if not multi:
         return set()
-    counts = Counter(b for rid in live for b in state.requests[rid].block_table if b in multi)
+    counts = Counter(b for rid in live for b in state.sequences[rid].block_table if b in multi)
     return {b for b, n in counts.items() if n > 1}
 
 
@@ -50,7 +50,7 @@ class TablesLayout:
         self.rows: list[tuple[str, int, int]] = []     # (request id, first entry, end entry) per line
         bs = state.block_size
         for rid in live:
-            req = state.requests[rid]
+            req = state.sequences[rid]
             table, computed = req.block_table, req.num_computed_tokens
             sizes = [3 + len(str(i)) + len(str(b)) + (b in self.shared) + (
                 0 if computed - i * bs >= bs else len(f"({max(0, computed - i * bs)}/{bs})"))
@@ -64,7 +64,7 @@ class TablesLayout:
         if not self.rows:
             return Strip([Segment("no request holds blocks", DIM)])
         rid, start, end = self.rows[index]
-        req, bs = self.state.requests[rid], self.state.block_size
+        req, bs = self.state.sequences[rid], self.state.block_size
         chip = Style.parse(f"bold #000000 on {self.colours[rid]}")
         if start == 0:
             segments = [Segment(f" {rid} ".ljust(self.name_width), chip)]

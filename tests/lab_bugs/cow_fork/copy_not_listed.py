@@ -14,5 +14,5 @@ class KVManager(_KV):
         dst = self._take(1)[0]
         self.pool.free([src])
         seq.block_table[i] = dst
-        self.emit(ev.CowCopied(self.step, seq.request_id, i, src, dst))
+        self.emit(ev.CowCopied(self.step, seq.seq_id, i, src, dst))
         return src, dst

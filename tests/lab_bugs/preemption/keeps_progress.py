@@ -16,12 +16,12 @@ class Scheduler(_Scheduler):
         out.preempted.append(seq)
         if self.config.preemption_mode == "swap" and seq.block_table and self.kv.can_swap_out(seq):
             seq.set_status(SequenceStatus.SWAPPED)
-            self.emit(ev.Preempted(self.step, seq.request_id, "swap", 0))
+            self.emit(ev.Preempted(self.step, seq.seq_id, "swap", 0))
             self.kv.swap_out(seq)
             self.swapped.append(seq)
             return
         lost = seq.num_computed_tokens
         seq.set_status(SequenceStatus.WAITING)
-        self.emit(ev.Preempted(self.step, seq.request_id, "recompute", lost))
+        self.emit(ev.Preempted(self.step, seq.seq_id, "recompute", lost))
         self.kv.release(seq)
         self.waiting.appendleft(seq)

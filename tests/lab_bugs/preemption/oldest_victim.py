@@ -13,10 +13,10 @@ class Scheduler(_Scheduler):
     def _victim(self, seq: Sequence, scheduled: set[str]) -> Sequence:
         """The running sequence to preempt for `seq`: a stuck beam of another request first (it
         makes no progress anyway), else one by `preemption_policy`; never one already in this batch."""
-        stuck = self._stuck_beams(scheduled, seq.group_id)
+        stuck = self._stuck_beams(scheduled, seq.request_id)
         if stuck:
             return stuck[-1]
-        candidates = [(i, s) for i, s in enumerate(self.running) if s.request_id not in scheduled]
+        candidates = [(i, s) for i, s in enumerate(self.running) if s.seq_id not in scheduled]
         policy = self.config.preemption_policy
         if policy == "priority":
             key = lambda c: (-c[1].priority, c[0])                                        # noqa: E731

@@ -13,7 +13,7 @@ class Scheduler(_Scheduler):
     def _victim(self, seq: Sequence, scheduled: set[str]) -> Sequence:
         """The running sequence to preempt for `seq`: a stuck beam of another request first (it
         makes no progress anyway), else one by `preemption_policy`; never one already in this batch."""
-        stuck = self._stuck_beams(scheduled, seq.group_id)
+        stuck = self._stuck_beams(scheduled, seq.request_id)
         if stuck:
             return stuck[-1]
         candidates = [(i, s) for i, s in enumerate(self.running) if s is not seq or len(self.running) == 1]

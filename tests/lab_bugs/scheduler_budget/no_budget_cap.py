@@ -15,7 +15,7 @@ class Scheduler(_Scheduler):
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            draft = plan.drafts.get(seq.request_id, [])
+            draft = plan.drafts.get(seq.seq_id, [])
             num_new = seq.num_uncomputed_tokens + len(draft)
             draft = draft[: max(0, num_new - seq.num_uncomputed_tokens)]
             if self._reserve(seq, num_new, plan.scheduled, plan.out):
