@@ -15,11 +15,11 @@ from pathlib import Path
 
 from graphviz import Digraph
 
+import nanoserve
 from docgen import Result, regions
 from docgen.home import _ranges
 from docgen.pictures import graphviz_svg
 from docgen.scenarios import words
-import nanoserve
 from nanoserve import EngineConfig, LLMEngine, SamplingParams
 from nanoserve import events as ev
 
