@@ -139,7 +139,7 @@ class RadixCache(Displayable):
 
     # -- insert ------------------------------------------------------------------------
 
-    def insert(self, request_id: str, tokens: Sequence[int], block_ids: Sequence[int]
+    def insert(self, seq_id: str, tokens: Sequence[int], block_ids: Sequence[int]
                ) -> tuple[RadixNode, list[tuple[int, int, int]]]:
         """Put the full blocks `block_ids` (holding `tokens`) in the tree.
 
@@ -154,7 +154,7 @@ class RadixCache(Displayable):
             key = self._key(tokens, i)
             child = node.children.get(key)
             if child is None:
-                child = self._add_node(request_id, node, tokens, block_ids, i, n)
+                child = self._add_node(seq_id, node, tokens, block_ids, i, n)
                 i = n
             else:
                 common = self._common_blocks(child, tokens, i, n - i)
@@ -167,7 +167,7 @@ class RadixCache(Displayable):
         self.touch(node)
         return node, duplicates
 
-    def _add_node(self, request_id: str, parent: RadixNode, tokens: Sequence[int], block_ids: Sequence[int],
+    def _add_node(self, seq_id: str, parent: RadixNode, tokens: Sequence[int], block_ids: Sequence[int],
                   first: int, end: int) -> RadixNode:
         bs = self.block_size
         span = tuple(tokens[first * bs : end * bs])
@@ -177,7 +177,7 @@ class RadixCache(Displayable):
         parent.children[self._key(span, 0)] = node
         self.nodes[node.node_id] = node
         self.num_evictable_blocks += len(node.block_ids)   # unlocked until a request locks it
-        self.emit(ev.RadixInserted(self.step, request_id, node.node_id, parent.node_id, self.decode(list(span)),
+        self.emit(ev.RadixInserted(self.step, seq_id, node.node_id, parent.node_id, self.decode(list(span)),
                                    len(span), tuple(node.block_ids)))
         return node
 

@@ -122,7 +122,7 @@ class NgramProposer:
     def accepted(self, seq: Sequence, num_tokens_before: int, num_accepted: int) -> None:
         pass   # no state: every step looks the tokens up afresh
 
-    def release(self, request_id: str) -> None:
+    def release(self, seq_id: str) -> None:
         pass
 
     def check_invariants(self) -> None:
@@ -218,8 +218,8 @@ class DraftModelProposer:
         self.pool.free(st.block_table[keep:])
         del st.block_table[keep:]
 
-    def release(self, request_id: str) -> None:
-        st = self.states.pop(request_id, None)
+    def release(self, seq_id: str) -> None:
+        st = self.states.pop(seq_id, None)
         if st is not None and st.block_table:
             self.pool.free(st.block_table)
 

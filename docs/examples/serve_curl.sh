@@ -19,7 +19,9 @@ curl -sfN "${AUTH[@]}" "$URL/v1/chat/completions" -H "Content-Type: application/
   -d "{\"model\": \"$MODEL\", \"messages\": [{\"role\": \"user\", \"content\": \"What is a KV cache?\"}],
        \"max_tokens\": 8, \"stream\": true}"
 
-# The engine's state, and its numbers for Prometheus.
-curl -sf "${AUTH[@]}" "$URL/snapshot" | head -c 200
-echo
-curl -sf "${AUTH[@]}" "$URL/metrics" | grep '^nanoserve_requests{'
+# The engine's state (its first 200 characters), and its numbers for Prometheus. (Read whole first:
+# piping curl into `head` can fail the script with curl's "write error" when head stops reading.)
+snapshot=$(curl -sf "${AUTH[@]}" "$URL/snapshot")
+echo "${snapshot:0:200}"
+metrics=$(curl -sf "${AUTH[@]}" "$URL/metrics")
+grep '^nanoserve_requests{' <<<"$metrics"

@@ -6,6 +6,6 @@ EXPECT_HINT = "duplicate prefix block is freed"
 
 
 class RadixCache(_Cache):
-    def insert(self, request_id, tokens, block_ids):
-        node, _ = super().insert(request_id, tokens, block_ids)
+    def insert(self, seq_id, tokens, block_ids):
+        node, _ = super().insert(seq_id, tokens, block_ids)
         return node, []
