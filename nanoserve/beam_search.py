@@ -105,11 +105,11 @@ def ready(request) -> bool:
 class BeamStep:
     """What one beam step of a request decided, in candidate order; the engine applies it (`commit.py`).
 
-    Each move appends `token` to `beam` itself, or (`fork`) to a new fork of `beam` made
-    first; `pruned` beams were chosen for nothing and are dropped.
+    Each continuation appends `token` to `beam` itself, or (`fork`) to a new fork of `beam`
+    made first; `pruned` beams were chosen for nothing and are dropped.
     """
 
-    moves: list[tuple[Sequence, SampledToken, bool]]   # (beam, its next token, fork it first?)
+    continuations: list[tuple[Sequence, SampledToken, bool]]   # (beam, its next token, fork it first?)
     pruned: list[Sequence]
 
 
@@ -126,13 +126,13 @@ def decide(request, free_seats: int, eos_token_id: int | None) -> BeamStep:
     if eos_token_id is not None and not params.ignore_eos:
         end_ids.add(eos_token_id)
     keep, ended = select(live, min(params.beam_width, free_seats + sum(s.seats for s in live)), end_ids)
-    moves, used = [], set()
+    continuations, used = [], set()
     for c in keep:
         fork = c.beam.seq_id in used   # a beam's first continuation is the beam itself, a second one a fork
         used.add(c.beam.seq_id)
-        moves.append((c.beam, _token(c), fork))
-    moves += [(c.beam, _token(c), True) for c in ended]   # an ended hypothesis is a fork that finishes at once
-    return BeamStep(moves, [s for s in live if s.seq_id not in used])
+        continuations.append((c.beam, _token(c), fork))
+    continuations += [(c.beam, _token(c), True) for c in ended]   # an ended hypothesis: a fork that finishes now
+    return BeamStep(continuations, [s for s in live if s.seq_id not in used])
 
 
 def finished_early(request) -> list[Sequence]:

@@ -35,8 +35,8 @@ class Choice:
     """What the compute phase chose for one chunk; the commit phase applies it."""
 
     chunk: ScheduledChunk
-    tokens: list[SampledToken] = field(default_factory=list)   # plain: one; speculative: accepted + one
-    num_accepted: int = 0                                       # speculative: drafts accepted
+    tokens: list[SampledToken] = field(default_factory=list)   # plain: one; speculative: the Verdict's tokens
+    verdict: spec_decode.Verdict | None = None                  # speculative: what the target made of the drafts
     forks: list[tuple[torch.Generator, SampledToken]] = field(default_factory=list)   # n > 1: (RNG, first token)
     beam_logprobs: torch.Tensor | None = None                   # beam search: log-probs [V]
     error: str | None = None                                    # the logits were unusable: the request fails
@@ -66,7 +66,7 @@ def choose(engine, chunks: list[ScheduledChunk], inputs: list[RunInput], logits:
         elif chunk.draft_token_ids:
             verdict = spec_decode.decide(chunk, logits[rows.start:rows.stop], drafts.q.get(seq.seq_id),
                                          engine.sampler, engine.components.verify, engine.eos_token_id)
-            choice.tokens, choice.num_accepted = verdict.tokens, verdict.num_accepted
+            choice.verdict, choice.tokens = verdict, verdict.tokens
         elif seq.params.use_beam_search:
             choice.beam_logprobs = beam_search.next_logprobs(logits[rows.start], seq, engine.eos_token_id)
         else:

@@ -1,7 +1,8 @@
 """Commit: the last phase of a step, where the engine applies what the compute phase chose.
 
 The compute phase (`choose.py`) decided a `Choice` per chunk without touching
-any bookkeeping; here the engine applies each one, request by request:
+any bookkeeping; here the engine applies them, choice by choice (one per
+sequence that sampled), then each beam search whose beams are all scored:
 
 * speculative decoding: the `Verdict`'s accepted drafts keep their KV, the
   rejected positions are trimmed (`accept_drafts`); drafts that were
@@ -32,7 +33,7 @@ from nanoserve import events as ev
 from nanoserve.choose import Choice
 from nanoserve.outputs import RequestOutput
 from nanoserve.sequence import SequenceStatus
-from nanoserve.spec_decode import Drafts
+from nanoserve.spec_decode import Drafts, Verdict
 
 
 def commit(engine, chosen: list[Choice], drafts: Drafts, outputs: dict[str, RequestOutput]) -> tuple[int, int]:
@@ -48,10 +49,10 @@ def commit(engine, chosen: list[Choice], drafts: Drafts, outputs: dict[str, Requ
             elif choice.beam_logprobs is not None:
                 seq.beam_logprobs = choice.beam_logprobs
             else:
-                if choice.chunk.draft_token_ids:
-                    accept_drafts(engine, choice)
+                if choice.verdict is not None:
+                    accept_drafts(engine, seq, len(choice.chunk.draft_token_ids), choice.verdict)
                     drafted += len(choice.chunk.draft_token_ids)
-                    accepted += choice.num_accepted
+                    accepted += choice.verdict.num_accepted
                 forks = []
                 if choice.forks:   # n > 1: the prompt is done; the n sequences share its blocks
                     engine.requests[seq.request_id].forked, seq.seats = True, 1
@@ -77,10 +78,11 @@ def commit(engine, chosen: list[Choice], drafts: Drafts, outputs: dict[str, Requ
     return drafted, accepted
 
 
-def accept_drafts(engine, choice: Choice) -> None:
-    """Speculative decoding: the last real token and the accepted drafts have valid KV, the rejected
-    positions do not: roll those back (target and draft caches) and say so. The tokens are appended next."""
-    seq, n, accepted = choice.chunk.seq, len(choice.chunk.draft_token_ids), choice.num_accepted
+def accept_drafts(engine, seq, n: int, verdict: Verdict) -> None:
+    """Speculative decoding, `n` drafts checked: the last real token and the accepted drafts have valid KV,
+    the rejected positions do not: roll those back (target and draft caches) and say so. The Verdict's
+    tokens are appended next."""
+    accepted = verdict.num_accepted
     num_tokens_before = seq.num_tokens
     seq.num_drafted += n
     seq.num_accepted += accepted
@@ -89,7 +91,7 @@ def accept_drafts(engine, choice: Choice) -> None:
     engine.proposer.accepted(seq, num_tokens_before, accepted)
     step = engine.step_count
     engine._emit(ev.DraftVerified(step, seq.seq_id, n, accepted, accepted if accepted < n else -1,
-                                  choice.tokens[-1].token_id, accepted == n))
+                                  verdict.tokens[-1].token_id, accepted == n))
     engine._emit(ev.KVTrimmed(step, seq.seq_id, seq.num_computed_tokens, n - accepted, freed))
 
 
@@ -100,13 +102,13 @@ def apply_beam_step(engine, request, decided: beam_search.BeamStep, outputs: dic
     for s in request.live:
         s.seats = 1
     # Forks first, while every parent still has the state the candidates extend.
-    moves = [(engine._fork_seq(beam, torch.Generator().manual_seed(request.seed)) if fork else beam, token)
-             for beam, token, fork in decided.moves]
+    continuing = [(engine._fork_seq(beam, torch.Generator().manual_seed(request.seed)) if fork else beam, token)
+                  for beam, token, fork in decided.continuations]
     for s in decided.pruned:
         outputs[request.request_id] = engine._prune(s)
-    for seq, _ in moves:
+    for seq, _ in continuing:
         seq.beam_logprobs = None
-    for seq, token in moves:
+    for seq, token in continuing:
         outputs[request.request_id] = engine._append_tokens(seq, [token])
     for s in beam_search.finished_early(request):
         outputs[request.request_id] = engine._prune(s)

@@ -16,13 +16,14 @@ Each field is called exactly as the engine calls its own default, so a
 replacement keeps the default's constructor (or function) signature:
 
     block_pool(num_blocks, block_size)                 -> a BlockPool-like object
-    radix_cache(pool, emit, decode)                    -> a RadixCache-like object
-    kv_manager(pool, radix, cpu_pool, emit)            -> a KVManager-like object
-    scheduler(config, kv, emit)                        -> a Scheduler-like object
+    radix_cache(pool, emit, decode, clock=clock)       -> a RadixCache-like object
+    kv_manager(pool, radix, cpu_pool, emit, clock=clock) -> a KVManager-like object
+    scheduler(config, kv, emit, clock=clock)           -> a Scheduler-like object
     verify(p, draft, q, greedy, generator)             -> (tokens, num_accepted)
     attention_backend(name, fast_paths)                -> an AttentionBackend ("torch" or "triton")
 
-Nothing here is global: two engines in one process can run different parts.
+(`clock` is the engine's `events.StepClock`: the one step number every part stamps
+its events with.) Nothing here is global: two engines in one process can run different parts.
 """
 
 from __future__ import annotations

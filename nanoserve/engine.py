@@ -106,8 +106,8 @@ class LLMEngine(Displayable):
         config.resolve(model.max_positions, block_bytes, draft_bytes)   # FieldError before any allocation
         self.pool = parts.block_pool(config.num_blocks, config.block_size)
         self.bus = EventBus(hold_errors=True)   # a raising viewer never stops a step half way
-        # The radix prefix cache (None when off) and the CPU pool for swap preemption (None without swap space).
         self.clock = ev.StepClock()             # the step number: the engine advances it, its parts read it
+        # The radix prefix cache (None when off) and the CPU pool for swap preemption (None without swap space).
         self.radix = parts.radix_cache(self.pool, self._emit, self._span_text, clock=self.clock) \
             if config.enable_prefix_caching else None
         self.cpu_pool = parts.block_pool(config.num_cpu_blocks, config.block_size) if config.num_cpu_blocks else None

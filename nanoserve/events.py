@@ -1,6 +1,6 @@
 """Events: what the engine decided, as small frozen plain-data records.
 
-Every decision the engine makes (admit a request, schedule a chunk, allocate
+Every decision the engine makes (admit a sequence, schedule a chunk, allocate
 or free blocks, preempt, sample a token, finish) is published as one of these.
 They hold only ints, floats, strings, bools and tuples, never tensors or live
 objects, so a trace can be written to JSONL and replayed without a model.
@@ -8,7 +8,7 @@ Each carries `step`: the step it happened in (events between steps, like
 `add_request`, carry the number of the last finished step, 0 at the start).
 
 Viewers (TUI, Graphviz, REPL, lessons) are built on these and on `fold()` in
-`trace.py`, never on engine internals.
+`fold.py` (re-exported by `trace.py`), never on engine internals.
 """
 
 from __future__ import annotations

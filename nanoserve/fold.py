@@ -30,17 +30,19 @@ from nanoserve.view import (
 
 
 def synced_event(snapshot: dict) -> ev.EngineSynced:
-    """`engine.snapshot()` as an EngineSynced event, requests in queue order (running, waiting, swapped).
+    """`engine.snapshot()` as an EngineSynced event, sequences in queue order (running, waiting, swapped).
 
     Keys added with the memory mechanisms ("radix", "cpu_pool", "swapped",
-    a request's "cache_node" and "cpu_block_table") are optional, so older
-    snapshots still convert.
+    a sequence's "cache_node" and "cpu_block_table") are optional, and the names
+    from before the request/sequence rename ("requests", "request_id") are read
+    too, so older snapshots still convert.
     """
     pool = snapshot["pool"]
-    by_id = {r["seq_id"]: r for r in snapshot["sequences"]}
+    listed = snapshot["sequences"] if "sequences" in snapshot else snapshot["requests"]
+    by_id = {r.get("seq_id", r.get("request_id")): r for r in listed}
     order = list(snapshot["running"]) + list(snapshot["waiting"]) + list(snapshot.get("swapped", ()))
-    requests = tuple(
-        (r["seq_id"], r["status"], r["prompt"], r["num_prompt_tokens"], r["output_text"],
+    sequences = tuple(
+        (r.get("seq_id", r.get("request_id")), r["status"], r["prompt"], r["num_prompt_tokens"], r["output_text"],
          r["num_output_tokens"], r["num_computed_tokens"], tuple(r["block_table"]), r["max_tokens"],
          r.get("cache_node", ROOT), tuple(r.get("cpu_block_table", ())))
         for r in (by_id[rid] for rid in order)
@@ -51,7 +53,7 @@ def synced_event(snapshot: dict) -> ev.EngineSynced:
     cpu_pool = snapshot.get("cpu_pool") or {}
     ranks = tuple((r["rank"], tuple(r["kv_heads"]), r["bytes_per_block"]) for r in snapshot.get("ranks", ()))
     return ev.EngineSynced(snapshot["step"], snapshot["model"], pool["num_blocks"], pool["block_size"],
-                           tuple(pool["ref_counts"]), tuple(pool["free_queue"]), requests, nodes,
+                           tuple(pool["ref_counts"]), tuple(pool["free_queue"]), sequences, nodes,
                            bool(radix.get("enabled", False)), cpu_pool.get("num_blocks", 0), ranks,
                            tuple(dict(snapshot.get("config", {})).items()))
 

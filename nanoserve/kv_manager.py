@@ -53,7 +53,8 @@ class KVManager:
         self.cache = cache            # None: prefix caching is off
         self.cpu_pool = cpu_pool      # None: no swap space (preemption by recompute only)
         self.emit = emit
-        self.clock = clock or ev.StepClock()   # the engine's step number, for event stamps
+        # the engine's step number, for event stamps (built alone: the cache's, or a clock of its own)
+        self.clock = clock or (cache.clock if cache is not None else ev.StepClock())
         self.num_lookup_tokens = 0    # prefix cache: tokens looked up at admission ...
         self.num_hit_tokens = 0       # ... and tokens whose prefill a hit skipped
         self.moves = BlockMoves()     # where this step's block moves go (the plan's, from begin_step)

@@ -14,19 +14,19 @@ at position i depend only on tokens 0..i. The cache keeps those blocks in a
   physical block ids of its span. A node's children are keyed by the tokens
   of their first block, so two children never start with the same block.
 * `match_prefix(tokens)` walks down as far as the tokens agree and returns
-  the blocks on the way: the request shares them (ref count + 1) and starts
+  the blocks on the way: the sequence shares them (ref count + 1) and starts
   with `num_computed_tokens` at the match, so their prefill really is
   skipped. The match is capped to leave at least one token to compute: the
   step needs a query to produce the next token's logits. A match that ends
   inside a node's span *splits* the node at that block boundary.
-* `insert(tokens, blocks)` adds a request's filled blocks as soon as they
+* `insert(seq_id, tokens, block_ids)` adds a sequence's blocks as soon as they
   fill (the engine calls it every step), so requests arriving while the
   first one still runs already share its prefix. Where the tree already
-  holds the same tokens in other blocks (two requests computed the same
+  holds the same tokens in other blocks (two sequences computed the same
   prefix at once), `insert` reports the duplicates and the caller swaps its
   copy for the cached block.
 * The tree holds **one reference** on each of its blocks. A node is *locked*
-  while a running request uses it: `lock(node)` counts one more user on the
+  while a running sequence uses it: `lock(node)` counts one more user on the
   node and on every ancestor. An unlocked node's blocks are held by the tree
   alone: they are *cached and evictable*.
 * When the pool runs short, `evict(n)` frees unlocked leaves, least recently
@@ -65,7 +65,7 @@ class RadixNode:
         self.tokens = tokens                 # len(tokens) == len(block_ids) * block_size
         self.block_ids = block_ids
         self.children: dict[tuple[int, ...], RadixNode] = {}   # keyed by the child's first block of tokens
-        self.lock_count = 0                  # running requests that use this node (or a node below it)
+        self.lock_count = 0                  # running sequences that use this node (or a node below it)
         self.last_access = last_access       # step of the last match or insert through this node
 
     def path(self) -> list[RadixNode]:
@@ -176,7 +176,7 @@ class RadixCache(Displayable):
         self.pool.share(node.block_ids)          # the tree's own reference
         parent.children[self._key(span, 0)] = node
         self.nodes[node.node_id] = node
-        self.num_evictable_blocks += len(node.block_ids)   # unlocked until a request locks it
+        self.num_evictable_blocks += len(node.block_ids)   # unlocked until a sequence locks it
         self.emit(ev.RadixInserted(self.step, seq_id, node.node_id, parent.node_id, self.decode(list(span)),
                                    len(span), tuple(node.block_ids)))
         return node
@@ -200,7 +200,7 @@ class RadixCache(Displayable):
     # -- locks -------------------------------------------------------------------------
 
     def lock(self, node: RadixNode) -> None:
-        """One more running request uses `node` (and so every node above it)."""
+        """One more running sequence uses `node` (and so every node above it)."""
         for n in node.path():
             if n.lock_count == 0:
                 self.num_evictable_blocks -= len(n.block_ids)
@@ -251,11 +251,11 @@ class RadixCache(Displayable):
         return [n.block_ids for n in self.nodes.values() if n is not self.root]
 
     def check_invariants(self, locks: dict[int, int]) -> None:
-        """`locks` maps node id -> running requests whose deepest locked node it is."""
+        """`locks` maps node id -> running sequences whose deepest locked node it is."""
         evictable = 0
         expected_locks: dict[int, int] = {}
         for node_id, count in locks.items():
-            assert node_id in self.nodes, f"a request locks radix node {node_id}, which is not in the tree"
+            assert node_id in self.nodes, f"a sequence locks radix node {node_id}, which is not in the tree"
             for n in self.nodes[node_id].path():
                 expected_locks[n.node_id] = expected_locks.get(n.node_id, 0) + count
         for node in self.nodes.values():
@@ -267,7 +267,7 @@ class RadixCache(Displayable):
                 f"radix node {node.node_id} is not its parent's child under its first block"
             assert node.lock_count == expected_locks.get(node.node_id, 0), (
                 f"radix node {node.node_id}: lock_count {node.lock_count} but "
-                f"{expected_locks.get(node.node_id, 0)} requests hold it")
+                f"{expected_locks.get(node.node_id, 0)} sequences hold it")
             for block_id in node.block_ids:
                 ref = self.pool.blocks[block_id].ref_count
                 assert ref >= 1, f"radix node {node.node_id} holds free block {block_id}"

@@ -83,7 +83,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
-    generator: torch.Generator | None = None  # per-request RNG (seeded requests and reproducible runs)
+    generator: torch.Generator | None = None  # this sequence's RNG (a fork gets its own; seeded runs repeat)
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)  # physical block id per block of context
@@ -91,8 +91,8 @@ class Sequence:
     output_text: str = ""                # detokenized output, stop string excluded
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None  # per output token, when params.logprobs is set
-    error: str | None = None             # why the engine gave up on this request, if it did
-    num_sampling_steps: int = 0          # target forwards that produced tokens for this request
+    error: str | None = None             # why the engine gave up on this sequence, if it did
+    num_sampling_steps: int = 0          # target forwards that produced tokens for this sequence
     num_drafted: int = 0                 # speculative decoding: draft tokens proposed and checked
     num_accepted: int = 0                # ... and how many of them the target accepted
     first_token_time: float | None = None

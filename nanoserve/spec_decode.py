@@ -31,7 +31,8 @@ Two proposers share one interface, `propose(seqs, limits) -> Drafts`:
                         own block pool and paged KV cache, sampling k tokens
 
 The engine schedules the drafts and runs the forward; this module owns
-proposing and the acceptance rule, and changes none of the engine's state:
+proposing and the acceptance rule, and changes none of the engine's
+bookkeeping (only the draft model's own cache and the sequences' RNGs advance):
 `propose` before scheduling returns the `Drafts`, `decide` after the forward
 returns a `Verdict` (which tokens are accepted), and the engine applies it
 when the step commits (`commit.py`: append the tokens, trim the KV written
@@ -59,6 +60,7 @@ class Drafts:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     q: dict[str, torch.Tensor] = field(default_factory=dict)   # sequence id -> [len(tokens), V]
     num_tokens: dict[str, int] = field(default_factory=dict)   # sequence id -> its length when drafted
+                                                               # (filled by `propose` below, not by proposers)
 
 
 def sampling_rows(seq: Sequence, draft: list[int], eos: int | None, n: int) -> list[SamplingRow]:
@@ -293,15 +295,15 @@ class Verdict:
     num_accepted: int
 
 
-def decide(chunk, logits: torch.Tensor, q: torch.Tensor | None, sampler, verify, eos_token_id: int | None) -> Verdict:
+def decide(chunk, logits: torch.Tensor, q: torch.Tensor | None, sampler, rule, eos_token_id: int | None) -> Verdict:
     """After the forward: exact acceptance of a chunk's drafts against its logits [len(drafts) + 1, V].
 
-    `verify` is the acceptance rule (`verify` above, or a lab's); `q` the draft's distributions
+    `rule` is the acceptance rule (`verify` above, or a lab's); `q` the draft's distributions
     (None for n-gram drafts). Changes no bookkeeping (only the sequence's RNG advances).
     """
     seq, draft = chunk.seq, chunk.draft_token_ids
     n = len(draft)
     rows = sampling_rows(seq, draft, eos_token_id, n + 1)
-    tokens, accepted = verify(sampler.probs(logits, rows), draft, q[:n] if q is not None else None,
+    tokens, accepted = rule(sampler.probs(logits, rows), draft, q[:n] if q is not None else None,
                               seq.params.greedy, seq.generator)
     return Verdict(sampler.report(logits[: len(tokens)], tokens, rows[: len(tokens)]), accepted)

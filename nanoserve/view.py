@@ -16,7 +16,7 @@ The bookkeeping mirrors the engine's:
   when a radix-tree node holds it (the tree takes one reference per block);
 * the free queue holds the blocks with ref count 0, head (next allocated)
   first; freed blocks join the tail;
-* a node's lock count is not stored: it is the number of live requests whose
+* a node's lock count is not stored: it is the number of live sequences whose
   deepest held node (`SequenceView.cache_node`) is that node or one below it.
 """
 
@@ -34,7 +34,7 @@ ROOT = 0            # the radix tree's root: no blocks, never drawn as a span
 
 @dataclass(slots=True)
 class SequenceView:
-    """One request as a viewer sees it."""
+    """One sequence as a viewer sees it."""
 
     seq_id: str
     prompt: str
@@ -46,7 +46,7 @@ class SequenceView:
     num_computed_tokens: int = 0      # tokens whose KV is in the cache (on the device, or on the CPU when swapped)
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "pruned" once finished
-    cache_node: int = ROOT            # the deepest radix node this request holds (0: none)
+    cache_node: int = ROOT            # the deepest radix node this sequence holds (0: none)
     cpu_block_table: list[int] = field(default_factory=list)   # CPU pool blocks while swapped out
 
 
@@ -105,7 +105,7 @@ class ViewState:
     ref_counts: list[int]             # per physical block
     free_queue: list[int]             # block ids, head (next allocated) first
     sequences: dict[str, SequenceView] = field(default_factory=dict)  # in arrival order, finished kept
-    waiting: list[str] = field(default_factory=list)    # request ids, next admitted first
+    waiting: list[str] = field(default_factory=list)    # sequence ids, next admitted first
     running: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)   # in finishing order
     touched_blocks: set[int] = field(default_factory=set)  # allocated, freed, copied or shared this step
@@ -115,7 +115,7 @@ class ViewState:
     # -- memory mechanisms --
     prefix_caching: bool = False      # the engine keeps a radix prefix cache
     radix: dict[int, RadixNodeView] = field(default_factory=_root)   # node id -> node, the root (0) included
-    swapped: list[str] = field(default_factory=list)    # requests whose KV sits in the CPU pool
+    swapped: list[str] = field(default_factory=list)    # sequences whose KV sits in the CPU pool
     num_cpu_blocks: int = 0           # size of the CPU swap pool (0: no swapping)
     cache_hit_tokens: int = 0         # sum of PrefixMatched.num_hit_tokens
     cache_lookup_tokens: int = 0      # sum of PrefixMatched.num_tokens
@@ -130,7 +130,7 @@ class ViewState:
     transfers: list[TransferView] = field(default_factory=list)   # KV handoffs received, the last HISTORY_LEN
 
     def block_owners(self) -> dict[int, list[str]]:
-        """Block id -> ids of the requests whose block tables hold it (held blocks only)."""
+        """Block id -> ids of the sequences whose block tables hold it (held blocks only)."""
         owners: dict[int, list[str]] = {}
         for rid, req in self.sequences.items():
             for block_id in req.block_table:
@@ -159,7 +159,7 @@ class ViewState:
         return path[::-1]
 
     def lock_counts(self) -> dict[int, int]:
-        """Node id -> how many live requests hold it or a node below it (every node but the root)."""
+        """Node id -> how many live sequences hold it or a node below it (every node but the root)."""
         counts = {node_id: 0 for node_id in self.radix if node_id != ROOT}
         for req in self.sequences.values():
             if not req.status.startswith("finished"):
@@ -180,13 +180,13 @@ class ViewState:
     def block_kinds(self, owners: dict[int, list[str]] | None = None) -> list[str]:
         """Per block, what a picture colours it by:
 
-        "free" (ref 0), "owned" (one request's table holds it, maybe the cache too),
+        "free" (ref 0), "owned" (one sequence's table holds it, maybe the cache too),
         "shared" (two or more tables), "cached" (only the cache: evictable), "held" (by no
-        request we know, e.g. a locked node with its requests out of view).
+        sequence we know, e.g. a locked node with its sequences out of view).
         """
         owners = self.block_owners() if owners is None else owners
         evictable = self.evictable_blocks() if self.prefix_caching else set()
-        # Most blocks are free or held by one request: start from the ref counts, then fix up.
+        # Most blocks are free or held by one sequence: start from the ref counts, then fix up.
         kinds = ["free" if ref == 0 else "held" for ref in self.ref_counts]
         for block_id, holders in owners.items():
             kinds[block_id] = "shared" if len(holders) > 1 else "owned"

@@ -69,7 +69,7 @@ def test_beam_search_decides_and_the_engine_applies(tiny_llama, monkeypatch):
     engine.add_request("b", [5, 6, 7, 8, 9], params)
     got = run_to_end(engine)["b"]
     assert calls and all(isinstance(c, beam_search.BeamStep) for c in calls)
-    assert any(fork for c in calls for _, _, fork in c.moves), "a beam step forked"
+    assert any(fork for c in calls for _, _, fork in c.continuations), "a beam step forked"
     assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
 
 
