@@ -20,10 +20,33 @@ from nanoserve.scenarios import SCENARIOS
 from nanoserve.whatif.settings import BRANCH_SETTINGS, parse_sets
 
 
-class AddRequestScreen(ModalScreen[dict | None]):
-    """Prompt, max_tokens and temperature for a new request; dismisses with the request or None."""
+class FormScreen(ModalScreen[dict | None]):
+    """A dialog form: Enter or its `.submit` button dismisses with `answer()`, unless that is None
+    (the reason is shown in its `#error` label); Escape or `#cancel` dismisses with None."""
 
     BINDINGS = [Binding("escape", "cancel", "cancel")]
+
+    def answer(self) -> dict | None:
+        raise NotImplementedError
+
+    def _error(self, text: str) -> None:
+        self.query_one("#error", Label).update(Text(text, style="bold red"))
+        return None
+
+    @on(Button.Pressed, ".submit")
+    @on(Input.Submitted)
+    def submit(self) -> None:
+        answer = self.answer()
+        if answer is not None:
+            self.dismiss(answer)
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class AddRequestScreen(FormScreen):
+    """Prompt, max_tokens and temperature for a new request; dismisses with the request or None."""
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
@@ -39,10 +62,10 @@ class AddRequestScreen(ModalScreen[dict | None]):
                     yield Input("0", type="number", id="temperature")   # as `nanoserve generate`
             yield Label("", id="error")
             with Horizontal(classes="buttons"):
-                yield Button("Add", variant="primary", id="add")
+                yield Button("Add", variant="primary", id="add", classes="submit")
                 yield Button("Cancel", id="cancel")
 
-    def request(self) -> dict | None:
+    def answer(self) -> dict | None:
         """The form as SamplingParams fields plus the prompt, or None (with the reason shown)."""
         prompt = self.query_one("#prompt", Input).value
         try:
@@ -58,30 +81,13 @@ class AddRequestScreen(ModalScreen[dict | None]):
             return self._error("temperature must be 0 or more")
         return {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
 
-    def _error(self, text: str) -> None:
-        self.query_one("#error", Label).update(Text(text, style="bold red"))
-        return None
 
-    @on(Button.Pressed, "#add")
-    @on(Input.Submitted)
-    def submit(self) -> None:
-        request = self.request()
-        if request is not None:
-            self.dismiss(request)
-
-    @on(Button.Pressed, "#cancel")
-    def action_cancel(self) -> None:
-        self.dismiss(None)
-
-
-class BranchScreen(ModalScreen[dict | None]):
+class BranchScreen(FormScreen):
     """"What if, from this step": the settings a class changes, filled in with the run's own.
 
     Dismisses with the changed settings ({} when none changed) or None. A value the engine
     would refuse is caught here, with the same sentence `nanoserve compare --set` prints.
     """
-
-    BINDINGS = [Binding("escape", "cancel", "cancel")]
 
     def __init__(self, settings: dict, step: int) -> None:
         super().__init__()
@@ -99,29 +105,17 @@ class BranchScreen(ModalScreen[dict | None]):
                     yield Input(_text(self.settings.get(name)), id=f"set-{name}")
             yield Label("", id="error")
             with Horizontal(classes="buttons"):
-                yield Button("Branch", variant="primary", id="branch")
+                yield Button("Branch", variant="primary", id="branch", classes="submit")
                 yield Button("Cancel", id="cancel")
 
-    def changes(self) -> dict | None:
+    def answer(self) -> dict | None:
         """The settings that differ from the run's, parsed and checked (None: an error is shown)."""
         items = [f"{name}={self.query_one(f'#set-{name}', Input).value.strip()}" for name in BRANCH_SETTINGS]
         try:
             values = parse_sets(items)
         except FieldError as exc:
-            self.query_one("#error", Label).update(Text(exc.text, style="bold red"))
-            return None
+            return self._error(exc.text)
         return {k: v for k, v in values.items() if v != self.settings.get(k)}
-
-    @on(Button.Pressed, "#branch")
-    @on(Input.Submitted)
-    def submit(self) -> None:
-        changes = self.changes()
-        if changes is not None:
-            self.dismiss(changes)
-
-    @on(Button.Pressed, "#cancel")
-    def action_cancel(self) -> None:
-        self.dismiss(None)
 
 
 def _text(value) -> str:
