@@ -100,8 +100,8 @@ class Run:
     def abort_request(self, request_id: str):
         return self.engine.abort_request(request_id)
 
-    def fork(self, request_id: str, seed: int | None = None) -> str:
-        return self.engine.fork(request_id, seed)
+    def fork(self, seq_id: str, seed: int | None = None) -> str:
+        return self.engine.fork(seq_id, seed)
 
     def apply_due(self) -> None:
         """Give the engine the script's commands that are due now (made after `step_count` steps)."""
