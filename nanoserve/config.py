@@ -36,6 +36,8 @@ class EngineConfig:
     num_cpu_blocks: int | None = None   # swap space in blocks; None: as many as num_blocks when swapping
     attention_backend: str = "auto"     # "torch", "triton" (interpreted on CPU: slow) or "auto" (triton on CUDA)
     fast_paths: bool = True             # runner.py's speed paths; False: the plain reference path (same tokens)
+    cpu_kernel: bool = True             # fast paths on a CPU: decode attention in C (kernels/cpu_decode.c),
+                                        # compiled with the system's C compiler on first use; False: torch only
     seed: int = 0                       # seeds random weights of tiny models and unseeded requests
     # Speculative decoding (spec_decode.py): off unless a method is named.
     speculative_method: str | None = None   # None, "ngram" (prompt lookup) or "draft" (a draft model)
@@ -66,6 +68,7 @@ class EngineConfig:
         v.choice("preemption_policy", self.preemption_policy, ("newest", "priority", "shortest_remaining"))
         self.num_cpu_blocks = v.optional_integer("num_cpu_blocks", self.num_cpu_blocks, minimum=0)
         v.boolean("fast_paths", self.fast_paths)
+        v.boolean("cpu_kernel", self.cpu_kernel)
         v.choice("attention_backend", self.attention_backend, ("torch", "triton", "auto"))
         self.seed = v.integer("seed", self.seed, minimum=0, maximum=2**64 - 1)
 

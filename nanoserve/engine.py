@@ -120,7 +120,7 @@ class LLMEngine(Displayable):
                                                workers)
         else:
             self.runner = ModelRunner(model, config.num_blocks, config.block_size, dtype, torch.device(config.device),
-                                      self.backend, fast_paths=config.fast_paths,
+                                      self.backend, fast_paths=config.fast_paths, cpu_kernel=config.cpu_kernel,
                                       make_attention=parts.attention_backend)
         if self.cpu_pool is not None:
             self.runner.allocate_swap(config.num_cpu_blocks)

@@ -30,7 +30,10 @@ plans are carried out here, before the forward that needs them:
 Speed paths (`fast_paths`, on by default; off runs the plain reference path,
 and the tests check both give the same tokens):
 
-* the torch backend attends decodes in groups of similar length
+* on a CPU, the torch backend's decodes run in a small C kernel that reads
+  K/V in place through the block tables (kernels/cpu_decode.c, compiled on
+  first use; `cpu_kernel=False` leaves it out); elsewhere, or without a C
+  compiler, it attends decodes in groups of similar length
   (kernels/torch_backend.py);
 * on a CPU, the model's linear layers run from oneDNN-packed weights, and a
   bf16 model on a CPU without bf16 units runs its matmuls and attention in
@@ -47,6 +50,7 @@ import torch
 from torch import nn
 
 from nanoserve.attention import AttentionBackend, AttentionMetadata, BatchLayout, PrefillChunk
+from nanoserve.kernels import reference
 from nanoserve.kernels.backends import make_backend
 
 
@@ -82,7 +86,7 @@ def half_matmuls_need_fp32(dtype: torch.dtype, device: torch.device) -> bool:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, backend: str = "torch", fast_paths: bool = True,
+                 device: torch.device, backend: str = "torch", fast_paths: bool = True, cpu_kernel: bool = True,
                  make_attention: Callable[[str, bool], AttentionBackend] = make_backend) -> None:
         self.block_size = block_size
         self.device = device
@@ -98,6 +102,9 @@ class ModelRunner:
                 self.model = cpu_linear_view(model, upcast, pack)   # a view; the loaded model stays as it is
             if upcast:
                 self.attn.compute_dtype = torch.float32
+            if cpu_kernel and getattr(self.attn, "ops", None) is reference:   # the torch backend, not a lab's copy
+                from nanoserve.kernels import cpu_decode
+                self.attn.decode_kernel = cpu_decode.load(dtype)     # None (with a warning) if it cannot be built
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
         # One (k_cache, v_cache) pair per layer.
         self.kv_caches = [

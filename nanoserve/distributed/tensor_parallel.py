@@ -72,7 +72,7 @@ class TensorParallelRunner:
         self.group = workers
         self.group.owner = self
         self.spec = PoolSpec(config.num_blocks, config.block_size, config.dtype, config.device, backend,
-                             config.fast_paths)
+                             config.fast_paths, cpu_kernel=config.cpu_kernel)
         shards = [shard_model(model, r, n) for r in range(n)]
         self.kv_heads = [s.kv_heads for s in shards]     # which of the model's KV heads each rank holds
         try:

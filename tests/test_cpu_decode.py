@@ -1,0 +1,105 @@
+"""The C decode kernel (kernels/cpu_decode.c) against the torch reference it must match.
+
+It reads K/V in place through block tables, so the cases are the ones where
+an address computation can go wrong: shuffled block tables, a sequence that
+ends mid-block or exactly on a block's end, block size 1, a single token,
+head dims that are and are not a multiple of 16, every GQA ratio, long
+contexts, and a bf16 cache (float32 math). Then the engine: the tokens with
+the kernel on equal those with it off, and a build failure falls back to the
+torch path with a warning instead of failing.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import make_engine, run_to_end
+
+from nanoserve import SamplingParams
+from nanoserve.kernels import cpu_decode, reference
+from nanoserve.kernels.torch_backend import TorchBackend
+
+kernel_f32 = cpu_decode.load(torch.float32)
+pytestmark = pytest.mark.skipif(kernel_f32 is None, reason="no C compiler to build the CPU decode kernel")
+
+
+def paged_case(lens, bs, hq, hkv, d, dtype=torch.float32, seed=0):
+    """Random caches, and block tables drawn from a shuffled pool (no two sequences share a block)."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    need = sum(-(-n // bs) for n in lens)
+    num_blocks = need + 5
+    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in lens]
+    width = max(len(t) for t in tables) + 1                    # one padding column more than anyone needs
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
+    return q, k_cache, v_cache, block_tables, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("bs", [1, 4, 16])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (8, 2), (6, 1)])
+@pytest.mark.parametrize("d", [64, 80, 8])
+def test_kernel_matches_the_reference(bs, hq, hkv, d):
+    lens = [1, bs, bs + 1, 3 * bs, 37, 100]                    # one token, a full block, one past it, ...
+    q, k_cache, v_cache, tables, seq_lens = paged_case(lens, bs, hq, hkv, d)
+    want = reference.decode_attention(q, k_cache, v_cache, tables, seq_lens, d**-0.5)
+    got = kernel_f32(q, k_cache, v_cache, tables, seq_lens, d**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_long_context_and_many_sequences():
+    lens = [4096, 1, 2000, 513] + [random.Random(i).randint(1, 700) for i in range(28)]
+    q, k_cache, v_cache, tables, seq_lens = paged_case(lens, 16, 9, 3, 64)
+    want = reference.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    torch.testing.assert_close(kernel_f32(q, k_cache, v_cache, tables, seq_lens, 0.125), want, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_cache_is_read_as_float32():
+    kernel = cpu_decode.load(torch.bfloat16)
+    q, k_cache, v_cache, tables, seq_lens = paged_case([5, 40, 17], 16, 9, 3, 64, dtype=torch.bfloat16)
+    # The torch fast path's bf16 rule: bf16 K/V values, float32 math, output rounded to bf16.
+    want = reference.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, compute_dtype=torch.float32)
+    got = kernel(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=0)
+
+
+def test_bad_arguments_are_refused_before_the_c_code_runs():
+    q, k_cache, v_cache, tables, seq_lens = paged_case([5, 9], 4, 4, 2, 16)
+    with pytest.raises(AssertionError):
+        kernel_f32(q, k_cache, v_cache, tables, torch.tensor([5, 99]), 0.25)          # longer than its table
+    with pytest.raises(AssertionError):
+        kernel_f32(q, k_cache, v_cache, tables + 1000, seq_lens, 0.25)                # a block past the pool
+    with pytest.raises(AssertionError):
+        kernel_f32(q, k_cache.double(), v_cache.double(), tables, seq_lens, 0.25)     # not this build's dtype
+
+
+def test_engine_tokens_equal_with_the_kernel_on_and_off(tiny_llama):
+    on = make_engine(tiny_llama, block_size=4, num_blocks=64)
+    off = make_engine(tiny_llama, block_size=4, num_blocks=64, cpu_kernel=False)
+    assert on.runner.attn.decode_kernel is not None and off.runner.attn.decode_kernel is None
+    prompts = [[5, 9, 200, 31, 7, 7, 100], [3, 1, 4, 1, 5], [42], list(range(30, 53))]
+    for engine in (on, off):
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    got, want = run_to_end(on), run_to_end(off)
+    assert {k: o.outputs[0].token_ids for k, o in got.items()} == {k: o.outputs[0].token_ids for k, o in want.items()}
+
+
+def test_a_failed_build_falls_back_to_torch(tiny_llama, monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    cpu_decode.load.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="torch path"):
+            engine = make_engine(tiny_llama, block_size=4, num_blocks=64)
+        assert engine.runner.attn.decode_kernel is None
+        assert isinstance(engine.runner.attn, TorchBackend) and engine.runner.attn.fast
+        engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
+        assert len(run_to_end(engine)["r"].outputs[0].token_ids) == 3
+    finally:
+        cpu_decode.load.cache_clear()
