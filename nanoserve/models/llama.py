@@ -34,8 +34,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        # x / sqrt(mean(x^2) + eps) in float32: torch's rms_norm computes exactly HF's
+        # x * rsqrt(x.pow(2).mean(-1, keepdim=True) + eps), in fewer passes over x.
+        x = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * x.to(dtype)
 
 
