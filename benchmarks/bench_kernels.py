@@ -52,7 +52,7 @@ def decode_sweep(args, device: str, peak: float | None) -> None:
     contexts = [256, 1024, 4096, 16384, 32768] if not args.smoke else [16, 40]
     batches = [1, 8, 64] if not args.smoke else [1, 3]
     print(f"\ndecode attention: {hq} query heads, {hkv} KV heads, head_dim {d}, block_size {bs}, {dtype}")
-    print(f"{'batch':>5} {'context':>7} {'triton':>9} {'GB/s':>8} {'of peak':>8} {'sdpa':>9} {'GB/s':>8} {'ratio':>6}")
+    print(f"{'batch':>5} {'context':>7} {'triton':>9} {'GB/s':>8} {'of peak':>8} {'sdpa':>9} {'GB/s':>8} {'ratio':>6}  max|diff|")
     for batch in batches:
         for ctx in contexts:
             if batch * ctx * hkv * d * 2 * 2 * 2 > 0.5 * (torch.cuda.mem_get_info()[0] if device == "cuda" else 2**32):
@@ -76,6 +76,10 @@ def measure_decode(args, device, peak, dtype, batch, ctx, hq, hkv, d, bs) -> Non
     # The same K/V stored contiguously per sequence, for SDPA.
     k = k_cache[tables].view(batch, ctx, hkv, d).transpose(1, 2).contiguous()
     v = v_cache[tables].view(batch, ctx, hkv, d).transpose(1, 2).contiguous()
+    # Same numbers first: the kernel (reading through the shuffled tables) against SDPA on the copies.
+    err = (decode_attention(q, k_cache, v_cache, tables, seq_lens, d**-0.5)
+           - F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True).squeeze(2)).abs().max().item()
+    assert err < 1e-2, f"decode kernel differs from SDPA by {err} (batch {batch}, context {ctx})"
     t_tri = timed(lambda: decode_attention(q, k_cache, v_cache, tables, seq_lens, d**-0.5), device, args.repeats)
     t_sdpa = timed(lambda: F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True),
                    device, args.repeats)
@@ -83,7 +87,7 @@ def measure_decode(args, device, peak, dtype, batch, ctx, hq, hkv, d, bs) -> Non
     bw_tri, bw_sdpa = moved / t_tri / 1e9, moved / t_sdpa / 1e9
     frac = f"{bw_tri / peak:7.0%}" if peak else "      -"
     print(f"{batch:5d} {ctx:7d} {t_tri * 1e6:7.0f}us {bw_tri:8.0f} {frac} {t_sdpa * 1e6:7.0f}us "
-          f"{bw_sdpa:8.0f} {t_sdpa / t_tri:5.2f}x")
+          f"{bw_sdpa:8.0f} {t_sdpa / t_tri:5.2f}x  {err:.1e}")
 
 
 def end_to_end(args, device: str) -> None:
@@ -117,12 +121,18 @@ def end_to_end(args, device: str) -> None:
                                         attention_backend="triton", block_size=16, num_blocks=args.num_blocks,
                                         max_num_seqs=n_req, max_num_batched_tokens=2048), loaded=loaded)
 
+        got: dict[int, list[int]] = {}       # nanoserve's tokens by request index (the last run's)
+        hf_got: dict[int, list[int]] = {}
+
         def run_nanoserve():
-            for i, (p, n) in enumerate(reqs):
-                engine.add_request(f"{time.perf_counter_ns()}-{i}", p,
-                                   SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            ids = {f"{time.perf_counter_ns()}-{i}": i for i in range(len(reqs))}
+            for rid, i in ids.items():
+                engine.add_request(rid, reqs[i][0], SamplingParams(max_tokens=reqs[i][1], temperature=0,
+                                                                   ignore_eos=True))
             while engine.has_unfinished_requests():
-                engine.step()
+                for out in engine.step().outputs:
+                    if out.finished:
+                        got[ids[out.request_id]] = out.outputs[0].token_ids
 
         @torch.inference_mode()
         def run_hf():
@@ -130,8 +140,9 @@ def end_to_end(args, device: str) -> None:
             ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in reqs], device=device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in reqs], device=device)
             new = max(n for _, n in reqs)
-            hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                        eos_token_id=None, pad_token_id=0)
+            gen = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+            hf_got.update({i: gen[i, width : width + n].tolist() for i, (_, n) in enumerate(reqs)})
 
         t_ns = timed(run_nanoserve, device, 1)
         t_hf = timed(run_hf, device, 1)
@@ -139,6 +150,8 @@ def end_to_end(args, device: str) -> None:
         print(f"  nanoserve (triton)      {useful / t_ns:9.1f} tok/s")
         print(f"  HF padded static batch  {useful / t_hf:9.1f} tok/s")
         print(f"  ratio                   {t_hf / t_ns:9.2f}x")
+        same = sum(got[i] == hf_got[i] for i in range(len(reqs)))
+        print(f"  greedy tokens identical to HF's: {same}/{len(reqs)} requests ({dtype}: near-ties may flip)")
 
 
 def main() -> None:
