@@ -1,4 +1,4 @@
-"""Decode attention of one layer: the torch backend's plain path vs its fast path (groups of similar length).
+"""Decode attention of one layer: the torch backend's plain path, its grouped torch path, and the C kernel.
 
     python benchmarks/bench_decode_attention.py                  # SmolLM2-135M's geometry, float32
     python benchmarks/bench_decode_attention.py --dtype bfloat16 # + float32 math on a bf16 cache
@@ -6,8 +6,10 @@
 A batch of B decoding sequences with random lengths, their blocks scattered
 over a pool of 1024 blocks of 16 tokens, 9 query heads over 3 KV heads of 64
 dims (SmolLM2-135M). Both paths go through the backend's `prepare` and
-`forward` exactly as the runner calls them; the script checks they agree and
-prints the CPU time of this thread per call (median of 7).
+`forward` exactly as the runner calls them: plain (one padded gather), groups
+(the fast path without the C kernel, `cpu_kernel=False`) and C (the fast
+path's kernels/cpu_decode.c). The script checks they agree and prints the CPU
+time of this thread per call (median of 7).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 import torch
 
 from nanoserve.attention import BatchLayout, paged_attention
+from nanoserve.kernels import cpu_decode
 from nanoserve.kernels.torch_backend import TorchBackend, cpu_has_bf16_units
 
 
@@ -47,7 +50,7 @@ def main() -> None:
     v_cache = torch.randn(n_blocks, bs, hkv, d, generator=gen).to(dtype)
     upcast = torch.float32 if dtype == torch.bfloat16 and not cpu_has_bf16_units() else None
     print(f"{args.dtype}, one layer, {hq} query / {hkv} KV heads of {d}, block {bs}, CPU ms per call "
-          f"(fast path multiplies in {upcast or dtype})")
+          f"(groups and C multiply in {upcast or dtype})")
     for batch, lo, hi in ((32, 60, 380), (32, 300, 380), (8, 60, 380), (32, 20, 1000)):
         lens = sorted((rng.randint(lo, hi) for _ in range(batch)), reverse=True)   # the runner's order
         free = list(range(n_blocks))
@@ -63,17 +66,20 @@ def main() -> None:
         k = torch.randn(batch, hkv, d, generator=gen).to(dtype)
         v = torch.randn(batch, hkv, d, generator=gen).to(dtype)
         results = {}
+        with_c = TorchBackend(fast=True, compute_dtype=upcast)
+        with_c.decode_kernel = cpu_decode.load(dtype)
         for name, backend in (("plain", TorchBackend(fast=False)),
-                              ("fast", TorchBackend(fast=True, compute_dtype=upcast))):
+                              ("groups", TorchBackend(fast=True, compute_dtype=upcast)), ("C", with_c)):
             meta = backend.prepare(layout)
             out = paged_attention(q, k, v, k_cache, v_cache, meta, d**-0.5)
             ms = cpu_ms(lambda: paged_attention(q, k, v, k_cache, v_cache, meta, d**-0.5))
             results[name] = (out, ms)
-        torch.testing.assert_close(results["fast"][0].float(), results["plain"][0].float(),
-                                   atol=2e-2 if upcast else 1e-5, rtol=0)
-        (_, plain), (_, fast) = results["plain"], results["fast"]
-        print(f"  B={batch:3d}, lengths {lo}-{hi}: plain {plain:7.2f} ms, fast {fast:7.2f} ms ({plain / fast:.2f}x)")
-
+        for name in ("groups", "C"):
+            torch.testing.assert_close(results[name][0].float(), results["plain"][0].float(),
+                                       atol=2e-2 if upcast else 1e-5, rtol=0)
+        (_, plain), (_, groups), (_, c) = results["plain"], results["groups"], results["C"]
+        print(f"  B={batch:3d}, lengths {lo}-{hi}: plain {plain:7.2f} ms, groups {groups:7.2f} ms, "
+              f"C {c:7.2f} ms ({plain / c:.1f}x plain, {groups / c:.1f}x groups)")
 
 if __name__ == "__main__":
     main()
