@@ -30,8 +30,10 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 def make_engine(**config) -> LLMEngine:
+    # cpu_kernel=False: decodes take the torch path this lesson reads (padded tables, masks). By default a
+    # CPU runs them in kernels/cpu_decode.c instead, which reads each sequence's own tokens and needs neither.
     return LLMEngine(EngineConfig(model="tiny-llama", block_size=BS, num_blocks=64, max_num_batched_tokens=64,
-                                  **config))
+                                  cpu_kernel=False, **config))
 
 
 engine = make_engine()
@@ -132,7 +134,9 @@ for b in range(meta.num_decodes):
 short = int(group.seq_lens.argmin())
 assert group.block_tables[short, -1] == 0 and dmask[short, -BS:].sum() == 0, "padding: block 0, masked"
 say("""The decodes' tables are padded to the longest with block 0; the mask hides the padding and
-the unused slots of each last block.""")
+the unused slots of each last block. (This is the torch path, which this lesson's engine takes with
+cpu_kernel=False. By default a CPU runs decodes in the C kernel of kernels/cpu_decode.c, which walks
+each sequence's own block table up to its length: no padding, no mask, no gathered copy.)""")
 
 # ---------------------------------------------------------------------------
 section("3. Attention over a cached prefix is attention over a recomputed one", """
