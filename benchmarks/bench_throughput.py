@@ -213,8 +213,11 @@ def run_dtype(dtype: str, args, vllm_python: str | None) -> dict[str, list[float
         times.setdefault("nanoserve", []).append(span)
         outputs["nanoserve"] = outs
         print(f"  [{r + 1}/{args.repeat}] nanoserve {span[0]:.1f} s, CPU {span[1]:.1f} s ({steps} steps)", flush=True)
-        variants = [("nanoserve, torch decode (cpu_kernel=False)", dict(config, cpu_kernel=False))] * args.torch_decode
-        variants += [("nanoserve, plain path", dict(config, fast_paths=False))] * args.plain
+        variants = []
+        if args.torch_decode:
+            variants.append(("nanoserve, torch decode (cpu_kernel=False)", dict(config, cpu_kernel=False)))
+        if args.plain:
+            variants.append(("nanoserve, plain path", dict(config, fast_paths=False)))
         for name, cfg in variants:   # the same engine with a speed path off: what it is worth, in this run
             span, outs, _ = nanoserve_run(loaded, reqs, cfg)
             times.setdefault(name, []).append(span)

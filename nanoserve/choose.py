@@ -47,9 +47,10 @@ def bad_rows(logits: torch.Tensor) -> torch.Tensor:
     # A row whose sum is finite has no NaN and no infinity at all: one cheap pass clears almost every row.
     # The rest (a -inf is allowed: a masked token) get the exact test.
     bad = ~logits.sum(-1).isfinite()
-    if bool(bad.any()):
-        rows = logits[bad]
-        bad[bad.clone()] = rows.isnan().any(-1) | rows.isposinf().any(-1) | ~rows.isfinite().any(-1)
+    suspects = bad.nonzero()[:, 0]
+    if len(suspects):
+        rows = logits[suspects]
+        bad[suspects] = rows.isnan().any(-1) | rows.isposinf().any(-1) | ~rows.isfinite().any(-1)
     return bad
 
 

@@ -50,7 +50,6 @@ import torch
 from torch import nn
 
 from nanoserve.attention import AttentionBackend, AttentionMetadata, BatchLayout, PrefillChunk
-from nanoserve.kernels import reference
 from nanoserve.kernels.backends import make_backend
 
 
@@ -102,7 +101,7 @@ class ModelRunner:
                 self.model = cpu_linear_view(model, upcast, pack)   # a view; the loaded model stays as it is
             if upcast:
                 self.attn.compute_dtype = torch.float32
-            if cpu_kernel and getattr(self.attn, "ops", None) is reference:   # the torch backend, not a lab's copy
+            if cpu_kernel and hasattr(self.attn, "decode_kernel"):   # the torch backend
                 from nanoserve.kernels import cpu_decode
                 self.attn.decode_kernel = cpu_decode.load(dtype)     # None (with a warning) if it cannot be built
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)

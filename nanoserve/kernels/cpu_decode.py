@@ -6,8 +6,8 @@ copy is most of the cost: the K/V bytes are written once more and read
 twice. `cpu_decode.c` reads them once, in place, through the block table.
 
 There is no build step at install time. The first engine that wants the
-kernel compiles it with the system's C compiler (`$CC`, else `cc`; a few
-seconds) into `~/.cache/nanoserve/kernels/`, named by a hash of the source,
+kernel compiles it with the system's C compiler (`$CC`, else `cc`; about a
+second) into `~/.cache/nanoserve/kernels/`, named by a hash of the source,
 the flags and this CPU's features, and loads it with ctypes; later engines
 load the file. Without a compiler, or if the build fails, `load()` warns
 once and returns None, and the torch backend keeps its grouped torch path:

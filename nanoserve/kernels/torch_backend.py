@@ -12,10 +12,11 @@ Two paths, chosen once per engine (`fast`, EngineConfig.fast_paths):
 * fast   on a CPU, the decodes go to a small C kernel (kernels/cpu_decode.c,
          `decode_kernel`) that reads K/V in place through the block tables:
          no copies, no padding. Where it cannot be built (no C compiler, or
-         EngineConfig.cpu_kernel=False) and on other devices, the runner puts
-         decodes longest first and they are attended in groups of
-         `group_size` neighbours, each padded only to its own longest, so a
-         batch of mixed lengths gathers (and multiplies) far less padding.
+         EngineConfig.cpu_kernel=False), with a lab's `ops`, and on other
+         devices, the runner puts decodes longest first and they are
+         attended in groups of `group_size` neighbours, each padded only to
+         its own longest, so a batch of mixed lengths gathers (and
+         multiplies) far less padding.
          With `compute_dtype=float32` (the runner sets it for a bf16 cache on
          a CPU without bf16 units: no AVX512-BF16, no AMX) K/V are gathered
          in bf16, half the bytes, and multiplied in float32, where torch's
@@ -85,13 +86,14 @@ class TorchBackend(AttentionBackend):
         # None: multiply in the cache's dtype; float32: upcast a half-precision cache's K/V (fast path only).
         self.compute_dtype = compute_dtype
         # Fast path: cpu_decode.load(cache dtype), set by the runner on a CPU; None: the grouped torch path.
+        # It stands in for reference.decode_attention only: a student's `ops` (a lab) is always called.
         self.decode_kernel = None
 
     def prepare(self, layout: BatchLayout) -> TorchMetadata:
         dev, bs = layout.device, layout.block_size
         meta = TorchMetadata(self, layout.slot_mapping, layout.num_decodes)
         nd = layout.num_decodes
-        if self.fast and self.decode_kernel is not None and nd:
+        if self.fast and self.decode_kernel is not None and self.ops is reference and nd:
             # One call per layer over every decode: the kernel reads exactly seq_len tokens of each table.
             width = max(len(t) for t in layout.decode_block_tables)
             meta.decode_tables = torch.tensor([t + [0] * (width - len(t)) for t in layout.decode_block_tables],
