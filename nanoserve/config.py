@@ -36,7 +36,8 @@ class EngineConfig:
     num_cpu_blocks: int | None = None   # swap space in blocks; None: as many as num_blocks when swapping
     attention_backend: str = "auto"     # "torch", "triton" (interpreted on CPU: slow) or "auto" (triton on CUDA)
     fast_paths: bool = True             # runner.py's speed paths; False: the plain reference path (same tokens)
-    cpu_kernel: bool = True             # fast paths on a CPU: decode attention in C (kernels/cpu_decode.c),
+    cpu_kernel: bool = True             # fast paths on a CPU: decode attention in C (kernels/cpu_decode.c) and a
+                                        # float32 Llama's layers with their small steps in C (models/cpu_llama.py),
                                         # compiled with the system's C compiler on first use; False: torch only
     seed: int = 0                       # seeds random weights of tiny models and unseeded requests
     # Speculative decoding (spec_decode.py): off unless a method is named.

@@ -35,6 +35,10 @@ and the tests check both give the same tokens):
   first use; `cpu_kernel=False` leaves it out); elsewhere, or without a C
   compiler, it attends decodes in groups of similar length
   (kernels/torch_backend.py);
+* on a CPU, a float32 Llama runs through models/cpu_llama.py: q/k/v and
+  gate/up merged into one matmul each, RMSNorm (with the residual add), RoPE
+  and silu(gate) * up one C call each (kernels/cpu_ops.c; `cpu_kernel=False`
+  leaves it out too);
 * on a CPU, the model's linear layers run from oneDNN-packed weights, and a
   bf16 model on a CPU without bf16 units runs its matmuls and attention in
   float32 on the bf16 values, ~10x faster there (models/cpu_linear.py). The
@@ -95,9 +99,13 @@ class ModelRunner:
         self.model = model
         if fast_paths and device.type == "cpu":
             from nanoserve.models.cpu_linear import can_pack, cpu_linear_view
+            from nanoserve.models.cpu_llama import cpu_llama_view
             upcast = half_matmuls_need_fp32(dtype, device)      # bf16 values, float32 math
             pack = can_pack() and (upcast or dtype == torch.float32)
-            if upcast or pack:
+            fused = cpu_llama_view(model) if cpu_kernel and pack and not upcast else None
+            if fused is not None:                       # a float32 Llama: merged matmuls, small steps in C
+                self.model = fused
+            elif upcast or pack:
                 self.model = cpu_linear_view(model, upcast, pack)   # a view; the loaded model stays as it is
             if upcast:
                 self.attn.compute_dtype = torch.float32
@@ -105,11 +113,13 @@ class ModelRunner:
                 from nanoserve.kernels import cpu_decode
                 self.attn.decode_kernel = cpu_decode.load(dtype)     # None (with a warning) if it cannot be built
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        zeros = lambda: torch.zeros(shape, dtype=dtype, device=device)   # noqa: E731
+        if fast_paths and device.type == "cpu":     # 2 MB pages for the cache, freed memory kept (cpu_memory.py)
+            from nanoserve.cpu_memory import huge_page_zeros, keep_freed_memory
+            keep_freed_memory()
+            zeros = lambda: huge_page_zeros(shape, dtype)   # noqa: E731
         # One (k_cache, v_cache) pair per layer.
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(model.num_layers)
-        ]
+        self.kv_caches = [(zeros(), zeros()) for _ in range(model.num_layers)]
 
         self.cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] = []   # swap space, see allocate_swap
 

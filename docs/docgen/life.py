@@ -79,6 +79,8 @@ ROLES = {
     "attention.py": "`paged_attention`: K/V written at their slots, attention through the block tables",
     "kernels/reference.py": "K/V stored at their slots; prefill K/V gathered through a block table",
     "models/llama.py": "the model's layers",
+    "models/cpu_llama.py": "the same layers on a CPU: merged matmuls, the small steps in C",
+    "kernels/cpu_ops.py": "RMSNorm with the residual add, RoPE, silu(gate) * up: one C call each",
     "models/cpu_linear.py": "the linear layers' CPU path",
     "choose.py": "a `Choice` per chunk that reached its sequence's end (no bookkeeping changes)",
     "sampling_params.py": "the request's sampling settings",

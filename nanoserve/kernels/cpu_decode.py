@@ -5,14 +5,10 @@ before torch's attention can read them (kernels/reference.py). On a CPU that
 copy is most of the cost: the K/V bytes are written once more and read
 twice. `cpu_decode.c` reads them once, in place, through the block table.
 
-There is no build step at install time. The first engine that wants the
-kernel compiles it with the system's C compiler (`$CC`, else `cc`; about a
-second) into `~/.cache/nanoserve/kernels/`, named by a hash of the source,
-the flags and this CPU's features, and loads it with ctypes; later engines
-load the file. Without a compiler, or if the build fails, `load()` warns
-once and returns None, and the torch backend keeps its grouped torch path:
-the same numbers, a little slower. `EngineConfig(cpu_kernel=False)` never
-builds it.
+It is compiled on first use and cached (kernels/cpu_build.py). Without a
+compiler, or if the build fails, `load()` warns once and returns None, and
+the torch backend keeps its grouped torch path: the same numbers, a little
+slower. `EngineConfig(cpu_kernel=False)` never builds it.
 
     decode = load(torch.float32)            # None if it cannot be built here
     out = decode(q, k_cache, v_cache, block_tables, seq_lens, scale)   # [B, Hq, D]
@@ -24,59 +20,16 @@ runs on as many threads as `torch.set_num_threads` gives torch.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import warnings
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from nanoserve.kernels.cpu_build import FLAGS, build
+
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 CACHE_DTYPES = {torch.float32: [], torch.bfloat16: ["-DCACHE_BF16"]}   # extra flags per cache dtype
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "nanoserve" / "kernels"
-
-
-def _cpu_features() -> str:
-    """This CPU's feature flags (-march=native builds for them; another CPU needs its own build)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build(flags: list[str]) -> Path:
-    """Compile cpu_decode.c with `flags` (or find it built); raises RuntimeError if that fails."""
-    cc = shutil.which(os.environ.get("CC", "cc"))
-    if cc is None:
-        raise RuntimeError("no C compiler found (set $CC, or install gcc)")
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, *flags, _cpu_features()]).encode()).hexdigest()[:16]
-    out = cache_dir() / f"cpu_decode-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Build under a temporary name and rename: two processes building at once never see half a file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
-                          timeout=120)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"{cc} failed:\n{proc.stderr.strip()[-2000:]}")
-    os.replace(tmp, out)
-    return out
 
 
 @cache
@@ -85,8 +38,8 @@ def load(cache_dtype: torch.dtype):
     if cache_dtype not in CACHE_DTYPES:
         return None
     try:
-        lib = ctypes.CDLL(str(_build(FLAGS + CACHE_DTYPES[cache_dtype])))
-    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        lib = ctypes.CDLL(str(build(SOURCE, FLAGS + CACHE_DTYPES[cache_dtype])))
+    except (RuntimeError, OSError) as e:
         warnings.warn(f"nanoserve: the CPU decode kernel could not be built, so decode attention takes the "
                       f"torch path (same results, slower): {e}", stacklevel=2)
         return None

@@ -1,0 +1,67 @@
+"""Compile a kernel's C file with the system's C compiler on first use, and cache the library.
+
+The CPU fast paths have two small C files (cpu_decode.c: decode attention over
+the paged cache; cpu_ops.c: a layer's elementwise steps). There is no build
+step at install time: the first engine that wants one compiles it (`$CC`,
+else `cc`; about a second) into `~/.cache/nanoserve/kernels/`, named by a
+hash of the source, the compiler, the flags and this CPU's features (the
+files are built with `-march=native`, so another CPU needs its own build), and
+later engines load the file. A failed build raises RuntimeError; the loaders
+turn that into one warning and the torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+# Both files: optimised for this CPU, OpenMP (libgomp, the runtime torch's CPU build uses, so one
+# thread pool and torch's thread count), a shared library ctypes can load.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "nanoserve" / "kernels"
+
+
+def _cpu_features() -> str:
+    """This CPU's feature flags (-march=native builds for them; another CPU needs its own build)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build(source: Path, flags: list[str]) -> Path:
+    """Compile `source` with `flags` (or find it built); raises RuntimeError if that fails."""
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        raise RuntimeError("no C compiler found (set $CC, or install gcc)")
+    key = hashlib.sha256("\0".join([source.read_text(), cc, *flags, _cpu_features()]).encode()).hexdigest()[:16]
+    out = cache_dir() / f"{source.stem}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build under a temporary name and rename: two processes building at once never see half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              timeout=120)
+    except subprocess.TimeoutExpired as e:
+        os.unlink(tmp)
+        raise RuntimeError(f"{cc} took longer than {e.timeout} s") from e
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"{cc} failed:\n{proc.stderr.strip()[-2000:]}")
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,103 @@
+"""A layer's elementwise steps on the CPU in C (cpu_ops.c): load them, check arguments, call them.
+
+    ops = load()                         # None (one warning) if cpu_ops.c cannot be built here
+    x = ops.add_rms_norm(h, a, w, eps)   # h += a in place; returns w * h / rms(h)
+    x = ops.rms_norm(h, w, eps)          # w * h / rms(h)
+    ops.rotary_(qk, cos, sin, heads)     # RoPE in place on [T, heads, D] (rows may be strided)
+    m = ops.silu_mul(gate_up)            # silu(gate) * up from [T, 2I] -> [T, I]
+
+All float32. The C code trusts its pointers and sizes, so every function
+checks dtype, shape and layout first and raises ValueError naming the
+argument. models/cpu_llama.py is the one caller. It is compiled on first use
+and cached like the decode kernel (kernels/cpu_build.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from nanoserve.kernels.checks import expect
+from nanoserve.kernels.cpu_build import FLAGS, build
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+# The C code's a * b + c stay two roundings, as in torch (no fused multiply-add); no errno from
+# sqrtf and no trap semantics, which lets the compiler vectorise the exp loop.
+OPS_FLAGS = [*FLAGS, "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
+
+P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+def _rows(name: str, t: torch.Tensor, width: int | None = None) -> None:
+    """A float32 CPU matrix with contiguous rows (of `width` floats, when given)."""
+    expect(t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2 and t.is_contiguous(), name,
+           "a contiguous 2-d float32 CPU tensor", t)
+    if width is not None:
+        expect(t.shape[1] == width, name, f"rows of {width} floats", t)
+
+
+class CpuOps:
+    """Typed Python faces of cpu_ops.c's four functions."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._add_rms_norm = lib.add_rms_norm
+        self._add_rms_norm.argtypes = [P, P, P, P, I64, I64, F32]
+        self._rotary = lib.rotary
+        self._rotary.argtypes = [P, I64, P, P, I64, I64, I64]
+        self._silu_mul = lib.silu_mul
+        self._silu_mul.argtypes = [P, P, I64, I64]
+        for fn in (self._add_rms_norm, self._rotary, self._silu_mul):
+            fn.restype = None
+
+    def add_rms_norm(self, h: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """h [T, H] += a (in place; a=None: no add), then weight * h / sqrt(mean(h^2) + eps) -> new [T, H]."""
+        _rows("h", h)
+        if a is not None:
+            _rows("a", a, h.shape[1])
+            expect(a.shape[0] == h.shape[0], "a", f"{h.shape[0]} rows like h", a)
+        expect(weight.dtype == torch.float32 and weight.shape == (h.shape[1],) and weight.is_contiguous(),
+               "weight", f"a contiguous float32 vector of {h.shape[1]}", weight)
+        out = torch.empty_like(h)
+        self._add_rms_norm(h.data_ptr(), None if a is None else a.data_ptr(), weight.data_ptr(),
+                           out.data_ptr(), h.shape[0], h.shape[1], eps)
+        return out
+
+    def rms_norm(self, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.add_rms_norm(h, None, weight, eps)
+
+    def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """RoPE in place on x [T, heads, D] (each row's heads contiguous; rows may be apart); cos, sin [T, D]."""
+        expect(x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 3, "x",
+               "a 3-d float32 CPU tensor [tokens, heads, head_dim]", x)
+        T, heads, D = x.shape
+        expect(x.stride(2) == 1 and x.stride(1) == D and x.stride(0) >= heads * D and D % 2 == 0, "x",
+               "each row's heads side by side, an even head_dim", x)
+        _rows("cos", cos, D)
+        _rows("sin", sin, D)
+        expect(cos.shape[0] == T and sin.shape[0] == T, "cos", f"{T} rows like x", cos)
+        self._rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), T, heads, D)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
+        _rows("gate_up", gate_up)
+        expect(gate_up.shape[1] % 2 == 0, "gate_up", "an even width [gate | up]", gate_up)
+        T, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((T, inter), dtype=torch.float32)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), T, inter)
+        return out
+
+
+@cache
+def load() -> CpuOps | None:
+    """The ops, built for this CPU, or None (with one warning) if they cannot be built."""
+    try:
+        return CpuOps(ctypes.CDLL(str(build(SOURCE, OPS_FLAGS))))
+    except (RuntimeError, OSError) as e:
+        warnings.warn(f"nanoserve: the CPU layer ops could not be built, so the layers take the torch path "
+                      f"(same results, slower): {e}", stacklevel=2)
+        return None

@@ -1,0 +1,119 @@
+"""Llama's forward on a CPU in fewer, larger steps: the fast path beside models/llama.py.
+
+models/llama.py is the model to read. This module computes the same thing,
+arranged for a CPU, where a decode step has only ~32 rows and each torch op's
+fixed cost (the dispatch, a fresh output tensor: about 10 us here) adds up
+over 25 small ops per layer. Per layer:
+
+    x = rmsnorm(h += a)              a: the previous layer's MLP output   C call 1
+    qkv = x @ [Wq | Wk | Wv].T       one matmul instead of three
+    rope(q, k) in place in qkv                                             C call 2
+    o = paged_attention(q, k, v)     the same call (the backend, or a lab's ops)
+    x = rmsnorm(h += o @ Wo.T)                                             C call 3
+    a = silu(x @ Wg.T) * (x @ Wu.T)  one matmul for [gate | up]            C call 4
+        @ Wd.T                       ... and the down projection
+
+* The projections that read the same input are merged: q, k, v into one
+  matmul and gate, up into another, so 4 matmuls per layer instead of 7, each
+  larger (vLLM's QKVParallelLinear and MergedColumnParallelLinear do the
+  same). The weights are oneDNN-packed (models/cpu_linear.py).
+* RMSNorm with the residual add before it, RoPE, and silu(gate) * up are one
+  C call each (kernels/cpu_ops.c) instead of 4 to 10 torch ops.
+* The residual stream h is one tensor, updated in place.
+
+Float32 models on one process (no tensor-parallel shards). The runner uses it
+on a CPU with fast paths on and `cpu_kernel` on; tests/test_cpu_llama.py
+checks it against llama.py. The loaded model is not changed: this holds
+packed copies of its matmul weights and shares everything else.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanoserve.attention import AttentionMetadata, paged_attention
+from nanoserve.kernels import cpu_ops
+from nanoserve.kernels.cpu_ops import CpuOps
+from nanoserve.models.cpu_linear import CpuLinear
+from nanoserve.models.llama import Llama, LlamaLayer
+
+
+def stacked(*linears: nn.Linear) -> nn.Linear:
+    """One nn.Linear whose output is the given layers' outputs side by side (their weights stacked)."""
+    bias = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears])
+    merged = nn.utils.skip_init(nn.Linear, linears[0].in_features, sum(lin.out_features for lin in linears),
+                                bias=bias is not None)
+    merged.weight = nn.Parameter(torch.cat([lin.weight.detach() for lin in linears]), requires_grad=False)
+    if bias is not None:
+        merged.bias = nn.Parameter(bias, requires_grad=False)
+    return merged
+
+
+def supports(model: nn.Module) -> bool:
+    """A whole (unsharded) float32 Llama whose projections are plain nn.Linear layers."""
+    if type(model) is not Llama or getattr(model, "tp_size", 1) != 1:
+        return False
+    if model.lm_head.weight.dtype != torch.float32:
+        return False
+    layer = model.model.layers[0]
+    projections = [*layer.self_attn.children(), *layer.mlp.children()]
+    return all(type(p) is nn.Linear for p in projections)
+
+
+class CpuLlamaLayer(nn.Module):
+    def __init__(self, layer: LlamaLayer, ops: CpuOps) -> None:
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.ops = ops
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.scale = attn.scale
+        self.qkv = CpuLinear(stacked(attn.q_proj, attn.k_proj, attn.v_proj), upcast=False, pack=True)
+        self.o = CpuLinear(attn.o_proj, upcast=False, pack=True)
+        self.gate_up = CpuLinear(stacked(mlp.gate_proj, mlp.up_proj), upcast=False, pack=True)
+        self.down = CpuLinear(mlp.down_proj, upcast=False, pack=True)
+        self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm   # shared
+
+    def forward(self, h, a, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+        """h += a, then this layer's attention (added to h); returns its MLP output (the next layer adds it)."""
+        T, Hq, Hkv = h.shape[0], self.num_heads, self.num_kv_heads
+        x = self.ops.add_rms_norm(h, a, self.norm1.weight, self.norm1.eps)
+        heads = self.qkv(x).view(T, Hq + 2 * Hkv, self.head_dim)      # [T, q heads | k heads | v heads, D]
+        self.ops.rotary_(heads[:, : Hq + Hkv], cos, sin)               # positions into q and k, in place
+        q, k, v = heads.split([Hq, Hkv, Hkv], dim=1)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        x = self.ops.add_rms_norm(h, self.o(o.reshape(T, -1)), self.norm2.weight, self.norm2.eps)
+        return self.down(self.ops.silu_mul(self.gate_up(x)))
+
+
+class CpuLlama(nn.Module):
+    """The runner's view of a float32 Llama on a CPU: same forward signature and results as Llama."""
+
+    def __init__(self, model: Llama, ops: CpuOps) -> None:
+        super().__init__()
+        self.ops = ops
+        self.num_layers, self.num_kv_heads = model.num_layers, model.num_kv_heads
+        self.head_dim, self.max_positions = model.head_dim, model.max_positions
+        self.embed_tokens, self.rotary, self.norm = model.model.embed_tokens, model.rotary, model.model.norm
+        self.layers = nn.ModuleList(CpuLlamaLayer(layer, ops) for layer in model.model.layers)
+        self.lm_head = CpuLinear(model.lm_head, upcast=False, pack=True)
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
+        """input_ids, positions: [T] -> hidden states [T, hidden]."""
+        h = self.embed_tokens(input_ids)      # the residual stream: a fresh tensor, updated in place below
+        cos, sin = self.rotary(positions)     # [T, D] each, shared by all layers
+        a = None                              # the previous layer's MLP output, not yet added to h
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            a = layer(h, a, cos, sin, k_cache, v_cache, meta)
+        return self.ops.add_rms_norm(h, a, self.norm.weight, self.norm.eps)
+
+    def compute_logits(self, hidden):
+        return self.lm_head(hidden)
+
+
+def cpu_llama_view(model: nn.Module) -> CpuLlama | None:
+    """A CpuLlama of `model`, or None where it does not apply (see `supports`) or cpu_ops.c cannot be built."""
+    if not supports(model):
+        return None
+    ops = cpu_ops.load()                     # None (with one warning) if it cannot be built here
+    return None if ops is None else CpuLlama(model, ops)

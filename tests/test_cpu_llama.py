@@ -1,0 +1,161 @@
+"""The CPU Llama path (models/cpu_llama.py, kernels/cpu_ops.c) against models/llama.py and torch.
+
+* each C op against the torch code it replaces: RMSNorm with the residual add,
+  RoPE (bit-equal) and silu(gate) * up, on one row up to a multi-threaded
+  batch, widths that are not a multiple of the vector width, extreme inputs;
+* bad arguments are refused with a ValueError naming them, before the C code runs;
+* the whole model: the same logits as llama.py through the packed view, and the
+  same greedy tokens with the CPU path on, off (`cpu_kernel=False`) and plain;
+* where it does not apply (GPT-2, bf16, a tensor-parallel shard) or cannot be
+  built, the runner keeps the torch path;
+* the memory hints of cpu_memory.py change nothing but speed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_engine, run_to_end
+
+from nanoserve import SamplingParams
+from nanoserve.cpu_memory import huge_page_zeros, keep_freed_memory
+from nanoserve.kernels import cpu_ops
+from nanoserve.models import cpu_llama
+from nanoserve.models.cpu_llama import CpuLlama, supports
+from nanoserve.models.llama import RMSNorm, apply_rotary
+from nanoserve.runner import RunInput
+
+ops = cpu_ops.load()
+needs_ops = pytest.mark.skipif(ops is None, reason="no C compiler here")
+
+
+@needs_ops
+@pytest.mark.parametrize("rows,dim", [(1, 8), (3, 20), (32, 576), (200, 576)])   # 200 x 576: threads split rows
+@pytest.mark.parametrize("add", [False, True])
+def test_add_rms_norm_matches_rmsnorm(rows, dim, add):
+    torch.manual_seed(rows * dim)
+    h, a = torch.randn(rows, dim) * 3, torch.randn(rows, dim)
+    norm = RMSNorm(dim, 1e-5)
+    norm.weight.data = torch.randn(dim)
+    want_h = h + a if add else h.clone()
+    want = norm(want_h)
+    got = ops.add_rms_norm(h, a if add else None, norm.weight.detach(), 1e-5)
+    assert torch.equal(h, want_h)                        # the residual add is exact, in place
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)   # only the sum of squares' order differs
+
+
+@needs_ops
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_rotary_is_bit_equal_to_apply_rotary_on_the_merged_projection(rows):
+    torch.manual_seed(rows)
+    Hq, Hkv, D = 4, 2, 16
+    qkv = torch.randn(rows, (Hq + 2 * Hkv) * D)
+    heads = qkv.view(rows, Hq + 2 * Hkv, D)
+    cos, sin = torch.randn(rows, D), torch.randn(rows, D)
+    want = apply_rotary(heads[:, : Hq + Hkv], cos, sin)
+    v_before = heads[:, Hq + Hkv :].clone()
+    ops.rotary_(heads[:, : Hq + Hkv], cos, sin)          # strided rows: v heads sit between them
+    assert torch.equal(heads[:, : Hq + Hkv], want)
+    assert torch.equal(heads[:, Hq + Hkv :], v_before)   # v is not touched
+
+
+@needs_ops
+@pytest.mark.parametrize("rows,inter", [(1, 3), (7, 33), (32, 1536)])
+def test_silu_mul_matches_torch(rows, inter):
+    torch.manual_seed(inter)
+    gate_up = torch.randn(rows, 2 * inter) * 4
+    gate_up[0, :3] = torch.tensor([-100.0, 0.0, 90.0])[: min(3, inter)]   # exp far out of range, and 0
+    want = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    got = ops.silu_mul(gate_up)
+    assert got.shape == (rows, inter)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-30)
+
+
+@needs_ops
+def test_bad_arguments_are_refused_by_name():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="^h: .*float32"):
+        ops.add_rms_norm(x.double(), None, torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="^a: .*rows of 8"):
+        ops.add_rms_norm(x, torch.randn(4, 6), torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="^weight"):
+        ops.add_rms_norm(x, None, torch.ones(7), 1e-5)
+    with pytest.raises(ValueError, match="^h: .*contiguous"):
+        ops.add_rms_norm(x.t(), None, torch.ones(4), 1e-5)
+    with pytest.raises(ValueError, match="^x: .*even head_dim"):
+        ops.rotary_(torch.randn(2, 3, 5), torch.randn(2, 5), torch.randn(2, 5))
+    with pytest.raises(ValueError, match="^cos"):
+        ops.rotary_(torch.randn(2, 3, 4), torch.randn(3, 4), torch.randn(2, 4))
+    with pytest.raises(ValueError, match="^gate_up: .*even width"):
+        ops.silu_mul(torch.randn(2, 5))
+
+
+def prompts_inputs():
+    prompts = [[5, 9, 200, 31, 7, 7, 100], [3, 1, 4, 1, 5], [42]]
+    return [RunInput(p, 0, [2 * i, 2 * i + 1]) for i, p in enumerate(prompts)]   # blocks of 4 tokens
+
+
+@needs_ops
+def test_cpu_llama_logits_match_the_packed_view(tiny_llama):
+    fast = make_engine(tiny_llama, block_size=4, num_blocks=64)
+    torch_only = make_engine(tiny_llama, block_size=4, num_blocks=64, cpu_kernel=False)
+    plain = make_engine(tiny_llama, block_size=4, num_blocks=64, fast_paths=False)
+    assert isinstance(fast.runner.model, CpuLlama)
+    assert not isinstance(torch_only.runner.model, CpuLlama) and not isinstance(plain.runner.model, CpuLlama)
+    logits = [e.runner.run(e.runner.prepare(prompts_inputs())) for e in (fast, torch_only, plain)]
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[0], logits[2], rtol=1e-5, atol=1e-5)
+
+
+@needs_ops
+def test_greedy_tokens_equal_with_the_cpu_path_on_and_off(tiny_llama):
+    outs = []
+    for config in ({}, {"cpu_kernel": False}, {"fast_paths": False}):
+        engine = make_engine(tiny_llama, block_size=4, num_blocks=64, max_num_batched_tokens=16, **config)
+        for i in range(5):     # mixed prefill chunks and decodes in one step
+            engine.add_request(str(i), list(range(3 + 7 * i, 20 + 9 * i)),
+                               SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        outs.append({k: o.outputs[0].token_ids for k, o in run_to_end(engine).items()})
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_where_it_does_not_apply(tiny_llama, tiny_gpt2, tiny_llama_dir):
+    from nanoserve.distributed.sharding import shard_model
+    from nanoserve.models.loader import load_model
+
+    assert supports(tiny_llama.model)
+    assert not supports(tiny_gpt2.model)
+    assert not supports(load_model(tiny_llama_dir, torch.bfloat16).model)
+    assert not supports(shard_model(tiny_llama.model, 0, 2))
+    assert not isinstance(make_engine(tiny_gpt2, block_size=4, num_blocks=64).runner.model, CpuLlama)
+
+
+def test_a_failed_build_keeps_the_torch_path(tiny_llama, monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    cpu_ops.load.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="layers take the torch path"):
+            engine = make_engine(tiny_llama, block_size=4, num_blocks=64)
+        assert not isinstance(engine.runner.model, CpuLlama)
+        engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
+        assert len(run_to_end(engine)["r"].outputs[0].token_ids) == 3
+    finally:
+        cpu_ops.load.cache_clear()
+
+
+@needs_ops
+def test_the_loaded_model_is_shared_not_changed(tiny_llama):
+    before = {k: v.clone() for k, v in tiny_llama.model.state_dict().items()}
+    view = cpu_llama.cpu_llama_view(tiny_llama.model)
+    assert view.embed_tokens is tiny_llama.model.model.embed_tokens          # shared, not copied
+    after = tiny_llama.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_memory_hints_change_nothing_but_speed():
+    assert isinstance(keep_freed_memory(), bool)
+    t = huge_page_zeros((40, 16, 3, 64 * 64), torch.float32)    # 30 MB: several whole 2 MB pages
+    assert t.shape == (40, 16, 3, 64 * 64) and t.dtype == torch.float32 and not t.any()
+    small = huge_page_zeros((2, 3), torch.bfloat16)
+    assert small.dtype == torch.bfloat16 and not small.any()
