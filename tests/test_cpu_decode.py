@@ -71,12 +71,14 @@ def test_bf16_cache_is_read_as_float32():
 
 def test_bad_arguments_are_refused_before_the_c_code_runs():
     q, k_cache, v_cache, tables, seq_lens = paged_case([5, 9], 4, 4, 2, 16)
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match="^seq_lens: expected lengths from 1"):
         kernel_f32(q, k_cache, v_cache, tables, torch.tensor([5, 99]), 0.25)          # longer than its table
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match="^block_tables: expected block ids below"):
         kernel_f32(q, k_cache, v_cache, tables + 1000, seq_lens, 0.25)                # a block past the pool
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match="^(q|k_cache): expected"):
         kernel_f32(q, k_cache.double(), v_cache.double(), tables, seq_lens, 0.25)     # not this build's dtype
+    with pytest.raises(ValueError, match="^q: expected head_dim"):
+        kernel_f32(q[..., :8], k_cache, v_cache, tables, seq_lens, 0.25)              # head_dim unlike the cache
 
 
 def test_engine_tokens_equal_with_the_kernel_on_and_off(tiny_llama):

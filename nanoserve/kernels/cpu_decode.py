@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.kernels.checks import check_paged_args, expect
 from nanoserve.kernels.cpu_build import FLAGS, build
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
@@ -49,15 +50,20 @@ def load(cache_dtype: torch.dtype):
 
     def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
         """q [B, Hq, D], caches [N, bs, Hkv, D], block_tables [B, nb] int64, seq_lens [B] int64 -> [B, Hq, D]."""
+        # The C code trusts these; a wrong shape, dtype or index would read the wrong memory, so check them
+        # all (a ValueError naming the argument, as every kernel wrapper raises: kernels/checks.py).
+        check_paged_args(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
         B, Hq, D = q.shape
         _, bs, Hkv, _ = k_cache.shape
-        # The C code trusts these; a wrong shape or dtype would read the wrong memory, so check them all.
-        assert k_cache.dtype == v_cache.dtype == cache_dtype and k_cache.shape == v_cache.shape
-        assert k_cache.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()
-        assert k_cache.shape[3] == D and Hq % Hkv == 0
-        assert block_tables.dtype == seq_lens.dtype == torch.int64 and block_tables.shape[0] == B == len(seq_lens)
-        assert int(seq_lens.min()) >= 1 and int(seq_lens.max()) <= block_tables.shape[1] * bs
-        assert 0 <= int(block_tables.min()) and int(block_tables.max()) < k_cache.shape[0]
+        expect(k_cache.dtype == cache_dtype and k_cache.device.type == "cpu" and k_cache.is_contiguous()
+               and v_cache.is_contiguous(), "k_cache", f"a contiguous {cache_dtype} CPU cache (this build's)",
+               k_cache)
+        expect(block_tables.dtype == seq_lens.dtype == torch.int64 and block_tables.shape[0] == B == len(seq_lens),
+               "block_tables", f"int64 tables and lengths for the {B} queries", block_tables)
+        expect(int(seq_lens.min()) >= 1 and int(seq_lens.max()) <= block_tables.shape[1] * bs, "seq_lens",
+               f"lengths from 1 to {block_tables.shape[1] * bs} (what the tables hold)", seq_lens)
+        expect(0 <= int(block_tables.min()) and int(block_tables.max()) < k_cache.shape[0], "block_tables",
+               f"block ids below the pool's {k_cache.shape[0]}", block_tables)
         block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
         q32 = q.to(torch.float32).contiguous()
         out = torch.empty_like(q32)
