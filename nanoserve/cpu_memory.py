@@ -6,7 +6,9 @@ Two costs that have nothing to do with the model show up in a CPU step's profile
    fresh mmap, and returns them to the kernel on free. A step's larger
    tensors (a 512-token chunk's [512, 3072] MLP activations, 6 MB) are freed
    at the end of the step, and the next step gets fresh pages, which the
-   kernel zeroes, 4 KB at a time, on first touch. `keep_freed_memory()` raises
+   kernel zeroes, 4 KB at a time, on first touch. (glibc raises that
+   threshold by itself after such frees, but only as far as the sizes it
+   has seen, and it still trims the heap's top after each step.) `keep_freed_memory()` raises
    glibc's thresholds (mallopt), so those blocks come from, and go back to,
    the process's own heap. vLLM's CPU backend gets the same by preloading
    tcmalloc (its docs ask for it).
@@ -59,7 +61,9 @@ def keep_freed_memory() -> bool:
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype) on the CPU, asking for 2 MB pages first (a hint; big tensors only)."""
-    t = torch.empty(shape, dtype=dtype)                  # large: mmapped and not yet touched
+    # At 32 MB or more (keep_freed_memory's threshold) glibc maps fresh, untouched pages, which the hint
+    # turns into 2 MB pages at the first touch; a smaller tensor may reuse heap pages, where it helps less.
+    t = torch.empty(shape, dtype=dtype)
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()
     lo, hi = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE   # whole huge pages inside

@@ -161,11 +161,14 @@ class DraftModelProposer:
     method = "draft"
 
     def __init__(self, model: nn.Module, k: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, eos_token_id: int | None, backend: str = "torch") -> None:
+                 dtype: torch.dtype, device: torch.device, eos_token_id: int | None, backend: str = "torch",
+                 fast_paths: bool = True, cpu_kernel: bool = True) -> None:
         self.k = k
         self.eos = eos_token_id
         self.pool = BlockPool(num_blocks, block_size)
-        self.runner = ModelRunner(model, num_blocks, block_size, dtype, device, backend)
+        # The draft model runs with the engine's speed switches, so switching one off switches it off here too.
+        self.runner = ModelRunner(model, num_blocks, block_size, dtype, device, backend,
+                                  fast_paths=fast_paths, cpu_kernel=cpu_kernel)
         self.states: dict[str, _DraftState] = {}
 
     def propose(self, seqs: list[Sequence], limits: dict[str, int]) -> Drafts:
@@ -265,7 +268,8 @@ def build_proposer(config, loaded, dtype: torch.dtype):
             raise ValueError(f"draft model {config.draft_model!r} has a vocabulary of {draft.config.vocab_size} "
                              f"tokens, the target {target.config.vocab_size}: they must share a tokenizer")
     return DraftModelProposer(draft, k, config.num_blocks, config.block_size, dtype,
-                              torch.device(config.device), loaded.eos_token_id, config.resolved_backend())
+                              torch.device(config.device), loaded.eos_token_id, config.resolved_backend(),
+                              fast_paths=config.fast_paths, cpu_kernel=config.cpu_kernel)
 
 
 # -- the engine's side: propose before scheduling, decide after the forward ----------------

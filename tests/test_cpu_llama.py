@@ -21,10 +21,9 @@ from conftest import make_engine, run_to_end
 from nanoserve import SamplingParams
 from nanoserve.cpu_memory import huge_page_zeros, keep_freed_memory
 from nanoserve.kernels import cpu_ops
-from nanoserve.models import cpu_llama
 from nanoserve.models.cpu_llama import CpuLlama, supports
-from nanoserve.models.llama import RMSNorm, apply_rotary
-from nanoserve.runner import RunInput
+from nanoserve.models.llama import Llama, RMSNorm, apply_rotary
+from nanoserve.runner import ModelRunner, RunInput
 
 ops = cpu_ops.load()
 needs_ops = pytest.mark.skipif(ops is None, reason="no C compiler here")
@@ -87,8 +86,16 @@ def test_bad_arguments_are_refused_by_name():
         ops.rotary_(torch.randn(2, 3, 5), torch.randn(2, 5), torch.randn(2, 5))
     with pytest.raises(ValueError, match="^cos"):
         ops.rotary_(torch.randn(2, 3, 4), torch.randn(3, 4), torch.randn(2, 4))
+    with pytest.raises(ValueError, match="^sin"):
+        ops.rotary_(torch.randn(2, 3, 4), torch.randn(2, 4), torch.randn(3, 4))
+    with pytest.raises(ValueError, match="^x: .*side by side"):
+        ops.rotary_(torch.randn(2, 4, 3).transpose(1, 2), torch.randn(2, 4), torch.randn(2, 4))
+    with pytest.raises(ValueError, match="^a: .*rows like h"):
+        ops.add_rms_norm(x, torch.randn(3, 8), torch.ones(8), 1e-5)
     with pytest.raises(ValueError, match="^gate_up: .*even width"):
         ops.silu_mul(torch.randn(2, 5))
+    with pytest.raises(ValueError, match="^gate_up: .*contiguous"):
+        ops.silu_mul(torch.randn(6, 2).t())
 
 
 def prompts_inputs():
@@ -120,6 +127,46 @@ def test_greedy_tokens_equal_with_the_cpu_path_on_and_off(tiny_llama):
     assert outs[0] == outs[1] == outs[2]
 
 
+def random_llama(**overrides) -> Llama:
+    from transformers import LlamaConfig
+
+    shape = dict(vocab_size=97, hidden_size=40, intermediate_size=52, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(**{**shape, **overrides})
+    torch.manual_seed(0)
+    model = Llama(config).eval()
+    with torch.no_grad():                       # norms and biases away from their ones/zeros defaults
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in name else 0.0))
+    return model
+
+
+@needs_ops
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"tie_word_embeddings": True},
+    {"attention_bias": True, "mlp_bias": True},
+    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16}},
+    {"head_dim": 6},                                  # head_dim not hidden / heads; 24-wide attention
+    {"num_key_value_heads": 1},                       # every query head reads one KV head
+    {"num_key_value_heads": 4},                       # no grouping
+], ids=["plain", "tied", "biases", "llama3-rope", "head_dim", "mqa", "mha"])
+def test_cpu_llama_matches_llama_on_other_shapes(overrides):
+    """Prefill then a decode step through both runners: the same logits to float32 rounding."""
+    model = random_llama(**overrides)
+    assert supports(model)
+    runners = [ModelRunner(model, 16, 4, torch.float32, torch.device("cpu"), cpu_kernel=c) for c in (True, False)]
+    assert isinstance(runners[0].model, CpuLlama) and not isinstance(runners[1].model, CpuLlama)
+    prompts = [[5, 9, 20, 31, 7, 7, 60], [3, 1, 4, 1, 5], [42]]
+    prefill = [RunInput(p, 0, [2 * i, 2 * i + 1]) for i, p in enumerate(prompts)]
+    decode = [RunInput([11 + i], len(p), [2 * i, 2 * i + 1]) for i, p in enumerate(prompts)]
+    for step in (prefill, decode):
+        got, want = (r.run(r.prepare(step)) for r in runners)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_where_it_does_not_apply(tiny_llama, tiny_gpt2, tiny_llama_dir):
     from nanoserve.distributed.sharding import shard_model
     from nanoserve.models.loader import load_model
@@ -129,6 +176,22 @@ def test_where_it_does_not_apply(tiny_llama, tiny_gpt2, tiny_llama_dir):
     assert not supports(load_model(tiny_llama_dir, torch.bfloat16).model)
     assert not supports(shard_model(tiny_llama.model, 0, 2))
     assert not isinstance(make_engine(tiny_gpt2, block_size=4, num_blocks=64).runner.model, CpuLlama)
+    bf16 = load_model(tiny_llama_dir, torch.bfloat16)
+    assert not isinstance(make_engine(bf16, dtype="bfloat16", block_size=4, num_blocks=64).runner.model, CpuLlama)
+    # A module replaced or subclassed anywhere (a student's norm, say) keeps the model's own forward.
+    model = random_llama()
+    model.model.layers[1].post_attention_layernorm = type("MyNorm", (RMSNorm,), {})(40, 1e-5)
+    assert not supports(model)
+
+
+@needs_ops
+def test_a_draft_model_follows_the_engines_switch(tiny_llama):
+    """Speculative decoding's draft runner takes cpu_kernel from the engine, as the target's runner does."""
+    for cpu_kernel in (True, False):
+        engine = make_engine(tiny_llama, block_size=4, num_blocks=64, speculative_method="draft",
+                             draft_num_layers=1, cpu_kernel=cpu_kernel)
+        assert isinstance(engine.runner.model, CpuLlama) == cpu_kernel
+        assert isinstance(engine.proposer.runner.model, CpuLlama) == cpu_kernel
 
 
 def test_a_failed_build_keeps_the_torch_path(tiny_llama, monkeypatch):
@@ -147,13 +210,17 @@ def test_a_failed_build_keeps_the_torch_path(tiny_llama, monkeypatch):
 @needs_ops
 def test_the_loaded_model_is_shared_not_changed(tiny_llama):
     before = {k: v.clone() for k, v in tiny_llama.model.state_dict().items()}
-    view = cpu_llama.cpu_llama_view(tiny_llama.model)
-    assert view.embed_tokens is tiny_llama.model.model.embed_tokens          # shared, not copied
+    engine = make_engine(tiny_llama, block_size=4, num_blocks=64)
+    view = engine.runner.model
+    assert isinstance(view, CpuLlama) and view.embed_tokens is tiny_llama.model.model.embed_tokens   # shared
+    engine.add_request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4, temperature=0))   # prefill, decodes
+    run_to_end(engine)
     after = tiny_llama.model.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.equal(before[k], after[k]) for k in before)     # the in-place residual never leaks
 
 
 def test_memory_hints_change_nothing_but_speed():
+    """A smoke test: the hints are requests to glibc and Linux, so what can be checked is the tensors."""
     assert isinstance(keep_freed_memory(), bool)
     t = huge_page_zeros((40, 16, 3, 64 * 64), torch.float32)    # 30 MB: several whole 2 MB pages
     assert t.shape == (40, 16, 3, 64 * 64) and t.dtype == torch.float32 and not t.any()

@@ -57,11 +57,14 @@ def build(source: Path, flags: list[str]) -> Path:
     try:
         proc = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
                               timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed:\n{proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
     except subprocess.TimeoutExpired as e:
-        os.unlink(tmp)
         raise RuntimeError(f"{cc} took longer than {e.timeout} s") from e
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"{cc} failed:\n{proc.stderr.strip()[-2000:]}")
-    os.replace(tmp, out)
+    except OSError as e:
+        raise RuntimeError(f"{cc} could not be run: {e}") from e
+    finally:
+        if os.path.exists(tmp):          # anything but a finished build: no half-written file left behind
+            os.unlink(tmp)
     return out

@@ -57,7 +57,7 @@ static inline float dot(const float *a, const cache_t *b, int64_t n) {
         for (int j = 0; j < 8; j++) acc[j] += a[d + j] * widen(b[d + j]);
     float sum = 0.0f;
     for (int j = 0; j < 8; j++) sum += acc[j];
-    for (; d < n; d++) sum += a[d] * widen(b[d]);       /* the rest, when n is not a multiple of 16 */
+    for (; d < n; d++) sum += a[d] * widen(b[d]);       /* the rest, when n is not a multiple of 8 */
     return sum;
 }
 

@@ -8,15 +8,16 @@
    about 10 us each, 25 times per layer. Here each step is one C call that
    reads its rows once and writes them once.
 
-       add_rms_norm   h += a (the residual add, in place), then out = w * h / rms(h)
-       rms_norm       out = w * x / rms(x)                  rms(x) = sqrt(mean(x^2) + eps)
+       add_rms_norm   h += a (the residual add, in place; none when a is NULL),
+                      then out = w * h / rms(h)             rms(h) = sqrt(mean(h^2) + eps)
        rotary         RoPE in place on q and k (Hugging Face's rotate_half layout)
        silu_mul       out = silu(gate) * up, from the merged [gate | up] matmul output
 
    The arithmetic is float32, in the order models/llama.py writes it (the
    file is compiled with -ffp-contract=off, so a * b + c is never fused into
-   one rounding). Only the sum of squares in RMSNorm is added in another order
-   than torch's, so outputs agree to float32 rounding, not bit for bit.
+   one rounding): RoPE is bit-equal to torch's. RMSNorm adds its squares in
+   another order than torch, and SiLU's exp is a polynomial (exp_f32 below),
+   so those agree to float32 rounding, not bit for bit.
    models/cpu_llama.py calls these through kernels/cpu_ops.py.               */
 
 #include <math.h>
@@ -76,7 +77,8 @@ void rotary(float *x, int64_t row_stride, const float *cos, const float *sin, in
 
 /* e^x in float32, written so the compiler can run 8 of them at once in vector registers (libm's expf
    is one call per number). Cephes' method: x = n ln2 + r with |r| <= ln2 / 2, e^r from a degree-7
-   polynomial, times 2^n built directly in the exponent bits. Within 2 ulp of the exact value. */
+   polynomial, times 2^n built directly in the exponent bits. Within 2 ulp of the exact value for x in
+   [-87.3, 88.3]; outside, x is clamped there (e^x of a finite x never overflows to inf). */
 static inline float exp_f32(float x) {
     x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);   /* 2^n stays a normal float */
     const float n = floorf(x * 1.44269504f + 0.5f);   /* round(x / ln2) */

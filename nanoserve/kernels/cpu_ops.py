@@ -3,7 +3,7 @@
     ops = load()                         # None (one warning) if cpu_ops.c cannot be built here
     x = ops.add_rms_norm(h, a, w, eps)   # h += a in place; returns w * h / rms(h)
     x = ops.rms_norm(h, w, eps)          # w * h / rms(h)
-    ops.rotary_(qk, cos, sin, heads)     # RoPE in place on [T, heads, D] (rows may be strided)
+    ops.rotary_(qk, cos, sin)            # RoPE in place on qk [T, heads, D] (rows may lie apart)
     m = ops.silu_mul(gate_up)            # silu(gate) * up from [T, 2I] -> [T, I]
 
 All float32. The C code trusts its pointers and sizes, so every function
@@ -41,7 +41,7 @@ def _rows(name: str, t: torch.Tensor, width: int | None = None) -> None:
 
 
 class CpuOps:
-    """Typed Python faces of cpu_ops.c's four functions."""
+    """Typed, checked Python faces of cpu_ops.c's three functions (rms_norm is add_rms_norm without the add)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._add_rms_norm = lib.add_rms_norm
@@ -60,8 +60,8 @@ class CpuOps:
         if a is not None:
             _rows("a", a, h.shape[1])
             expect(a.shape[0] == h.shape[0], "a", f"{h.shape[0]} rows like h", a)
-        expect(weight.dtype == torch.float32 and weight.shape == (h.shape[1],) and weight.is_contiguous(),
-               "weight", f"a contiguous float32 vector of {h.shape[1]}", weight)
+        expect(weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.shape == (h.shape[1],)
+               and weight.is_contiguous(), "weight", f"a contiguous float32 CPU vector of {h.shape[1]}", weight)
         out = torch.empty_like(h)
         self._add_rms_norm(h.data_ptr(), None if a is None else a.data_ptr(), weight.data_ptr(),
                            out.data_ptr(), h.shape[0], h.shape[1], eps)
@@ -79,7 +79,8 @@ class CpuOps:
                "each row's heads side by side, an even head_dim", x)
         _rows("cos", cos, D)
         _rows("sin", sin, D)
-        expect(cos.shape[0] == T and sin.shape[0] == T, "cos", f"{T} rows like x", cos)
+        expect(cos.shape[0] == T, "cos", f"{T} rows like x", cos)
+        expect(sin.shape[0] == T, "sin", f"{T} rows like x", sin)
         self._rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), T, heads, D)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from nanoserve.attention import AttentionMetadata, paged_attention
 from nanoserve.kernels import cpu_ops
 from nanoserve.kernels.cpu_ops import CpuOps
 from nanoserve.models.cpu_linear import CpuLinear
-from nanoserve.models.llama import Llama, LlamaLayer
+from nanoserve.models.llama import Llama, LlamaAttention, LlamaLayer, LlamaMLP, RMSNorm
 
 
 def stacked(*linears: nn.Linear) -> nn.Linear:
@@ -51,14 +51,21 @@ def stacked(*linears: nn.Linear) -> nn.Linear:
 
 
 def supports(model: nn.Module) -> bool:
-    """A whole (unsharded) float32 Llama whose projections are plain nn.Linear layers."""
+    """A whole (unsharded) float32 Llama built of llama.py's own modules, every projection a plain nn.Linear.
+
+    Anything replaced or subclassed (a sharded layer, a student's module) keeps the model's own forward:
+    this module would skip it silently otherwise."""
     if type(model) is not Llama or getattr(model, "tp_size", 1) != 1:
         return False
-    if model.lm_head.weight.dtype != torch.float32:
+    if model.lm_head.weight.dtype != torch.float32 or type(model.model.norm) is not RMSNorm:
         return False
-    layer = model.model.layers[0]
-    projections = [*layer.self_attn.children(), *layer.mlp.children()]
-    return all(type(p) is nn.Linear for p in projections)
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        parts = (type(layer) is LlamaLayer, type(attn) is LlamaAttention, type(mlp) is LlamaMLP,
+                 type(layer.input_layernorm) is RMSNorm, type(layer.post_attention_layernorm) is RMSNorm)
+        if not all(parts) or not all(type(p) is nn.Linear for p in (*attn.children(), *mlp.children())):
+            return False
+    return True
 
 
 class CpuLlamaLayer(nn.Module):
@@ -87,7 +94,7 @@ class CpuLlamaLayer(nn.Module):
 
 
 class CpuLlama(nn.Module):
-    """The runner's view of a float32 Llama on a CPU: same forward signature and results as Llama."""
+    """The runner's view of a float32 Llama on a CPU: Llama's forward signature, its results to float32 rounding."""
 
     def __init__(self, model: Llama, ops: CpuOps) -> None:
         super().__init__()
