@@ -42,7 +42,9 @@ and the tests check both give the same tokens):
 * on a CPU, the model's linear layers run from oneDNN-packed weights, and a
   bf16 model on a CPU without bf16 units runs its matmuls and attention in
   float32 on the bf16 values, ~10x faster there (models/cpu_linear.py). The
-  runner then holds a view of the model; the loaded model is not changed.
+  runner then holds a view of the model; the loaded model is not changed;
+* on a CPU, glibc keeps a step's freed memory for the next one, and the KV
+  cache asks Linux for 2 MB pages (cpu_memory.py).
 """
 
 from __future__ import annotations
