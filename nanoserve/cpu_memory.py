@@ -8,9 +8,9 @@ Two costs that have nothing to do with the model show up in a CPU step's profile
    at the end of the step, and the next step gets fresh pages, which the
    kernel zeroes, 4 KB at a time, on first touch. (glibc raises that
    threshold by itself after such frees, but only as far as the sizes it
-   has seen, and it still trims the heap's top after each step.) `keep_freed_memory()` raises
-   glibc's thresholds (mallopt), so those blocks come from, and go back to,
-   the process's own heap. vLLM's CPU backend gets the same by preloading
+   has seen, and it still trims the heap's top after each step.)
+   `keep_freed_memory()` raises glibc's thresholds (mallopt), so those
+   blocks come from, and go back to, the process's own heap. vLLM's CPU backend gets the same by preloading
    tcmalloc (its docs ask for it).
 2. TLB misses. Decode attention reads K/V blocks scattered over the whole
    pool, each on a different 4 KB page. `huge_page_zeros` asks Linux for

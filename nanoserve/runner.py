@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -99,7 +100,8 @@ class ModelRunner:
         self.fast_paths = fast_paths
         self.attn: AttentionBackend = make_attention(backend, fast_paths)   # (components.py can replace it)
         self.model = model
-        if fast_paths and device.type == "cpu":
+        cpu_fast = fast_paths and device.type == "cpu"
+        if cpu_fast:
             from nanoserve.models.cpu_linear import can_pack, cpu_linear_view
             from nanoserve.models.cpu_llama import cpu_llama_view
             upcast = half_matmuls_need_fp32(dtype, device)      # bf16 values, float32 math
@@ -115,11 +117,12 @@ class ModelRunner:
                 from nanoserve.kernels import cpu_decode
                 self.attn.decode_kernel = cpu_decode.load(dtype)     # None (with a warning) if it cannot be built
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        zeros = lambda: torch.zeros(shape, dtype=dtype, device=device)   # noqa: E731
-        if fast_paths and device.type == "cpu":     # 2 MB pages for the cache, freed memory kept (cpu_memory.py)
+        if cpu_fast:             # freed memory kept, 2 MB pages for the cache (cpu_memory.py)
             from nanoserve.cpu_memory import huge_page_zeros, keep_freed_memory
             keep_freed_memory()
-            zeros = lambda: huge_page_zeros(shape, dtype)   # noqa: E731
+            zeros = partial(huge_page_zeros, shape, dtype)
+        else:
+            zeros = partial(torch.zeros, shape, dtype=dtype, device=device)
         # One (k_cache, v_cache) pair per layer.
         self.kv_caches = [(zeros(), zeros()) for _ in range(model.num_layers)]
 

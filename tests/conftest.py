@@ -9,6 +9,7 @@ them, and CI runs both.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 # The Triton kernels run on CPU under the interpreter, which must be switched on
@@ -77,6 +78,18 @@ def tiny_llama(tiny_llama_dir):
 @pytest.fixture(scope="session")
 def tiny_gpt2(tiny_gpt2_dir):
     return load_model(tiny_gpt2_dir)
+
+
+@contextlib.contextmanager
+def without_c_compiler(monkeypatch, load):
+    """$CC points nowhere and `load` (a cached kernel loader) forgets its library, for the duration:
+    the next engine has to build its C code, and the build fails."""
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    load.cache_clear()
+    try:
+        yield
+    finally:
+        load.cache_clear()
 
 
 def has_smollm2() -> bool:

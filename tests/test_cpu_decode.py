@@ -15,7 +15,7 @@ import random
 
 import pytest
 import torch
-from conftest import make_engine, run_to_end
+from conftest import make_engine, run_to_end, without_c_compiler
 
 from nanoserve import SamplingParams
 from nanoserve.kernels import cpu_decode, reference
@@ -94,14 +94,10 @@ def test_engine_tokens_equal_with_the_kernel_on_and_off(tiny_llama):
 
 
 def test_a_failed_build_falls_back_to_torch(tiny_llama, monkeypatch):
-    monkeypatch.setenv("CC", "/nonexistent/cc")
-    cpu_decode.load.cache_clear()
-    try:
+    with without_c_compiler(monkeypatch, cpu_decode.load):
         with pytest.warns(UserWarning, match="torch path"):
             engine = make_engine(tiny_llama, block_size=4, num_blocks=64)
         assert engine.runner.attn.decode_kernel is None
         assert isinstance(engine.runner.attn, TorchBackend) and engine.runner.attn.fast
         engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
         assert len(run_to_end(engine)["r"].outputs[0].token_ids) == 3
-    finally:
-        cpu_decode.load.cache_clear()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_engine, run_to_end
+from conftest import make_engine, run_to_end, without_c_compiler
 
 from nanoserve import SamplingParams
 from nanoserve.cpu_memory import huge_page_zeros, keep_freed_memory
@@ -195,16 +195,12 @@ def test_a_draft_model_follows_the_engines_switch(tiny_llama):
 
 
 def test_a_failed_build_keeps_the_torch_path(tiny_llama, monkeypatch):
-    monkeypatch.setenv("CC", "/nonexistent/cc")
-    cpu_ops.load.cache_clear()
-    try:
+    with without_c_compiler(monkeypatch, cpu_ops.load):
         with pytest.warns(UserWarning, match="layers take the torch path"):
             engine = make_engine(tiny_llama, block_size=4, num_blocks=64)
         assert not isinstance(engine.runner.model, CpuLlama)
         engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
         assert len(run_to_end(engine)["r"].outputs[0].token_ids) == 3
-    finally:
-        cpu_ops.load.cache_clear()
 
 
 @needs_ops

@@ -1,8 +1,7 @@
 """A layer's elementwise steps on the CPU in C (cpu_ops.c): load them, check arguments, call them.
 
     ops = load()                         # None (one warning) if cpu_ops.c cannot be built here
-    x = ops.add_rms_norm(h, a, w, eps)   # h += a in place; returns w * h / rms(h)
-    x = ops.rms_norm(h, w, eps)          # w * h / rms(h)
+    x = ops.add_rms_norm(h, a, w, eps)   # h += a in place (a=None: no add); returns w * h / rms(h)
     ops.rotary_(qk, cos, sin)            # RoPE in place on qk [T, heads, D] (rows may lie apart)
     m = ops.silu_mul(gate_up)            # silu(gate) * up from [T, 2I] -> [T, I]
 
@@ -41,7 +40,7 @@ def _rows(name: str, t: torch.Tensor, width: int | None = None) -> None:
 
 
 class CpuOps:
-    """Typed, checked Python faces of cpu_ops.c's three functions (rms_norm is add_rms_norm without the add)."""
+    """Typed, checked Python faces of cpu_ops.c's three functions."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._add_rms_norm = lib.add_rms_norm
@@ -66,9 +65,6 @@ class CpuOps:
         self._add_rms_norm(h.data_ptr(), None if a is None else a.data_ptr(), weight.data_ptr(),
                            out.data_ptr(), h.shape[0], h.shape[1], eps)
         return out
-
-    def rms_norm(self, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self.add_rms_norm(h, None, weight, eps)
 
     def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """RoPE in place on x [T, heads, D] (each row's heads contiguous; rows may be apart); cos, sin [T, D]."""
