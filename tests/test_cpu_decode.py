@@ -71,6 +71,13 @@ def test_bf16_cache_is_read_as_float32():
 
 def test_bad_arguments_are_refused_before_the_c_code_runs():
     q, k_cache, v_cache, tables, seq_lens = paged_case([5, 9], 4, 4, 2, 16)
+    good = kernel_f32(q, k_cache, v_cache, tables, seq_lens, 0.25)
+    # The same shapes as the good call just before (the wrapper checks shapes once per layout; the values
+    # are checked on every call, in C), then other shapes.
+    with pytest.raises(ValueError, match="^seq_lens: expected lengths from 1"):
+        kernel_f32(q, k_cache, v_cache, tables, torch.tensor([5, 0]), 0.25)           # an empty sequence
+    with pytest.raises(ValueError, match="^block_tables: expected block ids below"):
+        kernel_f32(q, k_cache, v_cache, tables - 1000, seq_lens, 0.25)                # a negative block id
     with pytest.raises(ValueError, match="^seq_lens: expected lengths from 1"):
         kernel_f32(q, k_cache, v_cache, tables, torch.tensor([5, 99]), 0.25)          # longer than its table
     with pytest.raises(ValueError, match="^block_tables: expected block ids below"):
@@ -79,6 +86,17 @@ def test_bad_arguments_are_refused_before_the_c_code_runs():
         kernel_f32(q, k_cache.double(), v_cache.double(), tables, seq_lens, 0.25)     # not this build's dtype
     with pytest.raises(ValueError, match="^q: expected head_dim"):
         kernel_f32(q[..., :8], k_cache, v_cache, tables, seq_lens, 0.25)              # head_dim unlike the cache
+    torch.testing.assert_close(kernel_f32(q, k_cache, v_cache, tables, seq_lens, 0.25), good, atol=0, rtol=0)
+
+
+def test_queries_may_be_rows_of_a_wider_tensor():
+    # What models/cpu_llama.py passes: q as the first Hq * D columns of the merged q/k/v matmul output.
+    q, k_cache, v_cache, tables, seq_lens = paged_case([3, 40, 17, 64], 16, 9, 3, 64)
+    qkv = torch.cat([q.flatten(1), torch.randn(4, 2 * 3 * 64)], dim=1)
+    rows = qkv[:, : 9 * 64].view(4, 9, 64)
+    assert not rows.is_contiguous()
+    want = kernel_f32(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    torch.testing.assert_close(kernel_f32(rows, k_cache, v_cache, tables, seq_lens, 0.125), want, atol=0, rtol=0)
 
 
 def test_engine_tokens_equal_with_the_kernel_on_and_off(tiny_llama):

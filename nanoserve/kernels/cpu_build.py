@@ -1,12 +1,13 @@
 """Compile a kernel's C file with the system's C compiler on first use, and cache the library.
 
 The CPU fast paths have two small C files (cpu_decode.c: decode attention over
-the paged cache; cpu_ops.c: a layer's elementwise steps). There is no build
-step at install time: the first engine that wants one compiles it (`$CC`,
-else `cc`; about a second) into `~/.cache/nanoserve/kernels/`, named by a
-hash of the source, the compiler, the flags and this CPU's features (the
-files are built with `-march=native`, so another CPU needs its own build), and
-later engines load the file. A failed build raises RuntimeError; the loaders
+the paged cache; cpu_ops.c: a layer's elementwise steps) and a header both
+include (cpu_math.h: a vectorisable exp). There is no build step at install
+time: the first engine that wants one compiles it (`$CC`, else `cc`; about a
+second) into `~/.cache/nanoserve/kernels/`, named by a hash of the source and
+headers, the compiler, the flags and this CPU's features (the files are built
+with `-march=native`, so another CPU needs its own build), and later engines
+load the file. A failed build raises RuntimeError; the loaders
 turn that into one warning and the torch path.
 """
 
@@ -46,7 +47,10 @@ def build(source: Path, flags: list[str]) -> Path:
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC, or install gcc)")
-    key = hashlib.sha256("\0".join([source.read_text(), cc, *flags, _cpu_features()]).encode()).hexdigest()[:16]
+    # The headers beside the source (cpu_math.h) are part of what gets compiled, so part of the name.
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, cc, *flags, _cpu_features()]).encode())
+    key = key.hexdigest()[:16]
     out = cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():
         return out

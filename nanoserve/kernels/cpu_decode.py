@@ -30,6 +30,9 @@ from nanoserve.kernels.checks import check_paged_args, expect
 from nanoserve.kernels.cpu_build import FLAGS, build
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
+# No errno and no floating-point traps to keep: lets the compiler vectorise the softmax's exp and maxima.
+DECODE_FLAGS = [*FLAGS, "-fno-math-errno", "-fno-trapping-math"]
+NO_MEMORY, BAD_SEQ_LEN, BAD_BLOCK = -1, -2, -3    # what the C function returns instead of 0 (OK)
 CACHE_DTYPES = {torch.float32: [], torch.bfloat16: ["-DCACHE_BF16"]}   # extra flags per cache dtype
 
 
@@ -39,38 +42,50 @@ def load(cache_dtype: torch.dtype):
     if cache_dtype not in CACHE_DTYPES:
         return None
     try:
-        lib = ctypes.CDLL(str(build(SOURCE, FLAGS + CACHE_DTYPES[cache_dtype])))
+        lib = ctypes.CDLL(str(build(SOURCE, DECODE_FLAGS + CACHE_DTYPES[cache_dtype])))
     except (RuntimeError, OSError) as e:
         warnings.warn(f"nanoserve: the CPU decode kernel could not be built, so decode attention takes the "
                       f"torch path (same results, slower): {e}", stacklevel=2)
         return None
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float]
+    checked = [None]    # the layout of the last arguments that passed the checks
 
     def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
         """q [B, Hq, D], caches [N, bs, Hkv, D], block_tables [B, nb] int64, seq_lens [B] int64 -> [B, Hq, D]."""
-        # The C code trusts these; a wrong shape, dtype or index would read the wrong memory, so check them
-        # all (a ValueError naming the argument, as every kernel wrapper raises: kernels/checks.py).
-        check_paged_args(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
-        B, Hq, D = q.shape
-        _, bs, Hkv, _ = k_cache.shape
-        expect(k_cache.dtype == cache_dtype and k_cache.device.type == "cpu" and k_cache.is_contiguous()
-               and v_cache.is_contiguous(), "k_cache", f"a contiguous {cache_dtype} CPU cache (this build's)",
-               k_cache)
-        expect(block_tables.dtype == seq_lens.dtype == torch.int64 and block_tables.shape[0] == B == len(seq_lens),
-               "block_tables", f"int64 tables and lengths for the {B} queries", block_tables)
-        expect(int(seq_lens.min()) >= 1 and int(seq_lens.max()) <= block_tables.shape[1] * bs, "seq_lens",
-               f"lengths from 1 to {block_tables.shape[1] * bs} (what the tables hold)", seq_lens)
-        expect(0 <= int(block_tables.min()) and int(block_tables.max()) < k_cache.shape[0], "block_tables",
-               f"block ids below the pool's {k_cache.shape[0]}", block_tables)
+        # The C code trusts shapes and dtypes; a wrong one would read the wrong memory, so check them all
+        # (a ValueError naming the argument, as every kernel wrapper raises: kernels/checks.py). Every layer
+        # of a step passes the same layout, so the checks run when it changes: about once a step.
         block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
-        q32 = q.to(torch.float32).contiguous()
-        out = torch.empty_like(q32)
+        args = (q, k_cache, v_cache, block_tables, seq_lens)
+        arg_layout = tuple((t.shape, t.stride(), t.dtype, t.device) for t in args)
+        if arg_layout != checked[0]:
+            check_layout(*args, cache_dtype)
+            checked[0] = arg_layout
+        B, Hq, D = q.shape
+        N, bs, Hkv, _ = k_cache.shape
+        # q may be rows of a wider tensor (the merged q/k/v matmul output): the kernel takes their stride.
+        q32 = q if q.dtype == torch.float32 and q.stride(1) == D else q.to(torch.float32).contiguous()
+        out = torch.empty(B, Hq, D)
         status = fn(q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                    seq_lens.data_ptr(), out.data_ptr(), B, Hq, Hkv, D, bs, block_tables.shape[1], scale)
-        if status != 0:
+                    seq_lens.data_ptr(), out.data_ptr(), B, Hq, Hkv, D, bs, block_tables.shape[1], N,
+                    q32.stride(0), scale)
+        if status != 0:     # the C code checks every length and block id it would follow, before reading any
+            expect(status != BAD_SEQ_LEN, "seq_lens", f"lengths from 1 to {block_tables.shape[1] * bs} (what "
+                   "the tables hold)", seq_lens)
+            expect(status != BAD_BLOCK, "block_tables", f"block ids below the pool's {N}", block_tables)
             raise MemoryError("the CPU decode kernel could not allocate its scratch buffers")
-        return out.to(q.dtype)
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
 
     return decode_attention
+
+
+def check_layout(q, k_cache, v_cache, block_tables, seq_lens, cache_dtype: torch.dtype) -> None:
+    """Shapes, dtypes, devices and strides the C code relies on (the values are checked in C)."""
+    check_paged_args(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
+    B = q.shape[0]
+    expect(k_cache.dtype == cache_dtype and k_cache.device.type == "cpu" and k_cache.is_contiguous()
+           and v_cache.is_contiguous(), "k_cache", f"a contiguous {cache_dtype} CPU cache (this build's)", k_cache)
+    expect(block_tables.dtype == seq_lens.dtype == torch.int64 and block_tables.shape[0] == B == len(seq_lens),
+           "block_tables", f"int64 tables and lengths for the {B} queries", block_tables)
