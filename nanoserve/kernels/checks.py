@@ -19,6 +19,14 @@ def expect(cond: bool, name: str, what: str, tensor: torch.Tensor) -> None:
                          f"on {tensor.device}")
 
 
+def layout(*tensors: torch.Tensor | None) -> tuple:
+    """All the checks here look at: each tensor's shape, strides, dtype and device (None stays None).
+
+    A wrapper called many times a step with the same layout (every layer's call) checks the first call
+    and keeps its layout; a call whose layout equals it passes the same checks, so they can be skipped."""
+    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+
+
 def check_cache(name: str, cache: torch.Tensor, like: torch.Tensor | None = None) -> None:
     """A KV cache: [num_blocks, block_size, num_kv_heads, head_dim], float, contiguous last dim."""
     expect(cache.dim() == 4, name, "a 4-d cache [num_blocks, block_size, num_kv_heads, head_dim]", cache)

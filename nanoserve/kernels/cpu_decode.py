@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.kernels.checks import check_paged_args, expect
+from nanoserve.kernels.checks import check_paged_args, expect, layout
 from nanoserve.kernels.cpu_build import FLAGS, build
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
@@ -59,10 +59,9 @@ def load(cache_dtype: torch.dtype):
         # of a step passes the same layout, so the checks run when it changes: about once a step.
         block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
         args = (q, k_cache, v_cache, block_tables, seq_lens)
-        arg_layout = tuple((t.shape, t.stride(), t.dtype, t.device) for t in args)
-        if arg_layout != checked[0]:
+        if layout(*args) != checked[0]:
             check_layout(*args, cache_dtype)
-            checked[0] = arg_layout
+            checked[0] = layout(*args)
         B, Hq, D = q.shape
         N, bs, Hkv, _ = k_cache.shape
         # q may be rows of a wider tensor (the merged q/k/v matmul output): the kernel takes their stride.
