@@ -20,11 +20,26 @@ def expect(cond: bool, name: str, what: str, tensor: torch.Tensor) -> None:
 
 
 def layout(*tensors: torch.Tensor | None) -> tuple:
-    """All the checks here look at: each tensor's shape, strides, dtype and device (None stays None).
-
-    A wrapper called many times a step with the same layout (every layer's call) checks the first call
-    and keeps its layout; a call whose layout equals it passes the same checks, so they can be skipped."""
+    """All the checks here look at: each tensor's shape, strides, dtype and device (None stays None)."""
     return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+
+
+class CheckedLayouts:
+    """Run a wrapper's checks only when its arguments' layout changes.
+
+    A wrapper called in every layer of a step sees the same layout 30 times: arguments whose layout
+    equals the last one that passed would pass the same checks, so they are skipped (a check costs
+    more than the C call it guards at a decode step's sizes)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple] = {}    # wrapper name -> the last layout that passed its checks
+
+    def check(self, name: str, check, *tensors: torch.Tensor | None) -> None:
+        """check(*tensors) (raising ValueError) unless these tensors' layout passed it last time."""
+        key = layout(*tensors)
+        if self._last.get(name) != key:
+            check(*tensors)
+            self._last[name] = key
 
 
 def check_cache(name: str, cache: torch.Tensor, like: torch.Tensor | None = None) -> None:

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import ctypes
 import warnings
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 
 import torch
 
-from nanoserve.kernels.checks import check_paged_args, expect, layout
+from nanoserve.kernels.checks import CheckedLayouts, check_paged_args, expect
 from nanoserve.kernels.cpu_build import FLAGS, build
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
@@ -50,7 +50,8 @@ def load(cache_dtype: torch.dtype):
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float]
-    checked = [None]    # the layout of the last arguments that passed the checks
+    check = partial(check_layout, cache_dtype=cache_dtype)     # this build's cache dtype
+    layouts = CheckedLayouts()
 
     def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
         """q [B, Hq, D], caches [N, bs, Hkv, D], block_tables [B, nb] int64, seq_lens [B] int64 -> [B, Hq, D]."""
@@ -58,10 +59,7 @@ def load(cache_dtype: torch.dtype):
         # (a ValueError naming the argument, as every kernel wrapper raises: kernels/checks.py). Every layer
         # of a step passes the same layout, so the checks run when it changes: about once a step.
         block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
-        args = (q, k_cache, v_cache, block_tables, seq_lens)
-        if layout(*args) != checked[0]:
-            check_layout(*args, cache_dtype)
-            checked[0] = layout(*args)
+        layouts.check("decode", check, q, k_cache, v_cache, block_tables, seq_lens)
         B, Hq, D = q.shape
         N, bs, Hkv, _ = k_cache.shape
         # q may be rows of a wider tensor (the merged q/k/v matmul output): the kernel takes their stride.
@@ -80,7 +78,7 @@ def load(cache_dtype: torch.dtype):
     return decode_attention
 
 
-def check_layout(q, k_cache, v_cache, block_tables, seq_lens, cache_dtype: torch.dtype) -> None:
+def check_layout(q, k_cache, v_cache, block_tables, seq_lens, *, cache_dtype: torch.dtype) -> None:
     """Shapes, dtypes, devices and strides the C code relies on (the values are checked in C)."""
     check_paged_args(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
     B = q.shape[0]

@@ -7,8 +7,9 @@
 
 All float32. The C code trusts its pointers and sizes, so every function
 checks dtype, shape and layout first and raises ValueError naming the
-argument (once per layout: the layers of a step repeat the last one). models/cpu_llama.py is the one caller. It is compiled on first use
-and cached like the decode kernel (kernels/cpu_build.py).
+argument (when the arguments' layout changes: the layers of a step repeat
+it). models/cpu_llama.py is the one caller. It is compiled on first use and
+cached like the decode kernel (kernels/cpu_build.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.kernels.checks import expect, layout
+from nanoserve.kernels.checks import CheckedLayouts, expect
 from nanoserve.kernels.cpu_build import FLAGS, build
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
@@ -51,27 +52,12 @@ class CpuOps:
         self._silu_mul.argtypes = [P, P, I64, I64]
         for fn in (self._add_rms_norm, self._rotary, self._silu_mul):
             fn.restype = None
-        self._checked: dict[str, tuple] = {}     # function name -> the last argument layout that passed
-
-    # Each function checks its arguments when their layout (kernels/checks.py) differs from the last one
-    # that passed: a model calls each with one layout in every layer, so about once a step.
-
-    def _new_layout(self, name: str, *tensors: torch.Tensor | None) -> bool:
-        """Whether these arguments need checking: their layout is not the last one that passed for `name`."""
-        return layout(*tensors) != self._checked.get(name)
+        self._layouts = CheckedLayouts()      # each function's checks run when its arguments' layout changes
 
     def add_rms_norm(self, h: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
         """h [T, H] += a (in place; a=None: no add), then weight * h / sqrt(mean(h^2) + eps) -> new [T, H]."""
-        if self._new_layout("add_rms_norm", h, a, weight):
-            _rows("h", h)
-            if a is not None:
-                _rows("a", a, h.shape[1])
-                expect(a.shape[0] == h.shape[0], "a", f"{h.shape[0]} rows like h", a)
-            expect(weight.dtype == torch.float32 and weight.device.type == "cpu"
-                   and weight.shape == (h.shape[1],) and weight.is_contiguous(), "weight",
-                   f"a contiguous float32 CPU vector of {h.shape[1]}", weight)
-            self._checked["add_rms_norm"] = layout(h, a, weight)
+        self._layouts.check("add_rms_norm", _check_norm, h, a, weight)
         out = torch.empty_like(h)
         self._add_rms_norm(h.data_ptr(), None if a is None else a.data_ptr(), weight.data_ptr(),
                            out.data_ptr(), h.shape[0], h.shape[1], eps)
@@ -79,30 +65,43 @@ class CpuOps:
 
     def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """RoPE in place on x [T, heads, D] (each row's heads contiguous; rows may be apart); cos, sin [T, D]."""
-        if self._new_layout("rotary_", x, cos, sin):
-            expect(x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 3, "x",
-                   "a 3-d float32 CPU tensor [tokens, heads, head_dim]", x)
-            T, heads, D = x.shape
-            expect(x.stride(2) == 1 and x.stride(1) == D and x.stride(0) >= heads * D and D % 2 == 0, "x",
-                   "each row's heads side by side, an even head_dim", x)
-            _rows("cos", cos, D)
-            _rows("sin", sin, D)
-            expect(cos.shape[0] == T, "cos", f"{T} rows like x", cos)
-            expect(sin.shape[0] == T, "sin", f"{T} rows like x", sin)
-            self._checked["rotary_"] = layout(x, cos, sin)
+        self._layouts.check("rotary_", _check_rotary, x, cos, sin)
         T, heads, D = x.shape
         self._rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), T, heads, D)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
-        if self._new_layout("silu_mul", gate_up):
-            _rows("gate_up", gate_up)
-            expect(gate_up.shape[1] % 2 == 0, "gate_up", "an even width [gate | up]", gate_up)
-            self._checked["silu_mul"] = layout(gate_up)
+        self._layouts.check("silu_mul", _check_silu_mul, gate_up)
         T, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((T, inter), dtype=torch.float32)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), T, inter)
         return out
+
+
+def _check_norm(h: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor) -> None:
+    _rows("h", h)
+    if a is not None:
+        _rows("a", a, h.shape[1])
+        expect(a.shape[0] == h.shape[0], "a", f"{h.shape[0]} rows like h", a)
+    expect(weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.shape == (h.shape[1],)
+           and weight.is_contiguous(), "weight", f"a contiguous float32 CPU vector of {h.shape[1]}", weight)
+
+
+def _check_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    expect(x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 3, "x",
+           "a 3-d float32 CPU tensor [tokens, heads, head_dim]", x)
+    T, heads, D = x.shape
+    expect(x.stride(2) == 1 and x.stride(1) == D and x.stride(0) >= heads * D and D % 2 == 0, "x",
+           "each row's heads side by side, an even head_dim", x)
+    _rows("cos", cos, D)
+    _rows("sin", sin, D)
+    expect(cos.shape[0] == T, "cos", f"{T} rows like x", cos)
+    expect(sin.shape[0] == T, "sin", f"{T} rows like x", sin)
+
+
+def _check_silu_mul(gate_up: torch.Tensor) -> None:
+    _rows("gate_up", gate_up)
+    expect(gate_up.shape[1] % 2 == 0, "gate_up", "an even width [gate | up]", gate_up)
 
 
 @cache

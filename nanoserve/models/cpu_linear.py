@@ -65,8 +65,8 @@ class CpuLinear(nn.Module):
         if self.packed:
             # The packed op wants 2-D rows; the steps that run for every layer skip what is not needed
             # (models/cpu_llama.py passes 2-D rows already), at about 3 us each.
-            rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)      # [N, in]
-            y = self._linear_packed(rows, self.weight, self.bias, "none", [], "")
+            y = self._linear_packed(x if x.dim() == 2 else x.reshape(-1, self.in_features), self.weight,
+                                    self.bias, "none", [], "")                      # [N, out]
             if x.dim() != 2:
                 y = y.view(*x.shape[:-1], self.out_features)
         else:
