@@ -24,10 +24,9 @@ Two paths, chosen once per engine (`fast`, EngineConfig.fast_paths):
 
 All paths compute the same attention (the tests compare them). Measured with
 benchmarks/bench_decode_attention.py on one core of an AMD EPYC (AVX2), one
-layer of SmolLM2-135M, B = 32 decodes of 60-380 tokens, float32: plain
-15.9 ms, groups 5.9 ms, C kernel 4.0 ms (the store of the step's K/V
-included; measured 2026-11-23, before the kernel's last change, which
-docs/benchmarks.md measures).
+layer of SmolLM2-135M, B = 32 decodes of 60-380 tokens, float32, 2026-11-24:
+plain 7.4 ms, groups 4.9-7.3 ms (two runs), C kernel 2.4-2.5 ms;
+docs/benchmarks.md has the rest.
 """
 
 from __future__ import annotations
