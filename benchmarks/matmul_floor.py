@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_throughput import DTYPES, nanoserve_run, workload  # noqa: E402
+from bench_throughput import nanoserve_run, workload  # noqa: E402
 
 from nanoserve.models import cpu_linear  # noqa: E402
 from nanoserve.models.loader import load_model  # noqa: E402
@@ -72,8 +72,6 @@ def replay(calls) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--dtype", default="float32", choices=["float32"],
-                    help="float32 only: the CPU Llama path (packed linears called as recorded) is float32")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -81,9 +79,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    loaded = load_model(args.model, DTYPES[args.dtype], seed=0)
+    # float32: the CPU Llama path, whose packed linears are what gets recorded and replayed.
+    loaded = load_model(args.model, torch.float32, seed=0)
     reqs = workload(args.num_requests, loaded.model.lm_head.out_features, args.seed)   # the vocabulary
-    config = dict(model=args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens)
+    config = dict(model=args.model, dtype="float32", max_num_batched_tokens=args.max_num_batched_tokens)
     nanoserve_run(loaded, [(p, 4) for p, _ in reqs[:4]], config)       # warm-up: builds, packs, first calls
 
     calls, undo = record_linears()
@@ -100,16 +99,17 @@ def main() -> None:
         sums[kind, "inside"] += inside
         sums[kind, "alone"] += alone
         sums[kind, "flop"] += flop
-    inside = sums["prefill", "inside"] + sums["decode", "inside"]
-    alone = sums["prefill", "alone"] + sums["decode", "alone"]
+    inside, alone = sum(c[2] for c in calls), sum(replayed)
 
-    print(f"model {args.model}, {args.dtype}, {args.threads} threads, {len(reqs)} requests, budget "
+    print(f"model {args.model}, float32, {args.threads} threads, {len(reqs)} requests, budget "
           f"{args.max_num_batched_tokens} tokens, {steps} steps, {len(calls)} linear calls")
     print(f"  the whole run                     {wall:7.2f} s")
     print(f"  its matmuls, timed in the run     {inside:7.2f} s")
     print(f"  the same matmuls replayed alone   {alone:7.2f} s   (the floor)")
     print(f"  the run above the floor           {wall - alone:7.2f} s   ({(wall - alone) / wall:.0%} of the run)")
     for kind in ("prefill", "decode"):      # over 32 rows / at most 32 rows
+        if not sums[kind, "flop"]:
+            continue                         # e.g. no prompt longer than 32 tokens
         gflop = sums[kind, "flop"] / 1e9
         print(f"    {kind:8s} calls: in the run {sums[kind, 'inside']:6.2f} s ({gflop / sums[kind, 'inside']:5.1f} "
               f"GFLOP/s), alone {sums[kind, 'alone']:6.2f} s ({gflop / sums[kind, 'alone']:5.1f} GFLOP/s), "
