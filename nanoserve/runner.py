@@ -116,6 +116,7 @@ class ModelRunner:
             if cpu_kernel and hasattr(self.attn, "decode_kernel"):   # the torch backend
                 from nanoserve.kernels import cpu_decode
                 self.attn.decode_kernel = cpu_decode.load(dtype)     # None (with a warning) if it cannot be built
+                self.attn.store_kernel = cpu_decode.load_store(dtype)    # the same library's store_kv
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
         if cpu_fast:             # freed memory kept, 2 MB pages for the cache (cpu_memory.py)
             from nanoserve.cpu_memory import huge_page_zeros, keep_freed_memory

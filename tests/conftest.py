@@ -81,15 +81,17 @@ def tiny_gpt2(tiny_gpt2_dir):
 
 
 @contextlib.contextmanager
-def without_c_compiler(monkeypatch, load):
-    """$CC points nowhere and `load` (a cached kernel loader) forgets its library, for the duration:
+def without_c_compiler(monkeypatch, *loads):
+    """$CC points nowhere and `loads` (cached kernel loaders) forget their libraries, for the duration:
     the next engine has to build its C code, and the build fails."""
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    load.cache_clear()
+    for load in loads:
+        load.cache_clear()
     try:
         yield
     finally:
-        load.cache_clear()
+        for load in loads:
+            load.cache_clear()
 
 
 def has_smollm2() -> bool:

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoserve.attention import BatchLayout, PrefillChunk, paged_attention
+from nanoserve.kernels import cpu_decode
 from nanoserve.kernels.reference import (
     decode_attention,
     decode_mask,
@@ -261,10 +262,19 @@ def run_mixed_batch(block_size, hq, hkv, decode_lens, prefill_specs, seed):
     layout = BatchLayout(block_size, torch.cat(slots), list(decode_lens),
                          [seqs[i][0] for i in range(len(decode_lens))], prefills)
     q, k, v = torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows)
-    outs = [paged_attention(q, k, v, cache.k, cache.v, backend.prepare(layout), scale)
-            for backend in (TorchBackend(fast=False), TorchBackend(fast=True, group_size=2))]
-    torch.testing.assert_close(outs[0], outs[1], atol=ATOL, rtol=0)   # plain and fast paths agree
-    out = outs[0]
+    backends = [TorchBackend(fast=False), TorchBackend(fast=True, group_size=2)]
+    if cpu_decode.load(torch.float32) is not None:    # the CPU's C path: store and every row in C
+        with_c = TorchBackend(fast=True)
+        with_c.decode_kernel, with_c.store_kernel = cpu_decode.load(torch.float32), cpu_decode.load_store(torch.float32)
+        backends.append(with_c)
+    outs, caches = [], []
+    for backend in backends:          # each path writes this step's K/V into its own copy of the cache
+        caches.append((cache.k.clone(), cache.v.clone()))
+        outs.append(paged_attention(q, k, v, *caches[-1], backend.prepare(layout), scale))
+    for other, (k_other, v_other) in zip(outs[1:], caches[1:]):
+        torch.testing.assert_close(other, outs[0], atol=ATOL, rtol=0)   # plain, fast and C paths agree
+        assert torch.equal(k_other, caches[0][0]) and torch.equal(v_other, caches[0][1])   # and store alike
+    out, (cache.k, cache.v) = outs[0], caches[0]
     assert out.shape == q.shape
 
     row = 0

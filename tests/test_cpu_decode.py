@@ -4,7 +4,8 @@ It reads K/V in place through block tables, so the cases are the ones where
 an address computation can go wrong: shuffled block tables, a sequence that
 ends mid-block or exactly on a block's end, block size 1, a single token,
 head dims that are and are not a multiple of 8 (the kernel's running
-sums), every GQA ratio, long contexts, and a bf16 cache (float32 math). Then the engine: the tokens with
+sums), every GQA ratio, long contexts, and a bf16 cache (float32 math); the library's store_kv writes what
+the reference writes. Then the engine: the tokens with
 the kernel on equal those with it off, and a build failure falls back to the
 torch path with a warning instead of failing.
 """
@@ -99,10 +100,42 @@ def test_queries_may_be_rows_of_a_wider_tensor():
     torch.testing.assert_close(kernel_f32(rows, k_cache, v_cache, tables, seq_lens, 0.125), want, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_writes_what_the_reference_writes(dtype):
+    # k and v as cpu_llama.py passes them: columns of the merged q/k/v output, rows apart; slots scattered.
+    store = cpu_decode.load_store(dtype)
+    gen = torch.Generator().manual_seed(0)
+    T, hq, hkv, d, bs, n = 37, 9, 3, 64, 16, 20
+    qkv = torch.randn(T, hq + 2 * hkv, d, generator=gen).to(dtype)
+    k, v = qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+    slots = torch.randperm(n * bs, generator=gen)[:T]
+    caches = [torch.randn(n, bs, hkv, d, generator=gen).to(dtype) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    reference.store_kv(k, v, *want, slots)
+    store(k, v, *caches, slots)
+    assert all(torch.equal(got, w) for got, w in zip(caches, want))
+
+
+def test_store_refuses_a_slot_outside_the_pool_and_writes_nothing():
+    store = cpu_decode.load_store(torch.float32)
+    k_cache, v_cache = torch.zeros(4, 2, 2, 8), torch.zeros(4, 2, 2, 8)
+    k, v = torch.ones(3, 2, 8), torch.ones(3, 2, 8)
+    with pytest.raises(ValueError, match="^slot_mapping: expected slots below the pool's 8"):
+        store(k, v, k_cache, v_cache, torch.tensor([0, 5, 8]))
+    with pytest.raises(ValueError, match="^slot_mapping: expected slots below"):
+        store(k, v, k_cache, v_cache, torch.tensor([-1, 5, 2]))
+    assert not k_cache.any() and not v_cache.any()
+    with pytest.raises(ValueError, match="^k: expected"):
+        store(k.double(), v, k_cache, v_cache, torch.tensor([0, 1, 2]))     # not the cache's dtype
+    with pytest.raises(ValueError, match="^slot_mapping: expected"):
+        store(k, v, k_cache, v_cache, torch.tensor([0, 1]))                 # one slot short
+
+
 def test_engine_tokens_equal_with_the_kernel_on_and_off(tiny_llama):
     on = make_engine(tiny_llama, block_size=4, num_blocks=64)
     off = make_engine(tiny_llama, block_size=4, num_blocks=64, cpu_kernel=False)
     assert on.runner.attn.decode_kernel is not None and off.runner.attn.decode_kernel is None
+    assert on.runner.attn.store_kernel is not None and off.runner.attn.store_kernel is None
     prompts = [[5, 9, 200, 31, 7, 7, 100], [3, 1, 4, 1, 5], [42], list(range(30, 53))]
     for engine in (on, off):
         for i, p in enumerate(prompts):
@@ -112,10 +145,10 @@ def test_engine_tokens_equal_with_the_kernel_on_and_off(tiny_llama):
 
 
 def test_a_failed_build_falls_back_to_torch(tiny_llama, monkeypatch):
-    with without_c_compiler(monkeypatch, cpu_decode.load):
+    with without_c_compiler(monkeypatch, cpu_decode.library, cpu_decode.load, cpu_decode.load_store):
         with pytest.warns(UserWarning, match="torch path"):
             engine = make_engine(tiny_llama, block_size=4, num_blocks=64)
-        assert engine.runner.attn.decode_kernel is None
+        assert engine.runner.attn.decode_kernel is None and engine.runner.attn.store_kernel is None
         assert isinstance(engine.runner.attn, TorchBackend) and engine.runner.attn.fast
         engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
         assert len(run_to_end(engine)["r"].outputs[0].token_ids) == 3

@@ -13,6 +13,9 @@ slower. `EngineConfig(cpu_kernel=False)` never builds it.
     decode = load(torch.float32)            # None if it cannot be built here
     out = decode(q, k_cache, v_cache, block_tables, seq_lens, scale)   # [B, Hq, D]
 
+    store = load_store(torch.float32)       # the same library's store: new K/V rows to their slots
+    store(k, v, k_cache, v_cache, slot_mapping)                         # as reference.store_kv
+
 It links OpenMP (libgomp, the runtime torch's CPU build uses too), so it
 runs on as many threads as `torch.set_num_threads` gives torch.
 """
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.kernels.checks import CheckedLayouts, check_paged_args, expect
+from nanoserve.kernels.checks import CheckedLayouts, check_cache, check_int_vector, check_paged_args, expect
 from nanoserve.kernels.cpu_build import FLAGS, build
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
@@ -37,15 +40,23 @@ CACHE_DTYPES = {torch.float32: [], torch.bfloat16: ["-DCACHE_BF16"]}   # extra f
 
 
 @cache
-def load(cache_dtype: torch.dtype):
-    """The kernel for a cache of `cache_dtype` as a Python function, or None (with one warning) if unavailable."""
+def library(cache_dtype: torch.dtype) -> ctypes.CDLL | None:
+    """cpu_decode.c built for a cache of `cache_dtype`, or None (with one warning) if unavailable."""
     if cache_dtype not in CACHE_DTYPES:
         return None
     try:
-        lib = ctypes.CDLL(str(build(SOURCE, DECODE_FLAGS + CACHE_DTYPES[cache_dtype])))
+        return ctypes.CDLL(str(build(SOURCE, DECODE_FLAGS + CACHE_DTYPES[cache_dtype])))
     except (RuntimeError, OSError) as e:
         warnings.warn(f"nanoserve: the CPU decode kernel could not be built, so decode attention takes the "
-                      f"torch path (same results, slower): {e}", stacklevel=2)
+                      f"torch path (same results, slower): {e}", stacklevel=3)
+        return None
+
+
+@cache
+def load(cache_dtype: torch.dtype):
+    """The kernel for a cache of `cache_dtype` as a Python function, or None (with one warning) if unavailable."""
+    lib = library(cache_dtype)
+    if lib is None:
         return None
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
@@ -86,3 +97,42 @@ def check_layout(q, k_cache, v_cache, block_tables, seq_lens, *, cache_dtype: to
            and v_cache.is_contiguous(), "k_cache", f"a contiguous {cache_dtype} CPU cache (this build's)", k_cache)
     expect(block_tables.dtype == seq_lens.dtype == torch.int64 and block_tables.shape[0] == B == len(seq_lens),
            "block_tables", f"int64 tables and lengths for the {B} queries", block_tables)
+
+
+@cache
+def load_store(cache_dtype: torch.dtype):
+    """`reference.store_kv` in one C call (cpu_decode.c's paged_store_kv), or None where the library is not."""
+    lib = library(cache_dtype)
+    if lib is None:
+        return None
+    fn = lib.paged_store_kv
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    check = partial(check_store_layout, cache_dtype=cache_dtype)
+    layouts = CheckedLayouts()
+
+    def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+        """k_cache.flat[slot_mapping[t]] = k[t] (and the same for v); k, v [T, Hkv, D] rows of any stride."""
+        layouts.check("store", check, k, v, k_cache, v_cache, slot_mapping)
+        N, bs, Hkv, D = k_cache.shape
+        status = fn(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                    slot_mapping.data_ptr(), k.shape[0], Hkv * D, N * bs)
+        expect(status == 0, "slot_mapping", f"slots below the pool's {N * bs}", slot_mapping)
+
+    return store_kv
+
+
+def check_store_layout(k, v, k_cache, v_cache, slot_mapping, *, cache_dtype: torch.dtype) -> None:
+    """What paged_store_kv relies on: each token's heads side by side in k and v, contiguous caches."""
+    check_cache("k_cache", k_cache)
+    check_cache("v_cache", v_cache, like=k_cache)
+    expect(k_cache.dtype == cache_dtype and k_cache.device.type == "cpu" and k_cache.is_contiguous()
+           and v_cache.is_contiguous(), "k_cache", f"a contiguous {cache_dtype} CPU cache (this build's)", k_cache)
+    T, (_, _, Hkv, D) = k.shape[0], k_cache.shape
+    for name, t in (("k", k), ("v", v)):
+        expect(t.dtype == cache_dtype and t.device.type == "cpu" and t.shape == (T, Hkv, D) and t.stride(2) == 1
+               and t.stride(1) == D, name, f"[{T}, {Hkv}, {D}] {cache_dtype} rows, each token's heads side by "
+               "side", t)
+    check_int_vector("slot_mapping", slot_mapping, T, k.device)
+    expect(slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous(), "slot_mapping",
+           "a contiguous int64 vector", slot_mapping)

@@ -69,8 +69,9 @@ class PrefillPart:
 @dataclass(slots=True)
 class TorchMetadata(AttentionMetadata):
     decode_groups: list[DecodeGroup] = field(default_factory=list)
-    decode_tables: torch.Tensor | None = None    # C kernel: [B, nb] all decodes' tables (padding is never read)
-    decode_lens: torch.Tensor | None = None      # C kernel: [B] int64
+    kernel_rows: int = 0                         # C kernel: it attends rows 0..kernel_rows-1, one query each
+    kernel_tables: torch.Tensor | None = None    # C kernel: [kernel_rows, nb] each row's table (padding never read)
+    kernel_lens: torch.Tensor | None = None      # C kernel: [kernel_rows] int64 tokens each row attends
     prefills: list[PrefillPart] = field(default_factory=list)
 
 
@@ -89,18 +90,15 @@ class TorchBackend(AttentionBackend):
         # Fast path: cpu_decode.load(cache dtype), set by the runner on a CPU; None: the grouped torch path.
         # It stands in for reference.decode_attention only: a student's `ops` (a lab) is always called.
         self.decode_kernel = None
+        # Fast path: cpu_decode.load_store(cache dtype), the reference's store_kv in one C call; None: the reference.
+        self.store_kernel = None
 
     def prepare(self, layout: BatchLayout) -> TorchMetadata:
         dev, bs = layout.device, layout.block_size
         meta = TorchMetadata(self, layout.slot_mapping, layout.num_decodes)
-        nd = layout.num_decodes
-        if self.fast and self.decode_kernel is not None and self.ops is reference and nd:
-            # One call per layer over every decode: the kernel reads exactly seq_len tokens of each table.
-            width = max(len(t) for t in layout.decode_block_tables)
-            meta.decode_tables = torch.tensor([t + [0] * (width - len(t)) for t in layout.decode_block_tables],
-                                              dtype=torch.int64, device=dev)
-            meta.decode_lens = torch.tensor(layout.decode_seq_lens, dtype=torch.int64, device=dev)
-            nd = 0                                      # no torch decode groups
+        nd, prefills = layout.num_decodes, layout.prefills
+        if self.fast and self.decode_kernel is not None and self.ops is reference:
+            nd, prefills = self._prepare_kernel(layout, meta)    # what the torch paths still have to do
         size = self.group_size if self.fast else max(nd, 1)
         for s in range(0, nd, size):
             tables, lens = layout.decode_block_tables[s : s + size], layout.decode_seq_lens[s : s + size]
@@ -110,7 +108,7 @@ class TorchBackend(AttentionBackend):
                 s, s + len(tables),
                 torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=dev),
                 seq_lens, self.ops.decode_mask(seq_lens, width * bs)))
-        for c in layout.prefills:
+        for c in prefills:
             meta.prefills.append(PrefillPart(
                 c.query_start, c.query_start + c.num_query, c.context_len,
                 torch.tensor(c.block_table, dtype=torch.int64, device=dev),
@@ -119,12 +117,16 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
         # 1. Write this step's K/V first, so every query below can see its own token.
-        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self.fast and self.store_kernel is not None and self.ops is reference:
+            self.store_kernel(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         # 2. Decodes: one query each, batched (plain: one group; fast: the C kernel, or groups of similar length).
-        if meta.decode_tables is not None:
-            nd = meta.num_decodes
-            out[:nd] = self.decode_kernel(q[:nd], k_cache, v_cache, meta.decode_tables, meta.decode_lens, scale)
+        #    (The C kernel, where it runs, attends the prefill chunks' rows here too: see _prepare_kernel.)
+        if meta.kernel_rows:
+            n = meta.kernel_rows
+            out[:n] = self.decode_kernel(q[:n], k_cache, v_cache, meta.kernel_tables, meta.kernel_lens, scale)
         for g in meta.decode_groups:
             out[g.start : g.end] = self._decode(q[g.start : g.end], k_cache, v_cache, g, scale)
         # 3. Prefill chunks: causal over (cached prefix + chunk), one sequence at a time.
@@ -133,6 +135,37 @@ class TorchBackend(AttentionBackend):
                 q[c.start : c.end], k_cache, v_cache, c.block_table, c.context_len, scale, c.mask,
                 compute_dtype=self.compute_dtype if self.fast else None)
         return out
+
+    def _prepare_kernel(self, layout: BatchLayout, meta: TorchMetadata) -> tuple[int, list]:
+        """The C kernel's rows: every decode, and every prefill chunk's rows when they follow them in order.
+
+        The kernel takes one query per row, each with its own block table and length. A decode row attends
+        its whole sequence. Query i of a prefill chunk of Tq queries over ctx tokens sits at position
+        ctx - Tq + i, and causal attention lets it see exactly the first ctx - Tq + i + 1 tokens: it is a
+        decode over that many tokens of the chunk's table. So the chunk becomes Tq rows sharing one table
+        with lengths ctx - Tq + 1, ..., ctx, and one C call per layer attends the whole step, reading K/V in
+        place, with no causal mask and nothing computed above the diagonal.
+        Returns what the torch paths still have to do: (decodes, prefill chunks)."""
+        prefills, nd, dev = layout.prefills, layout.num_decodes, layout.device
+        starts = [nd + sum(c.num_query for c in prefills[:i]) for i in range(len(prefills))]
+        if any(c.query_start != start for c, start in zip(prefills, starts)):
+            prefills_in_c = []          # rows not where the kernel's rows go on (the runner never builds that)
+        else:
+            prefills_in_c, prefills = prefills, []
+        tables = layout.decode_block_tables + [c.block_table for c in prefills_in_c]
+        if not tables:
+            return 0, prefills
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64, device=dev)
+        # Each chunk's table once per query row (a chunk's rows share it); decodes' tables once each.
+        repeats = torch.tensor([1] * nd + [c.num_query for c in prefills_in_c], device=dev)
+        lens = list(layout.decode_seq_lens)
+        for c in prefills_in_c:
+            lens += range(c.context_len - c.num_query + 1, c.context_len + 1)
+        meta.kernel_rows = len(lens)
+        meta.kernel_tables = padded.repeat_interleave(repeats, dim=0)
+        meta.kernel_lens = torch.tensor(lens, dtype=torch.int64, device=dev)
+        return 0, prefills
 
     def _decode(self, q, k_cache, v_cache, g: DecodeGroup, scale: float) -> torch.Tensor:
         return self.ops.decode_attention(q, k_cache, v_cache, g.block_tables, g.seq_lens, scale, g.mask,
