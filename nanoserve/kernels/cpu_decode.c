@@ -18,6 +18,13 @@
    Tokens go in order, so a block's 16 rows are read front to back with all
    their heads: the memory system sees long runs, not scattered reads.
 
+   Prefill rows too: query i of a prefill chunk of Tq queries over ctx tokens
+   may see exactly the first ctx - Tq + i + 1 tokens (causal attention), so it
+   is this loop with that length and the chunk's block table. The torch
+   backend (kernels/torch_backend.py, `_prepare_kernel`) hands every row of a
+   step here that way: one call per layer, no causal mask, no work above the
+   diagonal. paged_store_kv at the end of the file writes the step's K/V.
+
    How it is fast (each measured on an AMD EPYC, docs/benchmarks.md):
    - eight tokens at a time in passes 1 and 3, in 8-float vectors (`f8`, the
      compiler's vector extension: AVX on x86, NEON on Arm);

@@ -1,9 +1,12 @@
-"""Decode attention on the CPU in a small C kernel (cpu_decode.c): build it, load it, call it.
+"""Paged attention on the CPU in a small C kernel (cpu_decode.c): build it, load it, call it.
 
 The torch backend's decode path gathers every sequence's blocks into a copy
 before torch's attention can read them (kernels/reference.py). On a CPU that
 copy is most of the cost: the K/V bytes are written once more and read
 twice. `cpu_decode.c` reads them once, in place, through the block table.
+It attends one query per row, each with its own table and length, so the
+torch backend gives it prefill rows too (each a decode over its causal
+prefix); its second function stores a step's new K/V rows at their slots.
 
 It is compiled on first use and cached (kernels/cpu_build.py). Without a
 compiler, or if the build fails, `load()` warns once and returns None, and

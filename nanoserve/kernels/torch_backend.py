@@ -9,9 +9,13 @@ Two paths, chosen once per engine (`fast`, EngineConfig.fast_paths):
 * plain  one `reference.decode_attention` call over all B decodes: every
          sequence's blocks are gathered into one [B, nb * bs, Hkv, D] copy,
          padded with block 0 up to the longest sequence and masked.
-* fast   on a CPU, the decodes go to a small C kernel (kernels/cpu_decode.c,
+* fast   on a CPU, every row goes to a small C kernel (kernels/cpu_decode.c,
          `decode_kernel`) that reads K/V in place through the block tables:
-         no copies, no padding. Where it cannot be built (no C compiler, or
+         no copies, no padding, no masks. It takes one query per row, so a
+         prefill chunk's query i is given as a decode over the first
+         ctx - Tq + i + 1 tokens, exactly what causal attention lets it see
+         (`_prepare_kernel`); the same library stores the step's K/V
+         (`store_kernel`). Where it cannot be built (no C compiler, or
          EngineConfig.cpu_kernel=False), with a lab's `ops`, and on other
          devices, the runner puts decodes longest first and they are
          attended in groups of `group_size` neighbours, each padded only to
@@ -25,8 +29,10 @@ Two paths, chosen once per engine (`fast`, EngineConfig.fast_paths):
 All paths compute the same attention (the tests compare them). Measured with
 benchmarks/bench_decode_attention.py on one core of an AMD EPYC (AVX2), one
 layer of SmolLM2-135M, B = 32 decodes of 60-380 tokens, float32, 2026-11-24:
-plain 7.4 ms, groups 4.9-7.3 ms (two runs), C kernel 2.4-2.5 ms;
-docs/benchmarks.md has the rest.
+plain 7.4 ms, groups 4.9-7.3 ms (two runs), C kernel 2.4-2.5 ms. A 256-token
+prefill chunk, one core: torch's SDPA (gather, mask, flash kernel) 6.6 ms, its
+rows in the C kernel 4.5 ms (no work above the diagonal). docs/benchmarks.md
+has the rest.
 """
 
 from __future__ import annotations
@@ -121,6 +127,8 @@ class TorchBackend(AttentionBackend):
             self.store_kernel(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
             self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if 0 < meta.kernel_rows == q.shape[0]:      # a CPU's usual step: the C kernel attends every row
+            return self.decode_kernel(q, k_cache, v_cache, meta.kernel_tables, meta.kernel_lens, scale)
         out = torch.empty_like(q)
         # 2. Decodes: one query each, batched (plain: one group; fast: the C kernel, or groups of similar length).
         #    (The C kernel, where it runs, attends the prefill chunks' rows here too: see _prepare_kernel.)
