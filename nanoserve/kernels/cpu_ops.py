@@ -8,7 +8,9 @@
 All float32. The C code trusts its pointers and sizes, so every function
 checks dtype, shape and layout first and raises ValueError naming the
 argument (when the arguments' layout changes: the layers of a step repeat
-it). models/cpu_llama.py is the one caller. It is compiled on first use and
+it). models/cpu_llama.py is the one caller; it passes check=False after the
+first layer of a forward, whose calls checked the layouts every later layer
+repeats (building the key the checks compare costs ~5 us, 120 times a step). It is compiled on first use and
 cached like the decode kernel (kernels/cpu_build.py).
 """
 
@@ -55,23 +57,26 @@ class CpuOps:
         self._layouts = CheckedLayouts()      # each function's checks run when its arguments' layout changes
 
     def add_rms_norm(self, h: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> torch.Tensor:
+                     eps: float, check: bool = True) -> torch.Tensor:
         """h [T, H] += a (in place; a=None: no add), then weight * h / sqrt(mean(h^2) + eps) -> new [T, H]."""
-        self._layouts.check("add_rms_norm", _check_norm, h, a, weight)
+        if check:
+            self._layouts.check("add_rms_norm", _check_norm, h, a, weight)
         out = torch.empty_like(h)
         self._add_rms_norm(h.data_ptr(), None if a is None else a.data_ptr(), weight.data_ptr(),
                            out.data_ptr(), h.shape[0], h.shape[1], eps)
         return out
 
-    def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, check: bool = True) -> None:
         """RoPE in place on x [T, heads, D] (each row's heads contiguous; rows may be apart); cos, sin [T, D]."""
-        self._layouts.check("rotary_", _check_rotary, x, cos, sin)
+        if check:
+            self._layouts.check("rotary_", _check_rotary, x, cos, sin)
         T, heads, D = x.shape
         self._rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), T, heads, D)
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, gate_up: torch.Tensor, check: bool = True) -> torch.Tensor:
         """gate_up [T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
-        self._layouts.check("silu_mul", _check_silu_mul, gate_up)
+        if check:
+            self._layouts.check("silu_mul", _check_silu_mul, gate_up)
         T, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((T, inter), dtype=torch.float32)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), T, inter)

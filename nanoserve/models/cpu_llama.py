@@ -80,17 +80,27 @@ class CpuLlamaLayer(nn.Module):
         self.gate_up = CpuLinear(stacked(mlp.gate_proj, mlp.up_proj), upcast=False, pack=True)
         self.down = CpuLinear(mlp.down_proj, upcast=False, pack=True)
         self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm   # shared
+        # What forward reads 30 times a step, as plain attributes (a submodule's or parameter's lookup
+        # goes through nn.Module.__getattr__, about 1 us each).
+        self.norm1_args = (self.norm1.weight, self.norm1.eps)
+        self.norm2_args = (self.norm2.weight, self.norm2.eps)
 
-    def forward(self, h, a, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
-        """h += a, then this layer's attention (added to h); returns its MLP output (the next layer adds it)."""
+    def forward(self, h, a, cos, sin, k_cache, v_cache, meta: AttentionMetadata, check: bool = True):
+        """h += a, then this layer's attention (added to h); returns its MLP output (the next layer adds it).
+
+        check=False skips the C calls' layout checks: CpuLlama passes it after the first layer, whose
+        calls checked the same layouts (every layer's tensors have the same shapes, all built here).
+
+        The projections are called as `.forward(x)`, not `(x)`: nn.Module's __call__ (hook handling)
+        costs about 8 us a call, and at a decode step a CPU spends that 121 times."""
         T, Hq, Hkv = h.shape[0], self.num_heads, self.num_kv_heads
-        x = self.ops.add_rms_norm(h, a, self.norm1.weight, self.norm1.eps)
-        heads = self.qkv(x).view(T, Hq + 2 * Hkv, self.head_dim)      # [T, q heads | k heads | v heads, D]
-        self.ops.rotary_(heads[:, : Hq + Hkv], cos, sin)               # positions into q and k, in place
+        x = self.ops.add_rms_norm(h, a, *self.norm1_args, check=check)
+        heads = self.qkv.forward(x).view(T, Hq + 2 * Hkv, self.head_dim)   # [T, q heads | k heads | v heads, D]
+        self.ops.rotary_(heads[:, : Hq + Hkv], cos, sin, check=check)      # positions into q and k, in place
         q, k, v = heads.split([Hq, Hkv, Hkv], dim=1)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        x = self.ops.add_rms_norm(h, self.o(o.reshape(T, -1)), self.norm2.weight, self.norm2.eps)
-        return self.down(self.ops.silu_mul(self.gate_up(x)))
+        x = self.ops.add_rms_norm(h, self.o.forward(o.reshape(T, -1)), *self.norm2_args, check=check)
+        return self.down.forward(self.ops.silu_mul(self.gate_up.forward(x), check=check))
 
 
 class CpuLlama(nn.Module):
@@ -110,12 +120,12 @@ class CpuLlama(nn.Module):
         h = self.embed_tokens(input_ids)      # the residual stream: a fresh tensor, updated in place below
         cos, sin = self.rotary(positions)     # [T, D] each, shared by all layers
         a = None                              # the previous layer's MLP output, not yet added to h
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            a = layer(h, a, cos, sin, k_cache, v_cache, meta)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            a = layer(h, a, cos, sin, k_cache, v_cache, meta, check=i == 0)   # layer 0 checks for all
         return self.ops.add_rms_norm(h, a, self.norm.weight, self.norm.eps)
 
     def compute_logits(self, hidden):
-        return self.lm_head(hidden)
+        return self.lm_head.forward(hidden)
 
 
 def cpu_llama_view(model: nn.Module) -> CpuLlama | None:
