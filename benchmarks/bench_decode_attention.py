@@ -1,15 +1,17 @@
-"""Decode attention of one layer: the torch backend's plain path, its grouped torch path, and the C kernel.
+"""Attention of one layer on a CPU: the torch backend's plain path, its grouped torch path, and the C kernel.
 
     python benchmarks/bench_decode_attention.py                  # SmolLM2-135M's geometry, float32
     python benchmarks/bench_decode_attention.py --dtype bfloat16 # + float32 math on a bf16 cache
 
 A batch of B decoding sequences with random lengths, their blocks scattered
 over a pool of 1024 blocks of 16 tokens, 9 query heads over 3 KV heads of 64
-dims (SmolLM2-135M). Both paths go through the backend's `prepare` and
+dims (SmolLM2-135M). All paths go through the backend's `prepare` and
 `forward` exactly as the runner calls them: plain (one padded gather), groups
 (the fast path without the C kernel, `cpu_kernel=False`) and C (the fast
-path's kernels/cpu_decode.c). The script checks they agree and prints the CPU
-time of this thread per call (median of 7).
+path's kernels/cpu_decode.c). Then single prefill chunks (no cached prefix,
+and one after 256 cached tokens): the torch path (gather, masked SDPA) against
+the C kernel given one row per query. The script checks the paths agree and
+prints the CPU time of this thread per call (median of 7).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 
 import torch
 
-from nanoserve.attention import BatchLayout, paged_attention
+from nanoserve.attention import BatchLayout, PrefillChunk, paged_attention
 from nanoserve.kernels import cpu_decode
 from nanoserve.kernels.torch_backend import TorchBackend, cpu_has_bf16_units
 
@@ -34,6 +36,32 @@ def cpu_ms(fn, repeat: int = 7) -> float:
         fn()
         times.append(time.thread_time() - t0)
     return 1e3 * statistics.median(times)
+
+
+def scattered_tables(rng: random.Random, lens: list[int], bs: int, n_blocks: int) -> list[list[int]]:
+    """A block table per sequence, its blocks drawn from a shuffled pool (reused when it runs low)."""
+    free = list(range(n_blocks))
+    rng.shuffle(free)
+    tables = []
+    for L in lens:
+        nb = -(-L // bs)
+        tables.append(free[:nb])
+        free = free[nb:] if len(free) > nb + 40 else list(range(n_blocks))
+    return tables
+
+
+def compare(paths: dict[str, TorchBackend], layout: BatchLayout, q, k, v, k_cache, v_cache, atol: float) -> dict:
+    """Each path's CPU ms per call of the layer's attention on this batch; checks they agree with the first."""
+    results = {}
+    for name, backend in paths.items():
+        meta = backend.prepare(layout)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
+        ms = cpu_ms(lambda: paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5))
+        results[name] = (out, ms)
+    first = next(iter(results.values()))[0]
+    for out, _ in results.values():
+        torch.testing.assert_close(out.float(), first.float(), atol=atol, rtol=0)
+    return {name: ms for name, (_, ms) in results.items()}
 
 
 def main() -> None:
@@ -49,37 +77,40 @@ def main() -> None:
     k_cache = torch.randn(n_blocks, bs, hkv, d, generator=gen).to(dtype)
     v_cache = torch.randn(n_blocks, bs, hkv, d, generator=gen).to(dtype)
     upcast = torch.float32 if dtype == torch.bfloat16 and not cpu_has_bf16_units() else None
+    atol = 2e-2 if upcast else 1e-5
+    with_c = TorchBackend(fast=True, compute_dtype=upcast)
+    with_c.decode_kernel, with_c.store_kernel = cpu_decode.load(dtype), cpu_decode.load_store(dtype)
+    paths = {"plain": TorchBackend(fast=False), "groups": TorchBackend(fast=True, compute_dtype=upcast), "C": with_c}
     print(f"{args.dtype}, one layer, {hq} query / {hkv} KV heads of {d}, block {bs}, CPU ms per call "
           f"(groups and C multiply in {upcast or dtype})")
+    print("decodes:")
     for batch, lo, hi in ((32, 60, 380), (32, 300, 380), (8, 60, 380), (32, 20, 1000)):
         lens = sorted((rng.randint(lo, hi) for _ in range(batch)), reverse=True)   # the runner's order
-        free = list(range(n_blocks))
-        rng.shuffle(free)
-        tables = []
-        for L in lens:
-            nb = -(-L // bs)
-            tables.append(free[:nb])
-            free = free[nb:] if len(free) > nb + 40 else list(range(n_blocks))
+        tables = scattered_tables(rng, lens, bs, n_blocks)
         slots = torch.tensor([t[(L - 1) // bs] * bs + (L - 1) % bs for t, L in zip(tables, lens)])
         layout = BatchLayout(bs, slots, lens, tables)
         q = torch.randn(batch, hq, d, generator=gen).to(dtype)
         k = torch.randn(batch, hkv, d, generator=gen).to(dtype)
         v = torch.randn(batch, hkv, d, generator=gen).to(dtype)
-        results = {}
-        with_c = TorchBackend(fast=True, compute_dtype=upcast)
-        with_c.decode_kernel = cpu_decode.load(dtype)
-        for name, backend in (("plain", TorchBackend(fast=False)),
-                              ("groups", TorchBackend(fast=True, compute_dtype=upcast)), ("C", with_c)):
-            meta = backend.prepare(layout)
-            out = paged_attention(q, k, v, k_cache, v_cache, meta, d**-0.5)
-            ms = cpu_ms(lambda: paged_attention(q, k, v, k_cache, v_cache, meta, d**-0.5))
-            results[name] = (out, ms)
-        for name in ("groups", "C"):
-            torch.testing.assert_close(results[name][0].float(), results["plain"][0].float(),
-                                       atol=2e-2 if upcast else 1e-5, rtol=0)
-        (_, plain), (_, groups), (_, c) = results["plain"], results["groups"], results["C"]
+        ms = compare(paths, layout, q, k, v, k_cache, v_cache, atol)
+        plain, groups, c = ms["plain"], ms["groups"], ms["C"]
         print(f"  B={batch:3d}, lengths {lo}-{hi}: plain {plain:7.2f} ms, groups {groups:7.2f} ms, "
               f"C {c:7.2f} ms ({plain / c:.1f}x plain, {groups / c:.1f}x groups)")
+    # A prefill chunk: the torch paths gather its blocks and call SDPA with a causal mask; the C path gives
+    # the kernel one row per query, each over its causal prefix (TorchBackend._prepare_kernel).
+    print("one prefill chunk (torch paths: gather + masked SDPA; C: a row per query):")
+    for cached, chunk in ((0, 64), (0, 136), (0, 256), (256, 128)):
+        ctx = cached + chunk
+        (table,) = scattered_tables(rng, [ctx], bs, n_blocks)
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(cached, ctx)])
+        layout = BatchLayout(bs, slots, [], [], [PrefillChunk(0, chunk, ctx, table)])
+        q = torch.randn(chunk, hq, d, generator=gen).to(dtype)
+        k = torch.randn(chunk, hkv, d, generator=gen).to(dtype)
+        v = torch.randn(chunk, hkv, d, generator=gen).to(dtype)
+        ms = compare({"torch": paths["groups"], "C": with_c}, layout, q, k, v, k_cache, v_cache, atol)
+        print(f"  {chunk:4d} queries after {cached:3d} cached tokens: torch {ms['torch']:7.2f} ms, "
+              f"C {ms['C']:7.2f} ms ({ms['torch'] / ms['C']:.1f}x)")
+
 
 if __name__ == "__main__":
     main()
