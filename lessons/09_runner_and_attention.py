@@ -135,8 +135,9 @@ short = int(group.seq_lens.argmin())
 assert group.block_tables[short, -1] == 0 and dmask[short, -BS:].sum() == 0, "padding: block 0, masked"
 say("""The decodes' tables are padded to the longest with block 0; the mask hides the padding and
 the unused slots of each last block. (This is the torch path, which this lesson's engine takes with
-cpu_kernel=False. By default a CPU runs decodes in the C kernel of kernels/cpu_decode.c, which walks
-each sequence's own block table up to its length: no padding, no mask, no gathered copy.)""")
+cpu_kernel=False. By default a CPU runs every row in the C kernel of kernels/cpu_decode.c, which walks
+each row's own block table up to its length: no padding, no mask, no gathered copy. A prefill chunk's
+query at position p is a row over the first p + 1 tokens of the chunk's table: causal by construction.)""")
 
 # ---------------------------------------------------------------------------
 section("3. Attention over a cached prefix is attention over a recomputed one", """
