@@ -94,7 +94,8 @@ class TorchBackend(AttentionBackend):
         # None: multiply in the cache's dtype; float32: upcast a half-precision cache's K/V (fast path only).
         self.compute_dtype = compute_dtype
         # Fast path: cpu_decode.load(cache dtype), set by the runner on a CPU; None: the grouped torch path.
-        # It stands in for reference.decode_attention only: a student's `ops` (a lab) is always called.
+        # It stands in for reference.decode_attention and prefill_attention (see _prepare_kernel); a
+        # student's `ops` (a lab) is always called instead.
         self.decode_kernel = None
         # Fast path: cpu_decode.load_store(cache dtype), the reference's store_kv in one C call; None: the reference.
         self.store_kernel = None
