@@ -55,15 +55,23 @@ def library(cache_dtype: torch.dtype) -> ctypes.CDLL | None:
         return None
 
 
-@cache
-def load(cache_dtype: torch.dtype):
-    """The kernel for a cache of `cache_dtype` as a Python function, or None (with one warning) if unavailable."""
+def c_function(cache_dtype: torch.dtype, name: str, argtypes: list):
+    """The library's function `name` (returning an int status) with its argument types, or None without it."""
     lib = library(cache_dtype)
     if lib is None:
         return None
-    fn = lib.paged_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float]
+    fn = getattr(lib, name)
+    fn.restype, fn.argtypes = ctypes.c_int, argtypes
+    return fn
+
+
+@cache
+def load(cache_dtype: torch.dtype):
+    """The kernel for a cache of `cache_dtype` as a Python function, or None (with one warning) if unavailable."""
+    fn = c_function(cache_dtype, "paged_decode_attention",
+                    [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float])
+    if fn is None:
+        return None
     check = partial(check_layout, cache_dtype=cache_dtype)     # this build's cache dtype
     layouts = CheckedLayouts()
 
@@ -96,8 +104,7 @@ def check_layout(q, k_cache, v_cache, block_tables, seq_lens, *, cache_dtype: to
     """Shapes, dtypes, devices and strides the C code relies on (the values are checked in C)."""
     check_paged_args(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
     B = q.shape[0]
-    expect(k_cache.dtype == cache_dtype and k_cache.device.type == "cpu" and k_cache.is_contiguous()
-           and v_cache.is_contiguous(), "k_cache", f"a contiguous {cache_dtype} CPU cache (this build's)", k_cache)
+    check_build_cache(k_cache, v_cache, cache_dtype)
     expect(block_tables.dtype == seq_lens.dtype == torch.int64 and block_tables.shape[0] == B == len(seq_lens),
            "block_tables", f"int64 tables and lengths for the {B} queries", block_tables)
 
@@ -105,12 +112,10 @@ def check_layout(q, k_cache, v_cache, block_tables, seq_lens, *, cache_dtype: to
 @cache
 def load_store(cache_dtype: torch.dtype):
     """`reference.store_kv` in one C call (cpu_decode.c's paged_store_kv), or None where the library is not."""
-    lib = library(cache_dtype)
-    if lib is None:
+    fn = c_function(cache_dtype, "paged_store_kv",
+                    [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3)
+    if fn is None:
         return None
-    fn = lib.paged_store_kv
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     check = partial(check_store_layout, cache_dtype=cache_dtype)
     layouts = CheckedLayouts()
 
@@ -129,8 +134,7 @@ def check_store_layout(k, v, k_cache, v_cache, slot_mapping, *, cache_dtype: tor
     """What paged_store_kv relies on: each token's heads side by side in k and v, contiguous caches."""
     check_cache("k_cache", k_cache)
     check_cache("v_cache", v_cache, like=k_cache)
-    expect(k_cache.dtype == cache_dtype and k_cache.device.type == "cpu" and k_cache.is_contiguous()
-           and v_cache.is_contiguous(), "k_cache", f"a contiguous {cache_dtype} CPU cache (this build's)", k_cache)
+    check_build_cache(k_cache, v_cache, cache_dtype)
     T, (_, _, Hkv, D) = k.shape[0], k_cache.shape
     for name, t in (("k", k), ("v", v)):
         expect(t.dtype == cache_dtype and t.device.type == "cpu" and t.shape == (T, Hkv, D) and t.stride(2) == 1
@@ -139,3 +143,9 @@ def check_store_layout(k, v, k_cache, v_cache, slot_mapping, *, cache_dtype: tor
     check_int_vector("slot_mapping", slot_mapping, T, k.device)
     expect(slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous(), "slot_mapping",
            "a contiguous int64 vector", slot_mapping)
+
+
+def check_build_cache(k_cache, v_cache, cache_dtype: torch.dtype) -> None:
+    """Both functions index the pools as flat arrays of this build's dtype."""
+    expect(k_cache.dtype == cache_dtype and k_cache.device.type == "cpu" and k_cache.is_contiguous()
+           and v_cache.is_contiguous(), "k_cache", f"a contiguous {cache_dtype} CPU cache (this build's)", k_cache)

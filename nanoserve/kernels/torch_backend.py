@@ -38,6 +38,7 @@ has the rest.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -75,9 +76,13 @@ class PrefillPart:
 @dataclass(slots=True)
 class TorchMetadata(AttentionMetadata):
     decode_groups: list[DecodeGroup] = field(default_factory=list)
-    kernel_rows: int = 0                         # C kernel: it attends rows 0..kernel_rows-1, one query each
     kernel_tables: torch.Tensor | None = None    # C kernel: [kernel_rows, nb] each row's table (padding never read)
     kernel_lens: torch.Tensor | None = None      # C kernel: [kernel_rows] int64 tokens each row attends
+
+    @property
+    def kernel_rows(self) -> int:
+        """The C kernel attends rows 0..kernel_rows-1 of the step, one query each (0: it does not run)."""
+        return 0 if self.kernel_lens is None else self.kernel_lens.shape[0]
     prefills: list[PrefillPart] = field(default_factory=list)
 
 
@@ -156,7 +161,7 @@ class TorchBackend(AttentionBackend):
         place, with no causal mask and nothing computed above the diagonal.
         Returns what the torch paths still have to do: (decodes, prefill chunks)."""
         prefills, nd, dev = layout.prefills, layout.num_decodes, layout.device
-        starts = [nd + sum(c.num_query for c in prefills[:i]) for i in range(len(prefills))]
+        starts = accumulate((c.num_query for c in prefills), initial=nd)     # where each chunk's rows should start
         if any(c.query_start != start for c, start in zip(prefills, starts)):
             prefills_in_c = []          # rows not where the kernel's rows go on (the runner never builds that)
         else:
@@ -171,7 +176,6 @@ class TorchBackend(AttentionBackend):
         lens = list(layout.decode_seq_lens)
         for c in prefills_in_c:
             lens += range(c.context_len - c.num_query + 1, c.context_len + 1)
-        meta.kernel_rows = len(lens)
         meta.kernel_tables = padded.repeat_interleave(repeats, dim=0)
         meta.kernel_lens = torch.tensor(lens, dtype=torch.int64, device=dev)
         return 0, prefills

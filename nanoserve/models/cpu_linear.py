@@ -69,8 +69,8 @@ class CpuLinear(nn.Module):
             x = x.float()
         if self.packed:
             # The packed op wants 2-D rows.
-            y = self._linear_packed(x if x.dim() == 2 else x.reshape(-1, self.in_features), self.weight,
-                                    self.bias, "none", [], "")                      # [N, out]
+            y = self._linear_packed(x if x.dim() == 2 else x.reshape(-1, self.in_features),
+                                    *self._packed_args)                               # [N, out]
             if x.dim() != 2:
                 y = y.view(*x.shape[:-1], self.out_features)
         else:
