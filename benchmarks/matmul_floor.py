@@ -8,9 +8,10 @@ bench_throughput.py's workload once through the engine (fast paths on, the
 default) and records every linear layer call: which layer, how many rows.
 Then it calls the same layers on random rows of the same sizes, in the same
 order, with nothing else in between: the time no engine built on these
-matmuls (torch's oneDNN-packed linears, as nanoserve's and vLLM's CPU paths
-use) can go below on this schedule. What the run takes above that floor is
-everything else: attention, norms, RoPE, sampling, scheduling, Python.
+matmuls (nanoserve's own panel matmul, kernels/cpu_matmul.c, or torch's
+oneDNN-packed linears where that is not built) can go below on this
+schedule. What the run takes above that floor is everything else:
+attention, norms, RoPE, sampling, scheduling, Python.
 
 It prints the run, the matmuls inside it and the replay, split into calls of
 more than 32 rows (steps with a prompt chunk) and the rest (decode steps, and
@@ -38,18 +39,28 @@ DECODE_ROWS = 32     # a call of at most this many rows is decode-sized here (32
 
 
 def record_linears():
-    """Patch CpuLinear.forward to log (layer, rows, seconds) per call; returns the log and an undo function."""
-    calls: list[tuple[cpu_linear.CpuLinear, int, float]] = []
-    forward = cpu_linear.CpuLinear.forward
+    """Patch the CPU linears' forward (PanelLinear, CpuLinear) to log (layer, rows, seconds) per call.
 
-    def timed(self, x):
-        t = time.perf_counter()
-        y = forward(self, x)
-        calls.append((self, x.shape[0], time.perf_counter() - t))
-        return y
+    Returns the log and an undo function."""
+    calls: list[tuple[torch.nn.Module, int, float]] = []
+    originals = {cls: cls.forward for cls in (cpu_linear.PanelLinear, cpu_linear.CpuLinear)}
 
-    cpu_linear.CpuLinear.forward = timed
-    return calls, lambda: setattr(cpu_linear.CpuLinear, "forward", forward)
+    def timed(forward):
+        def call(self, x):
+            t = time.perf_counter()
+            y = forward(self, x)
+            calls.append((self, x.shape[0], time.perf_counter() - t))
+            return y
+        return call
+
+    for cls, forward in originals.items():
+        cls.forward = timed(forward)
+
+    def undo():
+        for cls, forward in originals.items():
+            cls.forward = forward
+
+    return calls, undo
 
 
 def replay(calls) -> list[float]:

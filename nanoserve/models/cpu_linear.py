@@ -22,6 +22,14 @@ the original model, which is left untouched (engines may share one loaded model)
    same values, the product of two bf16 numbers is exact in float32, and the
    sum is float32 either way. So `upcast=True` keeps a float32 copy of the
    weight, multiplies in float32 and rounds the output back to bf16.
+
+3. Our own kernel. `PanelLinear` multiplies from a weight packed into panels
+   of 16 output columns by kernels/cpu_matmul.c: at a decode step's ~32 rows,
+   with the weights streaming from memory, it keeps the multiply units busier
+   than oneDNN does (it prefetches the next panel while multiplying this one)
+   and costs a few microseconds a call instead of oneDNN's tens. The CPU Llama
+   path (models/cpu_llama.py) uses it where the C code builds; CpuLinear
+   stays the matmul of every other model and of `cpu_kernel=False`.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ import copy
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nanoserve.kernels.cpu_matmul import CpuMatmul, check_linear
 
 
 def can_pack() -> bool:
@@ -76,6 +86,29 @@ class CpuLinear(nn.Module):
         else:
             y = F.linear(x, self.weight, self.bias)
         return y if y.dtype == dtype else y.to(dtype)
+
+
+class PanelLinear(nn.Module):
+    """y = x @ W.T + b from an nn.Linear's float32 weight, packed once in 16-column panels (kernels/cpu_matmul.c)."""
+
+    def __init__(self, linear: nn.Linear, mm: CpuMatmul) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        packed = mm.pack(linear.weight.detach())
+        bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        self.register_buffer("weight", packed, persistent=False)    # [panels, in, 16]
+        self.register_buffer("bias", bias, persistent=False)
+        self._linear = mm.linear
+        self._args = (packed, self.out_features, bias)              # one plain attribute, read every call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] float32 (rows of any stride) -> [T, out]."""
+        # What the C code relies on, in the cheapest form (every projection call runs it); check_linear
+        # raises the ValueError that names what is wrong.
+        if not (x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1
+                and x.shape[1] == self.in_features):
+            check_linear(x, *self._args)
+        return self._linear(x, *self._args, check=False)
 
 
 def cpu_linear_view(module: nn.Module, upcast: bool, pack: bool) -> nn.Module:

@@ -16,7 +16,9 @@ over 25 small ops per layer. Per layer:
 * The projections that read the same input are merged: q, k, v into one
   matmul and gate, up into another, so 4 matmuls per layer instead of 7, each
   larger (vLLM's QKVParallelLinear and MergedColumnParallelLinear do the
-  same). The weights are oneDNN-packed (models/cpu_linear.py).
+  same). The matmuls run from weights packed once into 16-column panels
+  by our own C kernel (kernels/cpu_matmul.c, models/cpu_linear.py's
+  PanelLinear), or oneDNN-packed (CpuLinear) where that cannot be built.
 * RMSNorm with the residual add before it, RoPE, and silu(gate) * up are one
   C call each (kernels/cpu_ops.c) instead of 4 to 10 torch ops.
 * The residual stream h is one tensor, updated in place.
@@ -33,9 +35,10 @@ import torch
 from torch import nn
 
 from nanoserve.attention import AttentionMetadata, paged_attention
-from nanoserve.kernels import cpu_ops
+from nanoserve.kernels import cpu_matmul, cpu_ops
+from nanoserve.kernels.cpu_matmul import CpuMatmul
 from nanoserve.kernels.cpu_ops import CpuOps
-from nanoserve.models.cpu_linear import CpuLinear
+from nanoserve.models.cpu_linear import CpuLinear, PanelLinear
 from nanoserve.models.llama import Llama, LlamaAttention, LlamaLayer, LlamaMLP, RMSNorm
 
 
@@ -48,6 +51,11 @@ def stacked(*linears: nn.Linear) -> nn.Linear:
     if bias is not None:
         merged.bias = nn.Parameter(bias, requires_grad=False)
     return merged
+
+
+def projection(linear: nn.Linear, mm: CpuMatmul | None) -> nn.Module:
+    """The matmul of one (merged) projection: cpu_matmul.c's panels, or oneDNN's packing without them."""
+    return CpuLinear(linear, upcast=False, pack=True) if mm is None else PanelLinear(linear, mm)
 
 
 def supports(model: nn.Module) -> bool:
@@ -69,16 +77,16 @@ def supports(model: nn.Module) -> bool:
 
 
 class CpuLlamaLayer(nn.Module):
-    def __init__(self, layer: LlamaLayer, ops: CpuOps) -> None:
+    def __init__(self, layer: LlamaLayer, ops: CpuOps, mm: CpuMatmul | None) -> None:
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
         self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.scale = attn.scale
-        self.qkv = CpuLinear(stacked(attn.q_proj, attn.k_proj, attn.v_proj), upcast=False, pack=True)
-        self.o = CpuLinear(attn.o_proj, upcast=False, pack=True)
-        self.gate_up = CpuLinear(stacked(mlp.gate_proj, mlp.up_proj), upcast=False, pack=True)
-        self.down = CpuLinear(mlp.down_proj, upcast=False, pack=True)
+        self.qkv = projection(stacked(attn.q_proj, attn.k_proj, attn.v_proj), mm)
+        self.o = projection(attn.o_proj, mm)
+        self.gate_up = projection(stacked(mlp.gate_proj, mlp.up_proj), mm)
+        self.down = projection(mlp.down_proj, mm)
         self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm   # shared
         # What forward reads 30 times a step, as plain attributes (a submodule's or parameter's lookup
         # goes through nn.Module.__getattr__, about 1 us each).
@@ -106,14 +114,14 @@ class CpuLlamaLayer(nn.Module):
 class CpuLlama(nn.Module):
     """The runner's view of a float32 Llama on a CPU: Llama's forward signature, its results to float32 rounding."""
 
-    def __init__(self, model: Llama, ops: CpuOps) -> None:
+    def __init__(self, model: Llama, ops: CpuOps, mm: CpuMatmul | None = None) -> None:
         super().__init__()
         self.ops = ops
         self.num_layers, self.num_kv_heads = model.num_layers, model.num_kv_heads
         self.head_dim, self.max_positions = model.head_dim, model.max_positions
         self.embed_tokens, self.rotary, self.norm = model.model.embed_tokens, model.rotary, model.model.norm
-        self.layers = nn.ModuleList(CpuLlamaLayer(layer, ops) for layer in model.model.layers)
-        self.lm_head = CpuLinear(model.lm_head, upcast=False, pack=True)
+        self.layers = nn.ModuleList(CpuLlamaLayer(layer, ops, mm) for layer in model.model.layers)
+        self.lm_head = projection(model.lm_head, mm)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
@@ -129,8 +137,10 @@ class CpuLlama(nn.Module):
 
 
 def cpu_llama_view(model: nn.Module) -> CpuLlama | None:
-    """A CpuLlama of `model`, or None where it does not apply (see `supports`) or cpu_ops.c cannot be built."""
+    """A CpuLlama of `model`, or None where it does not apply (see `supports`) or cpu_ops.c cannot be built.
+
+    Its matmuls are cpu_matmul.c's where that builds (it needs the same C compiler), oneDNN's otherwise."""
     if not supports(model):
         return None
     ops = cpu_ops.load()                     # None (with one warning) if it cannot be built here
-    return None if ops is None else CpuLlama(model, ops)
+    return None if ops is None else CpuLlama(model, ops, cpu_matmul.load())
