@@ -21,6 +21,10 @@ once. The systems:
                      a batch runs until its longest request is done
 * HF one at a time   `generate` per request, batch size 1 (--hf-single)
 
+Before the timed runs nanoserve and vLLM each run the whole workload once,
+untimed (--warmup full, the default; --warmup short: a few short requests):
+vLLM's first pass over a workload is 15-40 % slower than the next ones,
+and a server runs in the steady state. HF's warm-up is two short requests.
 Every system runs `--repeat` times, interleaved, and the script prints the
 median output tokens/s with the spread (min-max), and the ratios of nanoserve's
 median to the others', by wall clock and by CPU time of the process (with one
@@ -140,9 +144,9 @@ def vllm_preload(python: str) -> str:
     return ":".join(libs)
 
 
-def vllm_run(python: str, model_dir: str, dtype: str, reqs, threads: int, repeat: int):
+def vllm_run(python: str, model_dir: str, dtype: str, reqs, threads: int, repeat: int, warmup: str):
     """Run the workload `repeat` times in one vLLM process; returns ([(wall, cpu)...], outputs, info)."""
-    job = {"model": model_dir, "dtype": dtype, "threads": threads, "repeat": repeat,
+    job = {"model": model_dir, "dtype": dtype, "threads": threads, "repeat": repeat, "warmup": warmup,
            "prompts": [p for p, _ in reqs], "max_tokens": [n for _, n in reqs]}
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), LD_PRELOAD=vllm_preload(python))
     worker = Path(__file__).with_name("vllm_cpu_worker.py")
@@ -198,10 +202,13 @@ def run_dtype(dtype: str, args, vllm_python: str | None) -> dict[str, list[float
         config[key] = json.loads(value) if value[:1] in "0123456789-tfn[{\"" else value
     print(f"  nanoserve config: {config}")
 
-    # Warm up (first calls allocate and pick kernels; torch.compile compiles here).
+    # Warm up (first calls allocate and pick kernels; torch.compile compiles here). --warmup full: the
+    # whole workload once more, untimed, as vLLM's worker does (its first pass is the slow one).
     t0 = time.perf_counter()
     nanoserve_run(loaded, [(p, 4) for p, _ in reqs[:4]] + [(reqs[0][0][:16], 2)], config)
-    print(f"  nanoserve warm-up {time.perf_counter() - t0:.1f} s", flush=True)
+    if args.warmup == "full":
+        nanoserve_run(loaded, reqs, config)
+    print(f"  nanoserve warm-up ({args.warmup}) {time.perf_counter() - t0:.1f} s", flush=True)
     if not args.skip_hf:
         hf_batched(hf, reqs[:2], 2)
 
@@ -235,7 +242,7 @@ def run_dtype(dtype: str, args, vllm_python: str | None) -> dict[str, list[float
                 times.setdefault("HF generate, one at a time", []).append(span)
         if vllm_python and r == 0:   # one vLLM process runs all its repeats (startup is ~1 min)
             spans, outs, vllm_info = vllm_run(vllm_python, loaded.path, dtype, reqs, torch.get_num_threads(),
-                                              args.repeat)
+                                              args.repeat, args.warmup)
             times["vLLM CPU"] = spans
             outputs["vLLM CPU"] = outs
             print(f"  vLLM CPU {vllm_info['version']} runs: "
@@ -268,6 +275,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="float32, bfloat16, or both comma separated")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=1, help="runs of each system, interleaved; the median counts")
+    ap.add_argument("--warmup", choices=["full", "short"], default="full",
+                    help="before the timed runs, nanoserve and vLLM run the whole workload once untimed (full, "
+                         "the steady state a server runs in; vLLM's first pass is slower) or a few short "
+                         "requests (short)")
     ap.add_argument("--batch-sizes", default="32", help="HF static batch sizes (comma separated)")
     ap.add_argument("--hf-single", action="store_true", help="also HF one request at a time (slow)")
     ap.add_argument("--skip-hf", action="store_true", help="no Hugging Face runs")

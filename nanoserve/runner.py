@@ -37,11 +37,13 @@ and the tests check both give the same tokens):
   (kernels/torch_backend.py);
 * on a CPU, a float32 Llama runs through models/cpu_llama.py: q/k/v and
   gate/up merged into one matmul each, RMSNorm (with the residual add), RoPE
-  and silu(gate) * up one C call each (kernels/cpu_ops.c; `cpu_kernel=False`
-  leaves it out too);
-* on a CPU, the model's linear layers run from oneDNN-packed weights, and a
-  bf16 model on a CPU without bf16 units runs its matmuls and attention in
-  float32 on the bf16 values, ~10x faster there (models/cpu_linear.py). The
+  and silu(gate) * up one C call each (kernels/cpu_ops.c), its matmuls from
+  weights packed in 16-column panels (kernels/cpu_matmul.c; `cpu_kernel=False`
+  leaves all of it out);
+* on a CPU, linear layers off that path (other models, `cpu_kernel=False`)
+  run from oneDNN-packed weights, and a bf16 model on a CPU without bf16
+  units runs its matmuls and attention in float32 on the bf16 values, ~10x
+  faster there (models/cpu_linear.py). The
   runner then holds a view of the model; the loaded model is not changed;
 * on a CPU, glibc keeps a step's freed memory for the next one, and the KV
   cache asks Linux for 2 MB pages (cpu_memory.py).
