@@ -83,6 +83,7 @@ ROLES = {
     "kernels/cpu_ops.py": "RMSNorm with the residual add, RoPE, silu(gate) * up: one C call each",
     "kernels/checks.py": "each C call's arguments checked first (shape, dtype, layout)",
     "models/cpu_linear.py": "the linear layers' CPU path",
+    "kernels/cpu_matmul.py": "the linear layers' matmul in C, from weights packed in 16-column panels",
     "choose.py": "a `Choice` per chunk that reached its sequence's end (no bookkeeping changes)",
     "sampling_params.py": "the request's sampling settings",
     "request.py": "the request the sequence belongs to (with n > 1, its forks-to-be)",
