@@ -48,6 +48,15 @@ def test_matches_torch_on_any_shape(rows, out, inner, bias, seed):
 
 
 @needs_matmul
+def test_empty_shapes():
+    """No rows, or no inputs (then y is the bias): nothing read past the ends, the right shape back."""
+    w, b = torch.randn(20, 8), torch.randn(20)
+    assert mm.linear(torch.randn(0, 8), mm.pack(w), 20, b).shape == (0, 20)
+    y = mm.linear(torch.randn(3, 0), mm.pack(torch.randn(20, 0)), 20, b)
+    assert torch.equal(y, b.expand(3, 20))
+
+
+@needs_matmul
 @pytest.mark.parametrize("rows", [32, 200, 700])      # a decode batch; prefill chunks of one and several blocks
 def test_matches_torch_at_model_sizes(rows):
     torch.manual_seed(rows)

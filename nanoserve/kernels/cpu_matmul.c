@@ -115,7 +115,7 @@ static int64_t tile_height(int64_t left) {
 void panel_linear(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
                   int64_t m, int64_t n, int64_t k) {
     const int64_t panels = (n + NR - 1) / NR;
-    int64_t block = BLOCK_BYTES / ((int64_t)sizeof(float) * k);
+    int64_t block = k > 0 ? BLOCK_BYTES / ((int64_t)sizeof(float) * k) : m;   /* k = 0: y is the bias */
     block = block < MR ? MR : block;
     #pragma omp parallel if (m * n * k >= 65536)
     for (int64_t r0 = 0; r0 < m; r0 += block) {          /* every thread walks the same row blocks */
