@@ -1,4 +1,4 @@
-"""Faster matmuls on a CPU: oneDNN-packed weights, and float32 math for bf16 models on CPUs without bf16 units.
+"""Faster matmuls on a CPU: oneDNN-packed weights, float32 math for bf16 models without bf16 units, our own panel kernel.
 
 Two things make `nn.Linear` slow on a CPU, and both are fixed once, when the
 runner starts, in a *view* of the model (`cpu_linear_view`): every `nn.Linear`
