@@ -43,8 +43,8 @@ and the tests check both give the same tokens):
 * on a CPU, linear layers off that path (other models, `cpu_kernel=False`)
   run from oneDNN-packed weights, and a bf16 model on a CPU without bf16
   units runs its matmuls and attention in float32 on the bf16 values, ~10x
-  faster there (models/cpu_linear.py). The
-  runner then holds a view of the model; the loaded model is not changed;
+  faster there (models/cpu_linear.py). The runner then holds a view of
+  the model; the loaded model is not changed;
 * on a CPU, glibc keeps a step's freed memory for the next one, and the KV
   cache asks Linux for 2 MB pages (cpu_memory.py).
 """

@@ -1,24 +1,26 @@
 """Compile a kernel's C file with the system's C compiler on first use, and cache the library.
 
-The CPU fast paths have two small C files (cpu_decode.c: decode attention over
-the paged cache; cpu_ops.c: a layer's elementwise steps) and a header both
-include (cpu_math.h: a vectorisable exp). There is no build step at install
+The CPU fast paths have three small C files (cpu_decode.c: attention over the
+paged cache; cpu_ops.c: a layer's elementwise steps; cpu_matmul.c: the linear
+layers' matmul) and a header they share (cpu_math.h: a vectorisable exp). There is no build step at install
 time: the first engine that wants one compiles it (`$CC`, else `cc`; about a
 second) into `~/.cache/nanoserve/kernels/`, named by a hash of the source and
 headers, the compiler, the flags and this CPU's features (the files are built
 with `-march=native`, so another CPU needs its own build), and later engines
-load the file. A failed build raises RuntimeError; the loaders
-turn that into one warning and the torch path.
+load the file. A failed build raises RuntimeError; `load_library` turns that
+into one warning and None, and each loader then keeps its fallback path.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 # Both files: optimised for this CPU, OpenMP (libgomp, the runtime torch's CPU build uses, so one
@@ -72,3 +74,14 @@ def build(source: Path, flags: list[str]) -> Path:
         if os.path.exists(tmp):          # anything but a finished build: no half-written file left behind
             os.unlink(tmp)
     return out
+
+
+def load_library(source: Path, flags: list[str], what: str, fallback: str, stacklevel: int = 3) -> ctypes.CDLL | None:
+    """`source` built with `flags` and loaded, or None with one warning: "<what> could not be built, so <fallback>".
+
+    stacklevel: where the warning points, counted from here (3: the caller of the function that called this)."""
+    try:
+        return ctypes.CDLL(str(build(source, flags)))
+    except (RuntimeError, OSError) as e:
+        warnings.warn(f"nanoserve: {what} could not be built, so {fallback}: {e}", stacklevel=stacklevel)
+        return None

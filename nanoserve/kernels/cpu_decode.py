@@ -26,14 +26,13 @@ runs on as many threads as `torch.set_num_threads` gives torch.
 from __future__ import annotations
 
 import ctypes
-import warnings
 from functools import cache, partial
 from pathlib import Path
 
 import torch
 
 from nanoserve.kernels.checks import CheckedLayouts, check_cache, check_int_vector, check_paged_args, expect
-from nanoserve.kernels.cpu_build import FLAGS, build
+from nanoserve.kernels.cpu_build import FLAGS, load_library
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 # No errno and no floating-point traps to keep: lets the compiler vectorise the softmax's exp and maxima.
@@ -47,12 +46,8 @@ def library(cache_dtype: torch.dtype) -> ctypes.CDLL | None:
     """cpu_decode.c built for a cache of `cache_dtype`, or None (with one warning) if unavailable."""
     if cache_dtype not in CACHE_DTYPES:
         return None
-    try:
-        return ctypes.CDLL(str(build(SOURCE, DECODE_FLAGS + CACHE_DTYPES[cache_dtype])))
-    except (RuntimeError, OSError) as e:
-        warnings.warn(f"nanoserve: the CPU decode kernel could not be built, so decode attention takes the "
-                      f"torch path (same results, slower): {e}", stacklevel=3)
-        return None
+    return load_library(SOURCE, DECODE_FLAGS + CACHE_DTYPES[cache_dtype], "the CPU decode kernel",
+                        "decode attention takes the torch path (same results, slower)", stacklevel=5)
 
 
 def c_function(cache_dtype: torch.dtype, name: str, argtypes: list):

@@ -126,8 +126,9 @@ void panel_linear(const float *x, int64_t ldx, const float *packed, const float 
             const float *next = p + 1 < panels ? panel + k * NR : 0;
             const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
             const float *pb = bias ? bias + p * NR : 0;
-            float padded_bias[NR] = {0};
+            float padded_bias[NR];
             if (pb && cols < NR) {                           /* the bias ends inside this panel */
+                memset(padded_bias, 0, sizeof padded_bias);
                 memcpy(padded_bias, pb, (size_t)cols * sizeof(float));
                 pb = padded_bias;
             }

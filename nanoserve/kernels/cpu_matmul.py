@@ -15,14 +15,13 @@ Compiled on first use and cached like the other C kernels (kernels/cpu_build.py)
 from __future__ import annotations
 
 import ctypes
-import warnings
 from functools import cache
 from pathlib import Path
 
 import torch
 
 from nanoserve.kernels.checks import expect
-from nanoserve.kernels.cpu_build import FLAGS, build
+from nanoserve.kernels.cpu_build import FLAGS, load_library
 
 SOURCE = Path(__file__).with_name("cpu_matmul.c")
 PANEL = 16          # output columns per panel (cpu_matmul.c's NR)
@@ -82,9 +81,6 @@ def check_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias:
 @cache
 def load() -> CpuMatmul | None:
     """The matmul, built for this CPU, or None (with one warning) if it cannot be built."""
-    try:
-        return CpuMatmul(ctypes.CDLL(str(build(SOURCE, FLAGS))))
-    except (RuntimeError, OSError) as e:
-        warnings.warn(f"nanoserve: the CPU matmul could not be built, so the linear layers use oneDNN "
-                      f"(same results to float32 rounding, slower): {e}", stacklevel=2)
-        return None
+    lib = load_library(SOURCE, FLAGS, "the CPU matmul",
+                       "the linear layers use oneDNN (same results to float32 rounding, slower)")
+    return None if lib is None else CpuMatmul(lib)

@@ -10,21 +10,21 @@ checks dtype, shape and layout first and raises ValueError naming the
 argument (when the arguments' layout changes: the layers of a step repeat
 it). models/cpu_llama.py is the one caller; it passes check=False after the
 first layer of a forward, whose calls checked the layouts every later layer
-repeats (building the key the checks compare costs ~5 us, 120 times a step). It is compiled on first use and
-cached like the decode kernel (kernels/cpu_build.py).
+repeats (building the key the checks compare costs ~5 us, 120 times a
+step). It is compiled on first use and cached like the decode kernel
+(kernels/cpu_build.py).
 """
 
 from __future__ import annotations
 
 import ctypes
-import warnings
 from functools import cache
 from pathlib import Path
 
 import torch
 
 from nanoserve.kernels.checks import CheckedLayouts, expect
-from nanoserve.kernels.cpu_build import FLAGS, build
+from nanoserve.kernels.cpu_build import FLAGS, load_library
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 # The C code's a * b + c stay two roundings, as in torch (no fused multiply-add); no errno from
@@ -112,9 +112,6 @@ def _check_silu_mul(gate_up: torch.Tensor) -> None:
 @cache
 def load() -> CpuOps | None:
     """The ops, built for this CPU, or None (with one warning) if they cannot be built."""
-    try:
-        return CpuOps(ctypes.CDLL(str(build(SOURCE, OPS_FLAGS))))
-    except (RuntimeError, OSError) as e:
-        warnings.warn(f"nanoserve: the CPU layer ops could not be built, so the layers take the torch path "
-                      f"(same results, slower): {e}", stacklevel=2)
-        return None
+    lib = load_library(SOURCE, OPS_FLAGS, "the CPU layer ops",
+                       "the layers take the torch path (same results, slower)")
+    return None if lib is None else CpuOps(lib)

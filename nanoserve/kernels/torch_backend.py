@@ -78,12 +78,12 @@ class TorchMetadata(AttentionMetadata):
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     kernel_tables: torch.Tensor | None = None    # C kernel: [kernel_rows, nb] each row's table (padding never read)
     kernel_lens: torch.Tensor | None = None      # C kernel: [kernel_rows] int64 tokens each row attends
+    prefills: list[PrefillPart] = field(default_factory=list)
 
     @property
     def kernel_rows(self) -> int:
         """The C kernel attends rows 0..kernel_rows-1 of the step, one query each (0: it does not run)."""
         return 0 if self.kernel_lens is None else self.kernel_lens.shape[0]
-    prefills: list[PrefillPart] = field(default_factory=list)
 
 
 class TorchBackend(AttentionBackend):
