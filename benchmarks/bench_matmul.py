@@ -25,7 +25,7 @@ import torch
 from nanoserve.kernels import cpu_matmul
 
 SHAPES = {      # name: (out_features, in_features) of SmolLM2-135M's matmuls, merged as models/cpu_llama.py does
-    "q/k/v": (1728, 576),
+    "q/k/v": (960, 576),
     "o": (576, 576),
     "gate/up": (3072, 576),
     "down": (576, 1536),

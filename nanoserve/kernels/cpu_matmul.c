@@ -18,8 +18,11 @@
        acc[r][0..15] += x[r][kk] * panel[kk][0..15]       for r < 6, kk = 0 .. k-1
 
    The panel stays in the core's caches for the remaining tiles of x's rows.
-   While the first tile runs, the next panel is prefetched one line per kk,
-   so it is on its way from memory before it is needed. Threads split the
+   Meanwhile the next panel is prefetched: each of the panel's tiles asks for
+   its share of the next panel's lines, one line every few kk, so the lines
+   arrive at about the rate memory can deliver them while the multiply-adds
+   go on (asking for all of them in the first tile stalls it on memory; not
+   asking leaves the CPU idle at the start of every panel). Threads split the
    panels (OpenMP), each writing its own columns of y.
 
    Each output is one running sum over kk = 0 .. k-1 in that order (a fused
@@ -56,11 +59,12 @@ void pack_weight(const float *w, float *packed, int64_t n, int64_t k) {
 }
 
 /* One tile: `mr` rows of x (row stride ldx) times one panel -> y's 16 columns (row stride ldy), of which
-   `cols` are real (the last panel may hold fewer). `bias` (16 floats) or NULL. `prefetch`: the next panel,
-   or NULL. Inlined with a constant mr, so the loops over r unroll and acc lives in registers. */
+   `cols` are real (the last panel may hold fewer). `bias` (16 floats) or NULL. `ahead`: `lines` lines of the
+   next panel to prefetch, spread evenly over the k steps (none: lines = 0). Inlined with a constant mr, so
+   the loops over r unroll and acc lives in registers. */
 static inline __attribute__((always_inline)) void tile(const int mr, const float *x, int64_t ldx,
                                                        const float *panel, const float *bias,
-                                                       const float *prefetch, int64_t k,
+                                                       const float *ahead, int64_t lines, int64_t k,
                                                        float *y, int64_t ldy, int64_t cols) {
     f8 acc[MR][2];
     const f8 b0 = bias ? load8(bias) : (f8){0}, b1 = bias ? load8(bias + 8) : (f8){0};
@@ -68,10 +72,14 @@ static inline __attribute__((always_inline)) void tile(const int mr, const float
         acc[r][0] = b0;
         acc[r][1] = b1;
     }
-    for (int64_t kk = 0; kk < k; kk++) {
+    const int64_t every = lines > 0 && k / lines > 1 ? k / lines : 1;    /* k steps per prefetched line */
+    for (int64_t kk = 0, line = 0, next_ask = 0; kk < k; kk++) {
+        if (kk == next_ask && line < lines) {                        /* one 64-byte line of the next panel */
+            __builtin_prefetch(ahead + line * NR, 0, 3);
+            line++;
+            next_ask += every;
+        }
         const f8 w0 = load8(panel + kk * NR), w1 = load8(panel + kk * NR + 8);
-        if (prefetch)
-            __builtin_prefetch(prefetch + kk * NR, 0, 3);        /* one 64-byte line of the next panel */
         for (int r = 0; r < mr; r++) {
             const float xr = x[r * ldx + kk];
             acc[r][0] += xr * w0;
@@ -92,14 +100,14 @@ static inline __attribute__((always_inline)) void tile(const int mr, const float
 }
 
 static void tile_rows(int mr, const float *x, int64_t ldx, const float *panel, const float *bias,
-                      const float *prefetch, int64_t k, float *y, int64_t ldy, int64_t cols) {
+                      const float *ahead, int64_t lines, int64_t k, float *y, int64_t ldy, int64_t cols) {
     switch (mr) {           /* one specialised copy of tile() per row count */
-    case 6: tile(6, x, ldx, panel, bias, prefetch, k, y, ldy, cols); break;
-    case 5: tile(5, x, ldx, panel, bias, prefetch, k, y, ldy, cols); break;
-    case 4: tile(4, x, ldx, panel, bias, prefetch, k, y, ldy, cols); break;
-    case 3: tile(3, x, ldx, panel, bias, prefetch, k, y, ldy, cols); break;
-    case 2: tile(2, x, ldx, panel, bias, prefetch, k, y, ldy, cols); break;
-    default: tile(1, x, ldx, panel, bias, prefetch, k, y, ldy, cols); break;
+    case 6: tile(6, x, ldx, panel, bias, ahead, lines, k, y, ldy, cols); break;
+    case 5: tile(5, x, ldx, panel, bias, ahead, lines, k, y, ldy, cols); break;
+    case 4: tile(4, x, ldx, panel, bias, ahead, lines, k, y, ldy, cols); break;
+    case 3: tile(3, x, ldx, panel, bias, ahead, lines, k, y, ldy, cols); break;
+    case 2: tile(2, x, ldx, panel, bias, ahead, lines, k, y, ldy, cols); break;
+    default: tile(1, x, ldx, panel, bias, ahead, lines, k, y, ldy, cols); break;
     }
 }
 
@@ -120,6 +128,9 @@ void panel_linear(const float *x, int64_t ldx, const float *packed, const float 
     #pragma omp parallel if (m * n * k >= 65536)
     for (int64_t r0 = 0; r0 < m; r0 += block) {          /* every thread walks the same row blocks */
         const int64_t rows = m - r0 < block ? m - r0 : block;
+        int64_t tiles = 0;                                   /* tiles per panel: they share the prefetching */
+        for (int64_t i = 0; i < rows; i += tile_height(rows - i))
+            tiles++;
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {               /* ... and takes its share of the panels */
             const float *panel = packed + p * k * NR;
@@ -132,10 +143,11 @@ void panel_linear(const float *x, int64_t ldx, const float *packed, const float 
                 memcpy(padded_bias, pb, (size_t)cols * sizeof(float));
                 pb = padded_bias;
             }
-            for (int64_t i = 0; i < rows;) {
+            for (int64_t i = 0, t = 0; i < rows; t++) {         /* tile t prefetches lines lo .. hi-1 of next */
                 const int64_t mr = tile_height(rows - i);
-                tile_rows((int)mr, x + (r0 + i) * ldx, ldx, panel, pb, i == 0 ? next : 0, k,
-                          y + (r0 + i) * ldy + p * NR, ldy, cols);
+                const int64_t lo = k * t / tiles, hi = k * (t + 1) / tiles;
+                tile_rows((int)mr, x + (r0 + i) * ldx, ldx, panel, pb, next ? next + lo * NR : 0,
+                          next ? hi - lo : 0, k, y + (r0 + i) * ldy + p * NR, ldy, cols);
                 i += mr;
             }
         }
