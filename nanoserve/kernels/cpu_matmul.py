@@ -7,8 +7,9 @@
 Float32. The packed tensor is [panels, in, 16]; `linear` checks that x, the
 packed weight and the bias agree (shape, dtype, layout) before the C code
 trusts them, and raises ValueError naming the argument. With check=False it
-skips that: models/cpu_llama.py's projections check their layouts when a
-step's row count changes and not on every call.
+skips that: models/cpu_linear.py's PanelLinear, which every projection of the
+CPU Llama path calls, tests x inline (a few attribute reads) and calls
+check_linear only when that test fails, for the error that names the culprit.
 Compiled on first use and cached like the other C kernels (kernels/cpu_build.py).
 """
 
