@@ -28,8 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"nanoserve": ROOT / "nanoserve", "nanoserve_tui": ROOT / "tui"}   # import name -> folder
-DATA_FILES = ["nanoserve_tui/app.tcss", "nanoserve/kernels/cpu_decode.c", "nanoserve/kernels/cpu_ops.c",
-              "nanoserve/kernels/cpu_matmul.c", "nanoserve/kernels/cpu_math.h"]
+DATA_FILES = ["nanoserve_tui/app.tcss", "nanoserve/cpu/attention.c", "nanoserve/cpu/ops.c",
+              "nanoserve/cpu/matmul.c", "nanoserve/cpu/cpu_math.h"]
 
 
 def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:

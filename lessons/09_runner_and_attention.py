@@ -30,10 +30,10 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 def make_engine(**config) -> LLMEngine:
-    # cpu_kernel=False: decodes take the torch path this lesson reads (padded tables, masks). By default a
-    # CPU runs them in kernels/cpu_decode.c instead, which reads each sequence's own tokens and needs neither.
+    # c_kernels=False: decodes take the torch path this lesson reads (padded tables, masks). By default a
+    # CPU runs them in cpu/attention.c instead, which reads each sequence's own tokens and needs neither.
     return LLMEngine(EngineConfig(model="tiny-llama", block_size=BS, num_blocks=64, max_num_batched_tokens=64,
-                                  cpu_kernel=False, **config))
+                                  c_kernels=False, **config))
 
 
 engine = make_engine()
@@ -135,7 +135,7 @@ short = int(group.seq_lens.argmin())
 assert group.block_tables[short, -1] == 0 and dmask[short, -BS:].sum() == 0, "padding: block 0, masked"
 say("""The decodes' tables are padded to the longest with block 0; the mask hides the padding and
 the unused slots of each last block. (This is the torch path, which this lesson's engine takes with
-cpu_kernel=False. By default a CPU runs every row in the C kernel of kernels/cpu_decode.c, which walks
+c_kernels=False. By default a CPU runs every row in the C kernel of cpu/attention.c, which walks
 each row's own block table up to its length: no padding, no mask, no gathered copy. A prefill chunk's
 query at position p is a row over the first p + 1 tokens of the chunk's table: causal by construction.)""")
 

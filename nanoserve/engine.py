@@ -113,15 +113,18 @@ class LLMEngine(Displayable):
         self.cpu_pool = parts.block_pool(config.num_cpu_blocks, config.block_size) if config.num_cpu_blocks else None
         self.kv = parts.kv_manager(self.pool, self.radix, self.cpu_pool, self._emit, clock=self.clock)
         self.scheduler = parts.scheduler(config, self.kv, self._emit, clock=self.clock)
-        self.backend = prepare_backend(config)
+        backend = prepare_backend(config)     # the attention backend asked for: "torch", "triton" or "cpu"
         if config.tensor_parallel_size > 1:   # the model split over processes (distributed/tensor_parallel.py)
             from nanoserve.distributed.tensor_parallel import TensorParallelRunner
-            self.runner = TensorParallelRunner(model, config, self.backend, self._emit, lambda: self.step_count,
+            self.runner = TensorParallelRunner(model, config, backend, self._emit, lambda: self.step_count,
                                                workers)
         else:
             self.runner = ModelRunner(model, config.num_blocks, config.block_size, dtype, torch.device(config.device),
-                                      self.backend, fast_paths=config.fast_paths, cpu_kernel=config.cpu_kernel,
+                                      backend, fast_paths=config.fast_paths, c_kernels=config.c_kernels,
                                       make_attention=parts.attention_backend)
+        # What computes a step, as it actually runs: the model class, attention backend and matmul, and why
+        # a faster part did not run (runner.Implementation; the snapshot, the TUI header and --stats say it).
+        self.implementation = self.runner.implementation
         if self.cpu_pool is not None:
             self.runner.allocate_swap(config.num_cpu_blocks)
         self.sampler = Sampler()

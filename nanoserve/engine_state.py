@@ -46,6 +46,8 @@ def snapshot(engine) -> dict:
         "radix": {"enabled": engine.radix is not None, "nodes": engine.radix.snapshot() if engine.radix else []},
         "cpu_pool": engine.cpu_pool.snapshot() if engine.cpu_pool else None,
         "config": {f.name: getattr(engine.config, f.name) for f in dataclasses.fields(engine.config)},
+        # what computes a step, as it runs (runner.Implementation): the config says what was asked for
+        "implementation": engine.implementation.as_dict(),
         # tensor parallelism: each rank's KV heads and share of a block (absent for one process)
         **({"ranks": engine.runner.rank_info()} if hasattr(engine.runner, "rank_info") else {}),
     }

@@ -60,6 +60,9 @@ class EngineSynced(Event):
     # The engine's settings as (EngineConfig field, value) pairs, so a trace says what ran it
     # (empty in traces recorded before they were added).
     config: tuple[tuple[str, object], ...] = ()
+    # What computed the steps, as (field, value) pairs of runner.Implementation: the path ("fast" or
+    # "reading"), model class, attention backend, matmul and a note (empty in older traces).
+    implementation: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

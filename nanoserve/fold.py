@@ -61,7 +61,8 @@ def synced_event(snapshot: dict) -> ev.EngineSynced:
 def _synced_state(e: ev.EngineSynced) -> ViewState:
     state = ViewState(e.step, e.model, e.num_blocks, e.block_size, list(e.ref_counts), list(e.free_queue),
                       prefix_caching=e.prefix_caching, num_cpu_blocks=e.num_cpu_blocks,
-                      ranks=[RankView(rank, tuple(heads), size) for rank, heads, size in e.ranks])
+                      ranks=[RankView(rank, tuple(heads), size) for rank, heads, size in e.ranks],
+                      implementation=dict(e.implementation))
     queues = {"running": state.running, "waiting": state.waiting, "swapped": state.swapped}
     for fields in e.sequences:
         # 9 fields in traces recorded before the memory mechanisms, 11 since

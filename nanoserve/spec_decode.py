@@ -162,13 +162,13 @@ class DraftModelProposer:
 
     def __init__(self, model: nn.Module, k: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, eos_token_id: int | None, backend: str = "torch",
-                 fast_paths: bool = True, cpu_kernel: bool = True) -> None:
+                 fast_paths: bool = True, c_kernels: bool = True) -> None:
         self.k = k
         self.eos = eos_token_id
         self.pool = BlockPool(num_blocks, block_size)
         # The draft model runs with the engine's speed switches, so switching one off switches it off here too.
         self.runner = ModelRunner(model, num_blocks, block_size, dtype, device, backend,
-                                  fast_paths=fast_paths, cpu_kernel=cpu_kernel)
+                                  fast_paths=fast_paths, c_kernels=c_kernels)
         self.states: dict[str, _DraftState] = {}
 
     def propose(self, seqs: list[Sequence], limits: dict[str, int]) -> Drafts:
@@ -269,7 +269,7 @@ def build_proposer(config, loaded, dtype: torch.dtype):
                              f"tokens, the target {target.config.vocab_size}: they must share a tokenizer")
     return DraftModelProposer(draft, k, config.num_blocks, config.block_size, dtype,
                               torch.device(config.device), loaded.eos_token_id, config.resolved_backend(),
-                              fast_paths=config.fast_paths, cpu_kernel=config.cpu_kernel)
+                              fast_paths=config.fast_paths, c_kernels=config.c_kernels)
 
 
 # -- the engine's side: propose before scheduling, decide after the forward ----------------

@@ -128,6 +128,18 @@ class ViewState:
     ranks: list[RankView] = field(default_factory=list)     # tensor parallelism: one per rank (empty: one process)
     collectives: list[tuple[str, int, int, float]] = field(default_factory=list)   # (kind, count, bytes, s) this step
     transfers: list[TransferView] = field(default_factory=list)   # KV handoffs received, the last HISTORY_LEN
+    # What computes the steps (runner.Implementation as a dict: path, model, attention, matmul, note)
+    implementation: dict[str, str] = field(default_factory=dict)
+
+    def implementation_line(self) -> str:
+        """ "fast path: CpuLlama · attention cpu · matmul panels", short for a header ("" if unknown)."""
+        impl = self.implementation
+        if not impl:
+            return ""
+        short = lambda s: s.split(" (")[0]   # noqa: E731 -- "CpuLlama (cpu/llama.py)" -> "CpuLlama"
+        line = f"{impl.get('path', '?')} path: {short(impl.get('model', '?'))} · attention " \
+               f"{short(impl.get('attention', '?'))} · matmul {short(impl.get('matmul', '?'))}"
+        return line + (" (fell back: " + impl["note"] + ")" if impl.get("note") else "")
 
     def block_owners(self) -> dict[int, list[str]]:
         """Block id -> ids of the sequences whose block tables hold it (held blocks only)."""

@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 from nanoserve import SamplingParams
-from nanoserve.kernels import cpu_matmul, cpu_ops
-from nanoserve.models.cpu_linear import CpuLinear, PanelLinear
-from nanoserve.models.cpu_llama import CpuLlama
+from nanoserve.cpu import matmul as cpu_matmul
+from nanoserve.cpu import ops as cpu_ops
+from nanoserve.cpu.linear import CpuLinear, PanelLinear
+from nanoserve.cpu.llama import CpuLlama
 
 mm = cpu_matmul.load()
 needs_matmul = pytest.mark.skipif(mm is None, reason="no C compiler: cpu_matmul.c cannot be built")

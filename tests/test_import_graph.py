@@ -101,3 +101,13 @@ def test_every_displayable_class_has_a_renderer():
         assert issubclass(cls, Displayable)
         probe = cls.__new__(cls)                 # no engine needed: the lookup is by class
         assert renderer_for(probe) is not None, cls.__name__
+
+
+def test_only_the_runner_imports_the_cpu_fast_path():
+    """nanoserve/cpu/ is wired in at one place (ModelRunner.__init__), so the code a student reads elsewhere is
+    the code that runs, and the engine can say which parts the fast path replaced."""
+    for name, deps in graph().items():
+        if name.startswith("nanoserve.cpu") or name == "nanoserve.runner":
+            continue
+        cpu = sorted(d for d in deps if d == "nanoserve.cpu" or d.startswith("nanoserve.cpu."))
+        assert not cpu, f"{name} imports {cpu}: only nanoserve.runner may import the CPU fast path"

@@ -1,17 +1,18 @@
-"""Paged attention on the CPU in a small C kernel (cpu_decode.c): build it, load it, call it.
+"""Paged attention on the CPU in a small C kernel (attention.c): build it, load it, call it.
 
 The torch backend's decode path gathers every sequence's blocks into a copy
 before torch's attention can read them (kernels/reference.py). On a CPU that
 copy is most of the cost: the K/V bytes are written once more and read
-twice. `cpu_decode.c` reads them once, in place, through the block table.
+twice. `attention.c` reads them once, in place, through the block table.
 It attends one query per row, each with its own table and length, so the
-torch backend gives it prefill rows too (each a decode over its causal
-prefix); its second function stores a step's new K/V rows at their slots.
+CPU backend (cpu/backend.py) gives it prefill rows too (each a decode over
+its causal prefix); its second function stores a step's new K/V rows at
+their slots.
 
-It is compiled on first use and cached (kernels/cpu_build.py). Without a
+It is compiled on first use and cached (cpu/build.py). Without a
 compiler, or if the build fails, `load()` warns once and returns None, and
-the torch backend keeps its grouped torch path: the same numbers, a little
-slower. `EngineConfig(cpu_kernel=False)` never builds it.
+the engine runs the torch backend instead: the same numbers, a little
+slower. `EngineConfig(c_kernels=False)` never builds it.
 
     decode = load(torch.float32)            # None if it cannot be built here
     out = decode(q, k_cache, v_cache, block_tables, seq_lens, scale)   # [B, Hq, D]
@@ -31,10 +32,10 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.cpu.build import FLAGS, load_library
 from nanoserve.kernels.checks import CheckedLayouts, check_cache, check_int_vector, check_paged_args, expect
-from nanoserve.kernels.cpu_build import FLAGS, load_library
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCE = Path(__file__).with_name("attention.c")
 # No errno and no floating-point traps to keep: lets the compiler vectorise the softmax's exp and maxima.
 DECODE_FLAGS = [*FLAGS, "-fno-math-errno", "-fno-trapping-math"]
 NO_MEMORY, BAD_SEQ_LEN, BAD_BLOCK = -1, -2, -3    # what the C function returns instead of 0 (OK)
@@ -43,11 +44,11 @@ CACHE_DTYPES = {torch.float32: [], torch.bfloat16: ["-DCACHE_BF16"]}   # extra f
 
 @cache
 def library(cache_dtype: torch.dtype) -> ctypes.CDLL | None:
-    """cpu_decode.c built for a cache of `cache_dtype`, or None (with one warning) if unavailable."""
+    """attention.c built for a cache of `cache_dtype`, or None (with one warning) if unavailable."""
     if cache_dtype not in CACHE_DTYPES:
         return None
-    return load_library(SOURCE, DECODE_FLAGS + CACHE_DTYPES[cache_dtype], "the CPU decode kernel",
-                        "decode attention takes the torch path (same results, slower)", stacklevel=5)
+    return load_library(SOURCE, DECODE_FLAGS + CACHE_DTYPES[cache_dtype], "the CPU attention kernel",
+                        "attention takes the torch path (same results, slower)")
 
 
 def c_function(cache_dtype: torch.dtype, name: str, argtypes: list):
@@ -106,7 +107,7 @@ def check_layout(q, k_cache, v_cache, block_tables, seq_lens, *, cache_dtype: to
 
 @cache
 def load_store(cache_dtype: torch.dtype):
-    """`reference.store_kv` in one C call (cpu_decode.c's paged_store_kv), or None where the library is not."""
+    """`reference.store_kv` in one C call (attention.c's paged_store_kv), or None where the library is not."""
     fn = c_function(cache_dtype, "paged_store_kv",
                     [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3)
     if fn is None:

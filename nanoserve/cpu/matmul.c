@@ -32,19 +32,16 @@
 
    Many rows (a prefill chunk) are taken in blocks of rows that fit in the
    core's L2 cache with room to spare, each block sweeping all panels.
-   models/cpu_linear.py's PanelLinear calls this through kernels/cpu_matmul.py. */
+   cpu/linear.py's PanelLinear calls this through cpu/matmul.py. */
 
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_math.h"    /* f8, load8, store8 */
+
 #define NR 16                /* output columns per panel: two 8-float vectors */
 #define MR 6                 /* rows per tile: 6 x 2 accumulators = 12 of the 16 vector registers */
 #define BLOCK_BYTES 393216   /* bytes of x's rows one block holds (L2 is 512 KB and more) */
-
-typedef float f8 __attribute__((vector_size(32)));    /* eight floats, added and multiplied lane by lane */
-
-static inline f8 load8(const float *p) { f8 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store8(float *p, f8 v) { memcpy(p, &v, sizeof v); }
 
 /* w [n, k] row-major -> packed [ceil(n/16), k, 16]; columns past n (the last panel's tail) are zeros. */
 void pack_weight(const float *w, float *packed, int64_t n, int64_t k) {

@@ -24,12 +24,12 @@ the original model, which is left untouched (engines may share one loaded model)
    weight, multiplies in float32 and rounds the output back to bf16.
 
 3. Our own kernel. `PanelLinear` multiplies from a weight packed into panels
-   of 16 output columns by kernels/cpu_matmul.c: at a decode step's ~32 rows,
+   of 16 output columns by cpu/matmul.c: at a decode step's ~32 rows,
    with the weights streaming from memory, it keeps the multiply units busier
    than oneDNN does (it prefetches the next panel while multiplying this one)
    and costs a few microseconds a call instead of oneDNN's tens. The CPU Llama
-   path (models/cpu_llama.py) uses it where the C code builds; CpuLinear
-   stays the matmul of every other model and of `cpu_kernel=False`.
+   path (cpu/llama.py) uses it where the C code builds; CpuLinear
+   stays the matmul of every other model and of `c_kernels=False`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.kernels.cpu_matmul import CpuMatmul, check_linear
+from nanoserve.cpu.matmul import CpuMatmul, check_linear
+
+
+def cpu_has_bf16_units() -> bool:
+    """Does this CPU multiply bf16 in hardware (AVX512-BF16 or AMX)? torch's bf16 kernels need them to be fast."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def half_matmuls_need_fp32(dtype: torch.dtype) -> bool:
+    """bf16 weights on a CPU whose bf16 matmuls would run in software (point 2 above): multiply in float32."""
+    return dtype == torch.bfloat16 and not cpu_has_bf16_units()
 
 
 def can_pack() -> bool:
@@ -73,7 +83,7 @@ class CpuLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed_args is not None and x.dim() == 2 and x.dtype == torch.float32:
-            return self._linear_packed(x, *self._packed_args)        # models/cpu_llama.py's calls: [N, out]
+            return self._linear_packed(x, *self._packed_args)        # cpu/llama.py's calls: [N, out]
         dtype = x.dtype
         if self.upcast:
             x = x.float()
@@ -89,7 +99,7 @@ class CpuLinear(nn.Module):
 
 
 class PanelLinear(nn.Module):
-    """y = x @ W.T + b from an nn.Linear's float32 weight, packed once in 16-column panels (kernels/cpu_matmul.c)."""
+    """y = x @ W.T + b from an nn.Linear's float32 weight, packed once in 16-column panels (cpu/matmul.c)."""
 
     def __init__(self, linear: nn.Linear, mm: CpuMatmul) -> None:
         super().__init__()

@@ -17,14 +17,14 @@ over 25 small ops per layer. Per layer:
   matmul and gate, up into another, so 4 matmuls per layer instead of 7, each
   larger (vLLM's QKVParallelLinear and MergedColumnParallelLinear do the
   same). The matmuls run from weights packed once into 16-column panels
-  by our own C kernel (kernels/cpu_matmul.c, models/cpu_linear.py's
+  by our own C kernel (cpu/matmul.c, cpu/linear.py's
   PanelLinear), or oneDNN-packed (CpuLinear) where that cannot be built.
 * RMSNorm with the residual add before it, RoPE, and silu(gate) * up are one
-  C call each (kernels/cpu_ops.c) instead of 4 to 10 torch ops.
+  C call each (cpu/ops.c) instead of 4 to 10 torch ops.
 * The residual stream h is one tensor, updated in place.
 
 Float32 models on one process (no tensor-parallel shards). The runner uses it
-on a CPU with fast paths on and `cpu_kernel` on; tests/test_cpu_llama.py
+on a CPU with fast paths on and `c_kernels` on; tests/test_cpu_llama.py
 checks it against llama.py. The loaded model is not changed: this holds
 packed copies of its matmul weights and shares everything else.
 """
@@ -35,10 +35,11 @@ import torch
 from torch import nn
 
 from nanoserve.attention import AttentionMetadata, paged_attention
-from nanoserve.kernels import cpu_matmul, cpu_ops
-from nanoserve.kernels.cpu_matmul import CpuMatmul
-from nanoserve.kernels.cpu_ops import CpuOps
-from nanoserve.models.cpu_linear import CpuLinear, PanelLinear
+from nanoserve.cpu import matmul as cpu_matmul
+from nanoserve.cpu import ops as cpu_ops
+from nanoserve.cpu.linear import CpuLinear, PanelLinear
+from nanoserve.cpu.matmul import CpuMatmul
+from nanoserve.cpu.ops import CpuOps
 from nanoserve.models.llama import Llama, LlamaAttention, LlamaLayer, LlamaMLP, RMSNorm
 
 
@@ -54,7 +55,7 @@ def stacked(*linears: nn.Linear) -> nn.Linear:
 
 
 def projection(linear: nn.Linear, mm: CpuMatmul | None) -> nn.Module:
-    """The matmul of one (merged) projection: cpu_matmul.c's panels, or oneDNN's packing without them."""
+    """The matmul of one (merged) projection: matmul.c's panels, or oneDNN's packing without them."""
     return CpuLinear(linear, upcast=False, pack=True) if mm is None else PanelLinear(linear, mm)
 
 
@@ -117,6 +118,7 @@ class CpuLlama(nn.Module):
     def __init__(self, model: Llama, ops: CpuOps, mm: CpuMatmul | None = None) -> None:
         super().__init__()
         self.ops = ops
+        self.panels = mm is not None          # matmuls from matmul.c's panels (else oneDNN's packing)
         self.num_layers, self.num_kv_heads = model.num_layers, model.num_kv_heads
         self.head_dim, self.max_positions = model.head_dim, model.max_positions
         self.embed_tokens, self.rotary, self.norm = model.model.embed_tokens, model.rotary, model.model.norm
@@ -137,9 +139,9 @@ class CpuLlama(nn.Module):
 
 
 def cpu_llama_view(model: nn.Module) -> CpuLlama | None:
-    """A CpuLlama of `model`, or None where it does not apply (see `supports`) or cpu_ops.c cannot be built.
+    """A CpuLlama of `model`, or None where it does not apply (see `supports`) or ops.c cannot be built.
 
-    Its matmuls are cpu_matmul.c's where that builds (it needs the same C compiler), oneDNN's otherwise."""
+    Its matmuls are matmul.c's where that builds (it needs the same C compiler), oneDNN's otherwise."""
     if not supports(model):
         return None
     ops = cpu_ops.load()                     # None (with one warning) if it cannot be built here

@@ -18,7 +18,7 @@
    one rounding): RoPE is bit-equal to torch's. RMSNorm adds its squares in
    another order than torch, and SiLU's exp is a polynomial (exp_f32, cpu_math.h),
    so those agree to float32 rounding, not bit for bit.
-   models/cpu_llama.py calls these through kernels/cpu_ops.py.               */
+   cpu/llama.py calls these through cpu/ops.py.               */
 
 #include <math.h>
 #include <stdint.h>

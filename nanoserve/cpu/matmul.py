@@ -1,16 +1,16 @@
-"""The CPU linear layers' matmul in C (cpu_matmul.c): pack a weight once, then multiply from it.
+"""The CPU linear layers' matmul in C (matmul.c): pack a weight once, then multiply from it.
 
-    mm = load()                                  # None (one warning) if cpu_matmul.c cannot be built here
+    mm = load()                                  # None (one warning) if matmul.c cannot be built here
     packed = mm.pack(linear.weight)              # [out, in] float32 -> 16-column panels (a new tensor)
     y = mm.linear(x, packed, out_features, bias) # x [T, in] -> [T, out] = x @ W.T + bias
 
 Float32. The packed tensor is [panels, in, 16]; `linear` checks that x, the
 packed weight and the bias agree (shape, dtype, layout) before the C code
 trusts them, and raises ValueError naming the argument. With check=False it
-skips that: models/cpu_linear.py's PanelLinear, which every projection of the
+skips that: cpu/linear.py's PanelLinear, which every projection of the
 CPU Llama path calls, tests x inline (a few attribute reads) and calls
 check_linear only when that test fails, for the error that names the culprit.
-Compiled on first use and cached like the other C kernels (kernels/cpu_build.py).
+Compiled on first use and cached like the other C kernels (cpu/build.py).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.cpu.build import FLAGS, load_library
 from nanoserve.kernels.checks import expect
-from nanoserve.kernels.cpu_build import FLAGS, load_library
 
-SOURCE = Path(__file__).with_name("cpu_matmul.c")
-PANEL = 16          # output columns per panel (cpu_matmul.c's NR)
+SOURCE = Path(__file__).with_name("matmul.c")
+PANEL = 16          # output columns per panel (matmul.c's NR)
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -36,7 +36,7 @@ def _matrix(name: str, t: torch.Tensor, what: str) -> None:
 
 
 class CpuMatmul:
-    """Typed, checked Python faces of cpu_matmul.c's two functions."""
+    """Typed, checked Python faces of matmul.c's two functions."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._pack = lib.pack_weight

@@ -20,8 +20,8 @@
 
    Prefill rows too: query i of a prefill chunk of Tq queries over ctx tokens
    may see exactly the first ctx - Tq + i + 1 tokens (causal attention), so it
-   is this loop with that length and the chunk's block table. The torch
-   backend (kernels/torch_backend.py, `_prepare_kernel`) hands every row of a
+   is this loop with that length and the chunk's block table. The CPU
+   backend (cpu/backend.py, `kernel_rows`) hands every row of a
    step here that way: one call per layer, no causal mask, no work above the
    diagonal. paged_store_kv at the end of the file writes the step's K/V.
 
@@ -39,7 +39,7 @@
 
    The cache holds float32, or bfloat16 when compiled with -DCACHE_BF16: a
    bf16 value is the top half of a float32, so widening it is a shift. The
-   arithmetic is float32 either way. kernels/cpu_decode.py compiles this file
+   arithmetic is float32 either way. cpu/attention.py compiles this file
    with the system's C compiler on first use and calls it through ctypes.   */
 
 #include <math.h>
@@ -47,18 +47,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_math.h"    /* exp_f32 */
+#include "cpu_math.h"    /* f8, load8, store8, exp_f32 */
 
-typedef float f8 __attribute__((vector_size(32)));    /* eight floats, added and multiplied lane by lane */
 typedef int32_t i8 __attribute__((vector_size(32)));
 #if defined(__clang__)                                /* pick lanes of (a, b): 0-7 are a's, 8-15 are b's */
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
 #define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (i8){__VA_ARGS__})
 #endif
-
-static inline f8 load8(const float *p) { f8 v; memcpy(&v, p, sizeof v); return v; }   /* any alignment */
-static inline void store8(float *p, f8 v) { memcpy(p, &v, sizeof v); }
 
 #ifdef CACHE_BF16
 typedef uint16_t cache_t;

@@ -1,6 +1,6 @@
-"""A layer's elementwise steps on the CPU in C (cpu_ops.c): load them, check arguments, call them.
+"""A layer's elementwise steps on the CPU in C (ops.c): load them, check arguments, call them.
 
-    ops = load()                         # None (one warning) if cpu_ops.c cannot be built here
+    ops = load()                         # None (one warning) if ops.c cannot be built here
     x = ops.add_rms_norm(h, a, w, eps)   # h += a in place (a=None: no add); returns w * h / rms(h)
     ops.rotary_(qk, cos, sin)            # RoPE in place on qk [T, heads, D] (rows may lie apart)
     m = ops.silu_mul(gate_up)            # silu(gate) * up from [T, 2I] -> [T, I]
@@ -8,11 +8,11 @@
 All float32. The C code trusts its pointers and sizes, so every function
 checks dtype, shape and layout first and raises ValueError naming the
 argument (when the arguments' layout changes: the layers of a step repeat
-it). models/cpu_llama.py is the one caller; it passes check=False after the
+it). cpu/llama.py is the one caller; it passes check=False after the
 first layer of a forward, whose calls checked the layouts every later layer
 repeats (building the key the checks compare costs ~5 us, 120 times a
 step). It is compiled on first use and cached like the decode kernel
-(kernels/cpu_build.py).
+(cpu/build.py).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.cpu.build import FLAGS, load_library
 from nanoserve.kernels.checks import CheckedLayouts, expect
-from nanoserve.kernels.cpu_build import FLAGS, load_library
 
-SOURCE = Path(__file__).with_name("cpu_ops.c")
+SOURCE = Path(__file__).with_name("ops.c")
 # The C code's a * b + c stay two roundings, as in torch (no fused multiply-add); no errno from
 # sqrtf and no trap semantics, which lets the compiler vectorise the exp loop.
 OPS_FLAGS = [*FLAGS, "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
@@ -43,7 +43,7 @@ def _rows(name: str, t: torch.Tensor, width: int | None = None) -> None:
 
 
 class CpuOps:
-    """Typed, checked Python faces of cpu_ops.c's three functions."""
+    """Typed, checked Python faces of ops.c's three functions."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._add_rms_norm = lib.add_rms_norm

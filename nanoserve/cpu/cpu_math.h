@@ -1,5 +1,6 @@
-/* Math the CPU kernels share (cpu_ops.c, cpu_decode.c), written so a compiler can vectorise it.
-   Included, not linked: each kernel file is compiled alone (kernels/cpu_build.py). */
+/* What the CPU kernels share (ops.c, attention.c, matmul.c): an 8-float vector type with loads and
+   stores at any alignment, and a vectorisable exp. Included, not linked: each kernel file is compiled
+   alone (cpu/build.py). */
 
 #ifndef NANOSERVE_CPU_MATH_H
 #define NANOSERVE_CPU_MATH_H
@@ -8,8 +9,13 @@
 #include <stdint.h>
 #include <string.h>
 
+typedef float f8 __attribute__((vector_size(32)));    /* eight floats, added and multiplied lane by lane */
+
+static inline f8 load8(const float *p) { f8 v; memcpy(&v, p, sizeof v); return v; }   /* any alignment */
+static inline void store8(float *p, f8 v) { memcpy(p, &v, sizeof v); }
+
 /* a * b + c, in one rounding where the CPU has fused multiply-add (every x86 with AVX2, every 64-bit Arm):
-   kernels/cpu_ops.c is compiled with -ffp-contract=off so its RoPE matches torch bit for bit, and this
+   ops.c is compiled with -ffp-contract=off so its RoPE matches torch bit for bit, and this
    lets exp_f32 use FMA there all the same. Without FMA hardware, fmaf would be a slow library call. */
 #if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
 #define MULADD(a, b, c) fmaf((a), (b), (c))
