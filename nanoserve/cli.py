@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="draft model for --speculative draft (default: the target's first --draft-layers layers)")
     eng.add_argument("--draft-layers", dest="draft_num_layers", type=int, default=2, metavar="N",
                      help="layers of the truncated draft (default: %(default)s)")
+    eng.add_argument("--reading-path", dest="fast_paths", action="store_false",
+                     help="run the reading path: models/ and kernels/reference.py only, none of nanoserve/cpu/ "
+                          "(EngineConfig fast_paths=False; the same tokens, slower on a CPU)")
     eng.add_argument("--tensor-parallel-size", "--tp", dest="tensor_parallel_size", type=int, default=1,
                      metavar="N", help="split the model over N processes (gloo; it must divide the heads; "
                                        "default: %(default)s)")
@@ -146,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--attach", default=None, metavar="URL", help="watch a running `nanoserve serve` (read-only)")
     tui.add_argument("--scenario", "-s", default=None, help=f"start a live run with a scenario: {', '.join(SCENARIOS)}")
     tui.add_argument("--api-key", default=None, help="with --attach: the server's API key (default: $NANOSERVE_API_KEY)")
+    tui.add_argument("--reading-path", action="store_true",
+                     help="run the reading path: models/ and kernels/reference.py only, none of nanoserve/cpu/ "
+                          "(EngineConfig fast_paths=False; the same tokens, slower on a CPU)")
     add_lab_option(tui)
     add_threads(tui)
 
@@ -269,9 +275,12 @@ def cmd_tui(args: argparse.Namespace) -> int:
         return run_attach(args.attach, args.api_key, scenario=args.scenario)
     if args.lab and args.replay is not None:
         raise FieldError("lab", "needs a live engine; --replay plays a recorded trace")
+    if args.reading_path and (args.replay is not None or args.attach is not None):
+        raise FieldError("reading_path", "needs a live engine (the code that runs is the trace's or the server's)")
     components = components_from(args.lab)
     say(apply_thread_policy(args.threads).note())
-    return run_app(model=args.model, replay=args.replay, scenario=args.scenario, components=components)
+    return run_app(model=args.model, replay=args.replay, scenario=args.scenario, components=components,
+                   changes={"fast_paths": False} if args.reading_path else None)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -390,6 +399,7 @@ def run_generate(engine, args: argparse.Namespace, params, threads) -> None:
 def print_stats(engine, steps: int, generated: int, elapsed: float) -> None:
     print(f"nanoserve: {plural(steps, 'step')}, {plural(generated, 'token')} in {elapsed:.2f} s "
           f"({generated / elapsed:.1f} tokens/s on {plural(engine_threads(), 'thread')})", file=sys.stderr)
+    print(f"nanoserve: ran the {engine.implementation.summary()}", file=sys.stderr)
     cache = engine.prefix_cache_stats()
     if cache["num_hit_tokens"]:
         print(f"nanoserve: prefix cache reused {cache['num_hit_tokens']}/{cache['num_lookup_tokens']} prompt "

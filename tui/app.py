@@ -172,7 +172,7 @@ class NanoserveApp(App[None]):
         else:
             position = self.status
         self.query_one(StatusBar).show(self.source.mode, self.source.description, position, self.playing,
-                                       SPEEDS[self.speed])
+                                       SPEEDS[self.speed], frame.state.implementation_line() if frame else "")
 
     # -- controls ---------------------------------------------------------------------
 
@@ -303,13 +303,15 @@ class NanoserveApp(App[None]):
 
 
 def make_source(model: str | None = None, replay: str | None = None, scenario: str | None = None,
-                components=None) -> Source:
-    """The source for the command line's choice; ValueError / OSError on bad input."""
+                components=None, changes: dict | None = None) -> Source:
+    """The source for the command line's choice; ValueError / OSError on bad input.
+    `changes`: engine settings over the scenario's (`--reading-path`: {"fast_paths": False})."""
     if replay is not None:
-        if model is not None or scenario is not None or components is not None:
-            raise ValueError("--replay plays a recorded trace; it takes no --model, --scenario or --lab")
+        if model is not None or scenario is not None or components is not None or changes:
+            raise ValueError("--replay plays a recorded trace; it takes no --model, --scenario, --lab or "
+                             "--reading-path")
         return replay_source(replay)
-    return LiveSource(model=model, scenario=scenario, components=components)
+    return LiveSource(model=model, scenario=scenario, components=components, changes=changes)
 
 
 def replay_source(path: str | Path) -> ReplaySource:
@@ -326,11 +328,11 @@ def replay_source(path: str | Path) -> ReplaySource:
 
 
 def run_app(model: str | None = None, replay: str | None = None, scenario: str | None = None,
-            components=None) -> int:
+            components=None, changes: dict | None = None) -> int:
     """Run the TUI; returns the exit code (2 on a bad trace, scenario or model).
-    `components` (from `--lab`) runs the live engine with a student's parts."""
+    `components` (from `--lab`) runs the live engine with a student's parts; `changes`, other settings."""
     try:
-        source = make_source(model, replay, scenario, components)
+        source = make_source(model, replay, scenario, components, changes)
     except (OSError, ValueError) as exc:
         print(f"nanoserve: error: {exc}", file=sys.stderr)
         return 2

@@ -224,8 +224,9 @@ class LiveSource(Source):
     mode = "live"
 
     def __init__(self, model: str | None = None, scenario: str | None = None,
-                 record: str | Path | None = None, components=None) -> None:
+                 record: str | Path | None = None, components=None, changes: dict | None = None) -> None:
         self.model = model or DEFAULT_MODEL
+        self.changes = dict(changes or {})           # settings over the scenario's, e.g. {"fast_paths": False}
         self.scenario = get_scenario(scenario) if scenario else PLAYGROUND   # ValueError when unknown
         self.record = record                          # also write every event to this JSONL trace
         self.components = components                  # `--lab`: the engine's parts replaced (None: its own)
@@ -340,7 +341,7 @@ class LiveSource(Source):
         """The worker: load the model, then execute commands until told to stop."""
         worker = get_current_worker()
         try:
-            runner = scenario_start(self.scenario, self.model, components=self.components)
+            runner = scenario_start(self.scenario, self.model, components=self.components, changes=self.changes)
         except Exception as exc:   # noqa: BLE001 -- any loading failure becomes one clear line
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             what = f"could not load model {self.model!r}: {reason}"
@@ -398,7 +399,7 @@ class LiveSource(Source):
         elif command == "restart":                          # a fresh engine; the loaded model stays
             scenario = get_scenario(args[0])
             new = scenario_start(scenario, self.model, runner.engine.loaded,   # may fail: the old one stays
-                                 components=self.components)
+                                 components=self.components, changes=self.changes)
             runner, self.scenario = self._switch(runner, new), scenario
             self._description = f"{scenario.name} on {self.model}{self._yours()}"
         elif command == "sync":                             # the view lost track: the whole state again

@@ -49,6 +49,7 @@ class Server:
                  step_delay: float = 0.0, record: str | Path | None = None) -> None:
         self.engine = engine                        # touched only by the engine thread once started
         self.model_name = model_name or engine.config.model
+        self.implementation = engine.implementation.as_dict()   # fixed once the engine is built
         self.tokenizer = engine.tokenizer           # for chat templates and token texts (read-only here)
         self.max_model_len = engine.config.max_model_len
         self.metrics = ServerMetrics()
@@ -131,7 +132,9 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
     @app.get("/health")
     async def health() -> JSONResponse:
         if server.engine_loop.alive:
-            return JSONResponse({"status": "ok", "model": server.model_name})
+            return JSONResponse({"status": "ok", "model": server.model_name,
+                                 # what computes the steps, as it runs (LLMEngine.implementation)
+                                 "implementation": server.implementation})
         return JSONResponse({"status": "error", "error": server.engine_loop.error or "engine loop stopped"}, 503)
 
     @app.get("/snapshot")

@@ -1,4 +1,10 @@
-"""The status line at the top: mode, what is running, step, running/paused, speed.
+"""The status line at the top: mode, what is running, step, running/paused, speed, and the code that runs.
+
+The last part says which implementation computes the steps (the engine's
+`implementation`, from the trace's EngineSynced): "fast path: CpuLlama ·
+attention cpu · matmul panels" by default on a CPU, "reading path: Llama ·
+attention torch · matmul torch" with `fast_paths=False`. On a narrow screen
+it is cut first.
 
 A `Static` with a fixed height, updated without a layout pass: the step
 number changes every step, and re-laying out the screen for it would cost
@@ -15,10 +21,15 @@ MODE_STYLE = {"live": "bold #000000 on #98c379", "replay": "bold #000000 on #61a
 
 
 class StatusBar(Static):
-    def show(self, mode: str, description: str, position: str, playing: bool, speed: float) -> None:
-        self.update(Text.assemble(
+    def show(self, mode: str, description: str, position: str, playing: bool, speed: float,
+             implementation: str = "") -> None:
+        text = Text.assemble(
             (" nanoserve ", "bold"), (f" {mode.upper()} ", MODE_STYLE.get(mode, "reverse")),
             f"  {description}  ", (position, "bold"), "  ",
             ("running" if playing else "paused", "bold #98c379" if playing else "#e5c07b"),
             f"  {speed:g} steps/s",
-        ), layout=False)
+        )
+        if implementation:
+            text.append(f"  ·  {implementation}", style="dim")
+        text.no_wrap, text.overflow = True, "ellipsis"
+        self.update(text, layout=False)
