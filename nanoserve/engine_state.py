@@ -10,8 +10,12 @@ from a snapshot (nothing, if the events told the whole story).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from nanoserve.sequence import Sequence
+
+if TYPE_CHECKING:                      # (a type only: engine.py imports this module)
+    from nanoserve.engine import LLMEngine
 
 
 def prompt_text(text: str | None, token_ids: list[int], tokenizer) -> str:
@@ -24,7 +28,7 @@ def prompt_text(text: str | None, token_ids: list[int], tokenizer) -> str:
     return str(list(token_ids))
 
 
-def snapshot(engine) -> dict:
+def snapshot(engine: LLMEngine) -> dict:
     """`engine.snapshot()`: pool, block tables, queues, radix tree and CPU pool as plain data."""
     def view(seq: Sequence) -> dict:
         return {
@@ -53,7 +57,7 @@ def snapshot(engine) -> dict:
     }
 
 
-def check_invariants(engine) -> None:
+def check_invariants(engine: LLMEngine) -> None:
     """`engine.check_invariants()`: raise AssertionError if any bookkeeping invariant is broken."""
     engine.scheduler.check_invariants()
     if engine.proposer:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from nanoserve.errors import FieldError
 from nanoserve.request import Request
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.sequence import Sequence
+
+if TYPE_CHECKING:                      # (a type only: engine.py imports this module)
+    from nanoserve.engine import LLMEngine
 
 
 @dataclass(slots=True)
@@ -40,7 +44,7 @@ class PreparedRequest:
     detokenizer: IncrementalDetokenizer
 
 
-def prepare(engine, request_id, prompt, params, arrival_time=None, priority=0) -> PreparedRequest:
+def prepare(engine: LLMEngine, request_id, prompt, params, arrival_time=None, priority=0) -> PreparedRequest:
     """Check one request against the engine's model and limits; build it. Raises FieldError."""
     v.text("request_id", request_id)
     if request_id in engine.sequences or request_id in engine.requests:
@@ -70,7 +74,7 @@ def prepare(engine, request_id, prompt, params, arrival_time=None, priority=0) -
                            IncrementalDetokenizer(engine.tokenizer, params))
 
 
-def tokenize(engine, prompt) -> tuple[str | None, list[int]]:
+def tokenize(engine: LLMEngine, prompt) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of a prompt given as text or as token ids."""
     if isinstance(prompt, str):
         if not prompt:
@@ -90,7 +94,7 @@ def tokenize(engine, prompt) -> tuple[str | None, list[int]]:
     return None, token_ids
 
 
-def _check_limits(engine, params: SamplingParams, token_ids: list[int]) -> None:
+def _check_limits(engine: LLMEngine, params: SamplingParams, token_ids: list[int]) -> None:
     """What depends on the model and the engine's settings: vocabulary, length, seats, blocks."""
     config, vocab = engine.config, engine.vocab_size
     v.token_ids("stop_token_ids", params.stop_token_ids, vocab)

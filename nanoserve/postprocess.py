@@ -16,13 +16,17 @@ It emits the token's TokenSampled event; freeing the sequence is the engine's
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from nanoserve import events as ev
 from nanoserve.sampler import SampledToken
 from nanoserve.sequence import Sequence, SequenceStatus
 
+if TYPE_CHECKING:                      # (a type only: engine.py imports this module)
+    from nanoserve.engine import LLMEngine
 
-def append_token(engine, seq: Sequence, token: SampledToken) -> tuple[SequenceStatus | None, str]:
+
+def append_token(engine: LLMEngine, seq: Sequence, token: SampledToken) -> tuple[SequenceStatus | None, str]:
     """One token: text, logprobs, stop conditions. Returns (finished status or None, new text).
 
     `engine` is the LLMEngine (its detokenizers, EOS id, max_model_len and event stream).
@@ -45,6 +49,6 @@ def append_token(engine, seq: Sequence, token: SampledToken) -> tuple[SequenceSt
         status = SequenceStatus.FINISHED_LENGTH
     if status is not None:   # release the text held back in case it started a stop string
         delta += engine.detokenizers[seq.seq_id].flush()
-    engine._emit(ev.TokenSampled(engine.step_count, seq.seq_id, token.token_id, delta, token.logprob))
+    engine.emit(ev.TokenSampled(engine.step_count, seq.seq_id, token.token_id, delta, token.logprob))
     seq.output_text += delta
     return status, delta

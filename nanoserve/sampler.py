@@ -195,7 +195,7 @@ def draw(p: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     return tokens
 
 
-def _choose(processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def _pick(processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """One token per row from processed logits [B, V]: [B] long.
 
     Greedy rows take the argmax directly (no distribution is built for them);
@@ -218,7 +218,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         if len(rows) == 0:
             return []
-        tokens = _choose(process_logits(logits, rows), rows)            # [B]
+        tokens = _pick(process_logits(logits, rows), rows)            # [B]
         return self.report(logits, tokens.tolist(), rows)
 
     def report(self, logits: torch.Tensor, token_ids: list[int], rows: Sequence[SamplingRow]) -> list[SampledToken]:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from nanoserve import events as ev  # noqa: F401
-from nanoserve.scheduler import ScheduledChunk, SchedulerOutput  # noqa: F401
+from nanoserve.scheduler import ScheduledChunk, StepPlan  # noqa: F401
 from nanoserve.scheduler import Scheduler as _Scheduler
 from nanoserve.sequence import Sequence, SequenceStatus  # noqa: F401
 
@@ -10,7 +10,7 @@ EXPECT_HINT = "set num_computed_tokens to 0"
 
 
 class Scheduler(_Scheduler):
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: StepPlan) -> None:
         """Make room: swap `seq`'s KV to the CPU pool, or drop it to be recomputed later."""
         self.running.remove(seq)
         out.preempted.append(seq)
@@ -23,5 +23,5 @@ class Scheduler(_Scheduler):
         lost = seq.num_computed_tokens
         seq.set_status(SequenceStatus.WAITING)
         self.emit(ev.Preempted(self.step, seq.seq_id, "recompute", lost))
-        self.kv.release(seq)
+        self.kv.release(seq, cache_kv=True)
         self.waiting.appendleft(seq)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from nanoserve import events as ev  # noqa: F401
-from nanoserve.scheduler import ScheduledChunk, SchedulerOutput  # noqa: F401
+from nanoserve.scheduler import ScheduledChunk, StepPlan  # noqa: F401
 from nanoserve.scheduler import Scheduler as _Scheduler
 from nanoserve.sequence import Sequence, SequenceStatus  # noqa: F401
 

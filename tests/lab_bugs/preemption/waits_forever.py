@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from nanoserve import events as ev  # noqa: F401
-from nanoserve.scheduler import ScheduledChunk, SchedulerOutput  # noqa: F401
+from nanoserve.scheduler import ScheduledChunk, StepPlan  # noqa: F401
 from nanoserve.scheduler import Scheduler as _Scheduler
 from nanoserve.sequence import Sequence, SequenceStatus  # noqa: F401
 
@@ -10,7 +10,7 @@ EXPECT_HINT = "livelocks the scheduler"
 
 
 class Scheduler(_Scheduler):
-    def _reserve(self, seq: Sequence, num_new: int, scheduled: set[str], out: SchedulerOutput) -> bool:
+    def _reserve(self, seq: Sequence, num_new: int, scheduled: set[str], out: StepPlan) -> bool:
         """Get blocks for `num_new` more tokens of a running `seq`, preempting others if needed.
 
         Returns False when `seq` itself had to be preempted (or failed).

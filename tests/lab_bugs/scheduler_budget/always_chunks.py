@@ -1,5 +1,5 @@
 """Bug: _chunk_size cuts prompts to the budget even with chunked prefill switched off."""
-from nanoserve.scheduler import ScheduledChunk, SchedulerOutput  # noqa: F401
+from nanoserve.scheduler import ScheduledChunk, StepPlan  # noqa: F401
 from nanoserve.scheduler import Scheduler as _Scheduler
 from nanoserve.sequence import SequenceStatus
 

@@ -1,5 +1,5 @@
 """Bug: _chunk_size returns 0 for any prompt longer than the budget, chunked prefill or not (it never runs)."""
-from nanoserve.scheduler import ScheduledChunk, SchedulerOutput  # noqa: F401
+from nanoserve.scheduler import ScheduledChunk, StepPlan  # noqa: F401
 from nanoserve.scheduler import Scheduler as _Scheduler
 from nanoserve.sequence import SequenceStatus
 

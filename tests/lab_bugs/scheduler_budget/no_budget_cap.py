@@ -1,5 +1,5 @@
 """Bug: a chunk is not cut to the budget left: one long prompt blows the step's token budget."""
-from nanoserve.scheduler import ScheduledChunk, SchedulerOutput  # noqa: F401
+from nanoserve.scheduler import ScheduledChunk, StepPlan  # noqa: F401
 from nanoserve.scheduler import Scheduler as _Scheduler
 from nanoserve.sequence import SequenceStatus
 

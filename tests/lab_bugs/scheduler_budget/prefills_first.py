@@ -1,5 +1,5 @@
 """Bug: prefill chunks are scheduled before decodes, so a long prompt starves a streaming request."""
-from nanoserve.scheduler import ScheduledChunk, SchedulerOutput  # noqa: F401
+from nanoserve.scheduler import ScheduledChunk, StepPlan  # noqa: F401
 from nanoserve.scheduler import Scheduler as _Scheduler
 from nanoserve.sequence import SequenceStatus
 

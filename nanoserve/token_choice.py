@@ -21,6 +21,7 @@ but the plan.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from nanoserve import beam_search, spec_decode
 from nanoserve.runner import RunInput
 from nanoserve.sampler import SampledToken, SamplingRow
 from nanoserve.scheduler import ScheduledChunk
+
+if TYPE_CHECKING:                      # (a type only: engine.py imports this module)
+    from nanoserve.engine import LLMEngine
 
 
 @dataclass(slots=True)
@@ -54,7 +58,7 @@ def bad_rows(logits: torch.Tensor) -> torch.Tensor:
     return bad
 
 
-def choose(engine, chunks: list[ScheduledChunk], inputs: list[RunInput], logits: torch.Tensor,
+def choose_tokens(engine: LLMEngine, chunks: list[ScheduledChunk], inputs: list[RunInput], logits: torch.Tensor,
            drafts: spec_decode.Drafts) -> list[Choice]:
     """One Choice per chunk that samples, in chunk order. `logits` rows follow the chunks' num_logits."""
     bad = bad_rows(logits).tolist()
@@ -83,7 +87,7 @@ def choose(engine, chunks: list[ScheduledChunk], inputs: list[RunInput], logits:
     return choices
 
 
-def _sample(engine, plain: list[tuple[Choice, int]], logits: torch.Tensor) -> None:
+def _sample(engine: LLMEngine, plain: list[tuple[Choice, int]], logits: torch.Tensor) -> None:
     """One token per plain chunk, in one batched call; n > 1 requests also draw for their forks-to-be."""
     pairs = []   # (choice, fork seed or None, RNG, logits row)
     for choice, r in plain:
