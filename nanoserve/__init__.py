@@ -6,6 +6,64 @@
 does not import torch either until a name that needs it is used (PEP 562
 module `__getattr__`), so `nanoserve --help`, error messages and replaying a
 trace start in a fraction of a second.
+
+The package, by the part of a step each module serves (a test keeps this map
+equal to the files; start with engine.py's `step()`):
+
+Requests in
+    engine.py           LLMEngine: the public API, and the step: plan -> compute -> commit
+    config.py           EngineConfig: every setting, validated in one place
+    sampling_params.py  SamplingParams: how a request chooses its tokens and when it stops
+    intake.py           add_request's arguments -> a checked request, before anything changes
+    request.py          one request and the sequences it runs (n completions, beams)
+    sequence.py         one stream of tokens: its KV bookkeeping and its lifecycle
+    validation.py       typed checks; each failure is a FieldError naming the field
+    errors.py           the errors raised on purpose (bad input vs. a failed step)
+    llm.py              LLM: a list of prompts in one call, with a progress bar
+
+Plan: who runs this step, how many tokens each, in which blocks
+    scheduler.py        continuous batching, the token budget, chunked prefill, preemption
+    kv_manager.py       how a sequence's blocks change: allocate, fork, copy-on-write, swap, cache
+    block_pool.py       physical blocks, their ref counts, the LRU free queue
+    radix_cache.py      the radix-tree prefix cache over whole blocks
+    spec_decode.py      speculative decoding: proposers and the exact acceptance rule
+
+Compute: one forward pass over the step's tokens, then the token choice
+    runner.py           the KV cache tensors, the flat token row and its block tables, the forward
+    attention.py        the attention backend interface and `paged_attention`
+    models/             GPT-2 and Llama reading K/V through block tables, and their loader
+    kernels/            attention kernels: the torch reference, the torch and Triton backends
+    cpu/                the CPU fast path: C kernels, packed weights (only the runner imports it)
+    token_choice.py     logits -> each sequence's next token(s), changing no bookkeeping
+    sampler.py          logits processors, then greedy or sampled tokens
+    beam_search.py      beam search's scores and decisions
+    step_rollback.py    undoing a step whose compute phase failed
+
+Commit: the chosen tokens join their sequences
+    commit.py           apply each choice: accept drafts, fork n completions, beams, finish
+    postprocess.py      one token: its text, log-probs and the stop conditions
+    detokenizer.py      incremental detokenization and stop strings
+    outputs.py          RequestOutput, CompletionOutput, StepResult
+
+Watching: what the engine decided, for people
+    events.py           one small frozen record per decision
+    trace.py            deliver events, record and replay them as JSONL
+    trace_check.py      refuse a trace whose fields or block books are wrong, before drawing it
+    fold.py             events -> the view state
+    view.py             the view state every viewer draws
+    engine_state.py     snapshot() and check_invariants()
+    display.py          how engine objects show in a REPL, without importing the viewers
+    viz/                Graphviz pictures, rich panels for the REPL
+    scenarios.py        small workloads that make one mechanism happen
+
+Around the engine
+    components.py       the engine's replaceable parts (how a lab plugs in a student's code)
+    labs/               `nanoserve lab`: write a part, the real engine judges it
+    whatif/             rewind, branch, compare and plot runs
+    serve/              an OpenAI-compatible HTTP server, watchable live
+    distributed/        tensor parallelism and prefill/decode disaggregation across processes
+    threads.py          how many CPU threads torch may use
+    cli.py              the `nanoserve` command line
 """
 
 from __future__ import annotations

@@ -14,8 +14,10 @@ none of it: the reading path, the same tokens.
     attention.c   paged attention reading K/V in place through block tables; the K/V store
     attention.py  its Python face: argument checks, then the C call
     backend.py    the "cpu" attention backend: every row of a step through attention.c
-    ops.c, ops.py     a Llama layer's small steps: RMSNorm + residual, RoPE, silu(gate) * up
-    matmul.c, matmul.py  matmuls from weights packed once in 16-column panels
+    ops.c         a Llama layer's small steps: RMSNorm with the residual add, RoPE, silu(gate) * up
+    ops.py        their Python faces
+    matmul.c      matmuls from weights packed once in 16-column panels
+    matmul.py     its Python face: pack a weight, multiply from it
     linear.py     linear layers: panels, oneDNN-packed weights, float32 math for bf16 weights
     llama.py      CpuLlama: a float32 Llama's forward in fewer, larger steps
     memory.py     keep freed memory for the next step; 2 MB pages for the KV cache

@@ -1,7 +1,9 @@
-"""Attention kernels over the paged KV cache.
+"""Attention kernels over the paged KV cache (the CPU's C kernel is in nanoserve/cpu/).
 
 backends.py        which attention backend runs (torch or triton) and building it
 reference.py       torch, any device: the contract every kernel is tested against
+torch_backend.py   the "torch" backend: reference.py's functions over a step's decodes and chunks
+triton_backend.py  the "triton" backend: the Triton kernels' metadata and launches
 triton_decode.py   Triton paged decode attention (split-K + combine)
 triton_prefill.py  Triton paged prefill over a cached prefix
 triton_cache.py    Triton KV store and block copy
