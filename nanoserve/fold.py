@@ -55,7 +55,8 @@ def synced_event(snapshot: dict) -> ev.EngineSynced:
     return ev.EngineSynced(snapshot["step"], snapshot["model"], pool["num_blocks"], pool["block_size"],
                            tuple(pool["ref_counts"]), tuple(pool["free_queue"]), sequences, nodes,
                            bool(radix.get("enabled", False)), cpu_pool.get("num_blocks", 0), ranks,
-                           tuple(dict(snapshot.get("config", {})).items()))
+                           tuple(dict(snapshot.get("config", {})).items()),
+                           tuple(dict(snapshot.get("implementation", {})).items()))
 
 
 def _synced_state(e: ev.EngineSynced) -> ViewState:

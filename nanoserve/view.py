@@ -132,14 +132,9 @@ class ViewState:
     implementation: dict[str, str] = field(default_factory=dict)
 
     def implementation_line(self) -> str:
-        """ "fast path: CpuLlama · attention cpu · matmul panels", short for a header ("" if unknown)."""
-        impl = self.implementation
-        if not impl:
-            return ""
-        short = lambda s: s.split(" (")[0]   # noqa: E731 -- "CpuLlama (cpu/llama.py)" -> "CpuLlama"
-        line = f"{impl.get('path', '?')} path: {short(impl.get('model', '?'))} · attention " \
-               f"{short(impl.get('attention', '?'))} · matmul {short(impl.get('matmul', '?'))}"
-        return line + (" (fell back: " + impl["note"] + ")" if impl.get("note") else "")
+        """What computes the steps, short for a header (see `implementation_line`)."""
+        return implementation_line(self.implementation)
+
 
     def block_owners(self) -> dict[int, list[str]]:
         """Block id -> ids of the sequences whose block tables hold it (held blocks only)."""
@@ -213,3 +208,13 @@ class ViewState:
 
     def cpu_blocks_used(self) -> int:
         return sum(len(req.cpu_block_table) for req in self.sequences.values())
+
+
+def implementation_line(impl: dict[str, str]) -> str:
+    """runner.Implementation as a dict -> "fast path: CpuLlama · attention cpu · matmul panels" ("" if unknown)."""
+    if not impl:
+        return ""
+    short = lambda s: s.split(" (")[0]   # noqa: E731 -- "CpuLlama (cpu/llama.py)" -> "CpuLlama"
+    line = f"{impl.get('path', '?')} path: {short(impl.get('model', '?'))} · attention " \
+           f"{short(impl.get('attention', '?'))} · matmul {short(impl.get('matmul', '?'))}"
+    return line + (" (fell back: " + impl["note"] + ")" if impl.get("note") else "")
