@@ -103,6 +103,6 @@ def paged_attention(
 ) -> torch.Tensor:          # [T, Hq, D]
     """Store this step's k, v at their slots, then attend for every token of the row.
 
-    q, k and v may be views whose rows lie apart in memory (models/cpu_llama.py passes slices of one
+    q, k and v may be views whose rows lie apart in memory (cpu/llama.py passes slices of one
     merged q/k/v matmul output); each head's head_dim values are contiguous."""
     return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale)

@@ -93,7 +93,7 @@ def test_bad_arguments_are_refused_before_the_c_code_runs():
 
 
 def test_queries_may_be_rows_of_a_wider_tensor():
-    # What models/cpu_llama.py passes: q as the first Hq * D columns of the merged q/k/v matmul output.
+    # What cpu/llama.py passes: q as the first Hq * D columns of the merged q/k/v matmul output.
     q, k_cache, v_cache, tables, seq_lens = paged_case([3, 40, 17, 64], 16, 9, 3, 64)
     qkv = torch.cat([q.flatten(1), torch.randn(4, 2 * 3 * 64)], dim=1)
     rows = qkv[:, : 9 * 64].view(4, 9, 64)

@@ -1,4 +1,4 @@
-"""kernels/cpu_matmul.c: the CPU Llama path's matmul from 16-column panels, against torch.
+"""cpu/matmul.c: the CPU Llama path's matmul from 16-column panels, against torch.
 
 * equal to x @ W.T + b in float64 to float32 rounding, for row counts of a decode step and of prefill
   chunks (past one row block), widths that end inside a panel, rows of any stride;

@@ -76,6 +76,7 @@ def getting_started(read, out: Result) -> None:
 
     ns2: dict = {}
     out.region(page, "gs.llm", session.session_region(bodies["gs.llm"], ns2))
+    out.region(page, "gs.paths", session.session_region(bodies["gs.paths"], {}))
 
 
 def make(read) -> Result:
