@@ -10,10 +10,10 @@ EXPECT_HINT = "set num_computed_tokens to 0"
 
 
 class Scheduler(_Scheduler):
-    def _preempt(self, seq: Sequence, out: StepPlan) -> None:
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Make room: swap `seq`'s KV to the CPU pool, or drop it to be recomputed later."""
         self.running.remove(seq)
-        out.preempted.append(seq)
+        plan.preempted.append(seq)
         if self.config.preemption_mode == "swap" and seq.block_table and self.kv.can_swap_out(seq):
             seq.set_status(SequenceStatus.SWAPPED)
             self.emit(ev.Preempted(self.step, seq.seq_id, "swap", 0))

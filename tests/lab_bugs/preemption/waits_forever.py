@@ -10,7 +10,7 @@ EXPECT_HINT = "livelocks the scheduler"
 
 
 class Scheduler(_Scheduler):
-    def _reserve(self, seq: Sequence, num_new: int, scheduled: set[str], out: StepPlan) -> bool:
+    def _reserve(self, seq: Sequence, num_new: int, scheduled: set[str], plan: StepPlan) -> bool:
         """Get blocks for `num_new` more tokens of a running `seq`, preempting others if needed.
 
         Returns False when `seq` itself had to be preempted (or failed).
@@ -19,7 +19,7 @@ class Scheduler(_Scheduler):
             victim = self._victim(seq, scheduled)
             if victim is seq and self.pool.blocks_needed(0, seq.num_computed_tokens + num_new) > self.pool.num_blocks:
                 return False                      # the bug: nothing frees room for it, ever
-            self._preempt(victim, out)
+            self._preempt(victim, plan)
             if victim is seq:
                 return False
         self.kv.grow(seq, num_new)

@@ -7,17 +7,17 @@ EXPECT_HINT = "schedule decodes first"
 
 
 class Scheduler(_Scheduler):
-    def _schedule_running(self, plan):
+    def _schedule_running(self, planning):
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.is_prefilling]
         for seq in prefills + decodes:
-            if plan.budget == 0:
+            if planning.budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            draft = plan.drafts.get(seq.seq_id, [])
-            num_new = min(seq.num_uncomputed_tokens + len(draft), plan.budget)
+            draft = planning.drafts.get(seq.seq_id, [])
+            num_new = min(seq.num_uncomputed_tokens + len(draft), planning.budget)
             draft = draft[: max(0, num_new - seq.num_uncomputed_tokens)]
-            if self._reserve(seq, num_new, plan.scheduled, plan.out):
-                self._add_chunk(plan.out, seq, num_new, plan.scheduled, draft)
-                plan.budget = max(plan.budget - num_new, 0)
+            if self._reserve(seq, num_new, planning.scheduled, planning.plan):
+                self._add_chunk(planning.plan, seq, num_new, planning.scheduled, draft)
+                planning.budget = max(planning.budget - num_new, 0)
