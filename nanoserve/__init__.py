@@ -25,11 +25,25 @@ _EXPORTS = {
 }
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "Components", "RequestOutput", "CompletionOutput", "StepResult"]
-__version__ = "0.1.0"
+
+
+def _version() -> str:
+    """The installed distribution's version: pyproject.toml's, the one version string of the project.
+    A source tree that was never installed has no metadata: "0+unknown" says so."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nanoserve")
+    except PackageNotFoundError:
+        return "0+unknown"
 
 
 def __getattr__(name: str):
-    """Import the module defining `name` on first use, then keep the name here."""
+    """Import the module defining `name` on first use, then keep the name here (`__version__`: read
+    from the installed metadata on first use)."""
+    if name == "__version__":
+        globals()[name] = value = _version()
+        return value
     if name not in _EXPORTS:
         raise AttributeError(f"module 'nanoserve' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
@@ -38,4 +52,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | {"__version__"})

@@ -56,14 +56,20 @@ BAD_COMPLETIONS = [
     (lambda m: {"prompt": "Hello"}, "model", ["required"]),
     (lambda m: {"model": m}, "prompt", ["required"]),
     (lambda m: ok(m, max_tokens="5"), "max_tokens", ["integer"]),
-    (lambda m: ok(m, max_tokens=-1), "max_tokens", ["greater than or equal to 1"]),
-    (lambda m: ok(m, max_tokens=0), "max_tokens", []),
+    (lambda m: ok(m, max_tokens=-1), "max_tokens", ["greater than or equal to 0"]),
+    (lambda m: ok(m, max_tokens=0), "max_tokens", ["echo"]),                # 0 only with echo
     (lambda m: ok(m, max_tokens=10**12), "max_tokens", ["maximum context length is 128"]),
     (lambda m: ok(m, prompt="x" * 500), "prompt", ["maximum context length is 128", "500"]),
     (lambda m: ok(m, prompt=[1, 2, 999999]), "prompt", ["outside the vocabulary"]),
     (lambda m: ok(m, prompt=42), "prompt", []),
-    (lambda m: ok(m, prompt=["a", "b"]), "prompt", []),
+    (lambda m: ok(m, prompt=["a", 1]), "prompt", []),                     # a batch of one kind
+    (lambda m: ok(m, prompt=[[1, 2], "b"]), "prompt", []),
+    (lambda m: ok(m, prompt=[[1, "b"]]), "prompt", []),
     (lambda m: ok(m, prompt=""), "prompt", ["empty"]),
+    (lambda m: ok(m, prompt=[]), "prompt", ["empty"]),
+    (lambda m: ok(m, prompt=["a", ""]), "prompt", ["prompt 1 of the batch is empty"]),
+    (lambda m: ok(m, prompt=[[1, 2], []]), "prompt", ["prompt 1 of the batch is empty"]),
+    (lambda m: ok(m, prompt=["a", "x" * 500]), "prompt", ["prompt 1 of the batch", "maximum context length"]),
     (lambda m: ok(m, temperature="hot"), "temperature", ["number"]),
     (lambda m: ok(m, temperature=-1), "temperature", []),
     (lambda m: ok(m, top_p=0), "top_p", []),
@@ -73,7 +79,7 @@ BAD_COMPLETIONS = [
     (lambda m: ok(m, stream="yes"), "stream", []),
     (lambda m: ok(m, stop=[""]), "stop", ["non-empty"]),
     (lambda m: ok(m, logprobs=99), "logprobs", []),
-    (lambda m: ok(m, echo=True), "echo", ["not supported"]),
+    (lambda m: ok(m, echo="yes"), "echo", []),
     (lambda m: ok(m, stream_options={"include_usage": "yes"}), "stream_options.include_usage", []),
 ]
 
