@@ -277,7 +277,8 @@ def test_include_stop_str_in_output_and_skip_special_tokens(server, loaded):
 
 def test_langchains_openai_class(server, offline, loaded):
     """LangChain's `OpenAI` sends `prompt` as a list even for one prompt, and batches several in one request."""
-    langchain_openai = pytest.importorskip("langchain_openai", reason="LangChain's client: pip install -e '.[eval]'")
+    import langchain_openai  # (a dev dependency)
+
     url, _ = server
     llm = langchain_openai.OpenAI(base_url=f"{url}/v1", api_key="none", model=loaded.name, max_tokens=6,
                                   temperature=0, max_retries=0)
