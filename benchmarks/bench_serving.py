@@ -233,6 +233,7 @@ def plot(table: dict, rates: list[float], path: str) -> None:
         ax[key].set_ylim(bottom=0)
         ax[key].grid(alpha=0.3)
         ax[key].legend(fontsize=7, loc="upper left")
+    ax["state"].set_ylim(0, max(1.0, ax["state"].get_ylim()[1]))     # an empty queue shows as 0 of 1
     ax["state"].set_ylabel("requests waiting")
     kv_axis.set_ylabel("KV blocks in use (%)")
     kv_axis.set_ylim(0, 100)
