@@ -72,6 +72,7 @@ ROLES = {
     "sequence.py": "the sequence's token counts and status changes",
     "block_pool.py": "ref counts and the free queue",
     "radix_cache.py": "the prefix lookup at admission; after the commit, newly full blocks join the tree",
+    "prompt_logprobs.py": "more logits rows for prompt log-probabilities, when a request asks (none here)",
     "runner.py": "`prepare` and `run`: the flat row of tokens, their slots, one forward",
     "kernels/backends.py": "which attention backend runs",
     "kernels/torch_backend.py": "the attention metadata of the step (on a CPU: every row's block table and length for the C kernel)",
