@@ -242,3 +242,17 @@ def test_wrong_key_is_401_for_the_openai_client_and_right_key_works(keyed, loade
 def test_loopback_hosts():
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.2") and not is_loopback("example.org")
+
+
+def test_the_tokenizer_routes_of_a_model_without_a_tokenizer(tmp_path):
+    from conftest import save_tiny
+
+    loaded = load_model(save_tiny("tiny-llama", tmp_path / "no-tokenizer", with_tokenizer=False))
+    with running_server(loaded) as (url, srv):
+        assert_error(post(url, "/tokenize", {"prompt": "hi"}), 400, "prompt", "token ids")
+        assert_error(post(url, "/detokenize", {"tokens": [1, 2]}), 400, "tokens", "token ids")
+        assert_error(httpx.get(url + "/tokenizer_info", timeout=10), 404, None, "no tokenizer")
+        resp = client(url).completions.create(model=loaded.name, prompt=[[1, 2, 3], [4, 5]], max_tokens=2,
+                                              echo=True, logprobs=0)
+        assert [len(c.logprobs.tokens) for c in resp.choices] == [5, 4]     # token ids, shown as numbers
+        assert resp.choices[0].logprobs.tokens[:3] == ["1", "2", "3"]
