@@ -35,6 +35,7 @@ Compute: one forward pass over the step's tokens, then the token choice
     kernels/            attention kernels: the torch reference, the torch and Triton backends
     cpu/                the CPU fast path: C kernels, packed weights (only the runner imports it)
     token_choice.py     logits -> each sequence's next token(s), changing no bookkeeping
+    prompt_logprobs.py  log-probabilities of the prompt's own tokens, from the prefill's logits
     sampler.py          logits processors, then greedy or sampled tokens
     beam_search.py      beam search's scores and decisions
     step_rollback.py    undoing a step whose compute phase failed
@@ -64,6 +65,7 @@ Around the engine
     distributed/        tensor parallelism and prefill/decode disaggregation across processes
     threads.py          how many CPU threads torch may use
     cli.py              the `nanoserve` command line
+    __main__.py         `python -m nanoserve`: the same command line
 """
 
 from __future__ import annotations
@@ -83,11 +85,25 @@ _EXPORTS = {
 }
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "Components", "RequestOutput", "CompletionOutput", "StepResult"]
-__version__ = "0.1.0"
+
+
+def _version() -> str:
+    """The installed distribution's version: pyproject.toml's, the one version string of the project.
+    A source tree that was never installed has no metadata: "0+unknown" says so."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nanoserve")
+    except PackageNotFoundError:
+        return "0+unknown"
 
 
 def __getattr__(name: str):
-    """Import the module defining `name` on first use, then keep the name here."""
+    """Import the module defining `name` on first use, then keep the name here (`__version__`: read
+    from the installed metadata on first use)."""
+    if name == "__version__":
+        globals()[name] = value = _version()
+        return value
     if name not in _EXPORTS:
         raise AttributeError(f"module 'nanoserve' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
@@ -96,4 +112,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | {"__version__"})

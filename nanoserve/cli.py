@@ -52,12 +52,26 @@ def add_threads(parser: argparse.ArgumentParser) -> None:
                         help=f"torch threads (default: ${THREADS_ENV}, else the CPU cores free right now)")
 
 
+class VersionAction(argparse.Action):
+    """`--version`: the installed version, read only when asked (importlib.metadata is not free)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        import nanoserve
+
+        print(f"nanoserve {nanoserve.__version__}")   # (stdout, as argparse's own version action)
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nanoserve",
         description="A small LLM serving engine built to be watched: paged KV cache, continuous batching, "
                     "chunked prefill, preemption, and an event for every decision.",
     )
+    parser.add_argument("--version", action=VersionAction, help="print nanoserve's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     gen = sub.add_parser(
         "generate", help="generate text for one or more prompts (streams a single prompt)",

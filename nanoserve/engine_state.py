@@ -70,6 +70,10 @@ def check_invariants(engine: LLMEngine) -> None:
     queues = engine.scheduler.running + list(engine.scheduler.waiting) + list(engine.scheduler.swapped)
     live = {s.seq_id for s in queues}
     assert live == set(engine.sequences), f"queues {sorted(live)} != sequences {sorted(engine.sequences)}"
+    for s in engine.sequences.values():   # prompt log-probabilities: one entry per computed prompt position
+        if s.needs_prompt_logprobs:
+            assert len(s.prompt_logprobs) >= min(s.num_computed_tokens, s.num_prompt_tokens - 1) + 1, \
+                f"{s.seq_id}: {len(s.prompt_logprobs)} prompt log-probabilities for {s.num_computed_tokens} computed"
     owners = {s.request_id for s in engine.sequences.values()}
     assert owners == set(engine.requests), f"sequences' requests {sorted(owners)} != requests {sorted(engine.requests)}"
     if not engine.sequences:   # nothing runs: the only blocks in use are the prefix cache's

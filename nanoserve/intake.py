@@ -70,6 +70,8 @@ def prepare(engine: LLMEngine, request_id, prompt, params, arrival_time=None, pr
         seq.arrival_time = arrival_time
     if params.logprobs is not None:
         seq.logprobs = []
+    if params.prompt_logprobs is not None:
+        seq.prompt_logprobs = [None]   # the first prompt token has no context, so no log-probability
     return PreparedRequest(seq, Request(request_id, params, seed, [seq]),
                            IncrementalDetokenizer(engine.tokenizer, params))
 

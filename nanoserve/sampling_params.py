@@ -24,7 +24,7 @@ class SamplingParams:
     min_p: float = 0.0              # drop tokens whose probability is below min_p * p(most likely)
     max_tokens: int = 16            # generate at most this many tokens
     min_tokens: int = 0             # EOS and stop_token_ids are masked until this many are generated
-    stop: list[str] = field(default_factory=list)          # stop strings; never part of the text (one that
+    stop: list[str] = field(default_factory=list)          # stop strings; not part of the text (one that
                                     # is complete before min_tokens is ordinary text: it stops nothing)
     stop_token_ids: list[int] = field(default_factory=list)  # extra token ids that end the request
     ignore_eos: bool = False        # keep going past the model's EOS token
@@ -32,8 +32,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtract this x (times generated) from their logits
     repetition_penalty: float = 1.0  # HF/CTRL style: divide positive logits (multiply negative) of seen tokens
     logprobs: int | None = None     # return this many top log-probabilities per token (0: only the chosen one)
+    prompt_logprobs: int | None = None  # the same for every prompt token, from the prefill's logits
+                                    # (prompt_logprobs.py; such a request skips the prefix-cache lookup)
     seed: int | None = None         # per-request seed: the same seed gives the same tokens, whatever else runs
     skip_special_tokens: bool = True  # leave special tokens out of the detokenized text
+    include_stop_str_in_output: bool = False   # keep the stop string that ended the text in the text
     # Beam search (off when beam_width is 0): keep the beam_width most likely continuations,
     # return the n best, sorted by score = cumulative_logprob / num_output_tokens ** length_penalty.
     beam_width: int = 0             # beams kept each step; needs temperature=0 (beam search does not sample)
@@ -48,9 +51,11 @@ class SamplingParams:
         for name in ("top_k", "max_tokens", "min_tokens", "beam_width"):
             setattr(self, name, v.integer(name, getattr(self, name)))
         self.logprobs = v.optional_integer("logprobs", self.logprobs, minimum=0)
+        self.prompt_logprobs = v.optional_integer("prompt_logprobs", self.prompt_logprobs, minimum=0)
         self.seed = v.optional_integer("seed", self.seed, minimum=0, maximum=2**64 - 1)
         v.boolean("ignore_eos", self.ignore_eos)
         v.boolean("skip_special_tokens", self.skip_special_tokens)
+        v.boolean("include_stop_str_in_output", self.include_stop_str_in_output)
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = v.token_ids("stop_token_ids", [] if self.stop_token_ids is None else self.stop_token_ids)
         if self.beam_width:

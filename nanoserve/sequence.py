@@ -91,6 +91,8 @@ class Sequence:
     output_text: str = ""                # detokenized output, stop string excluded
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None  # per output token, when params.logprobs is set
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token so far, when
+                                         # params.prompt_logprobs is set ([None] at first: token 0 has no context)
     error: str | None = None             # why the engine gave up on this sequence, if it did
     num_sampling_steps: int = 0          # target forwards that produced tokens for this sequence
     num_drafted: int = 0                 # speculative decoding: draft tokens proposed and checked
@@ -128,6 +130,11 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         """Tokens still without KV: the whole prompt at first, 1 when decoding."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt log-probabilities were asked for and some are still missing (prompt_logprobs.py)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def is_prefilling(self) -> bool:
@@ -169,6 +176,7 @@ class Sequence:
             generator=generator, status=SequenceStatus.RUNNING, output_token_ids=list(self.output_token_ids),
             output_text=self.output_text, cumulative_logprob=self.cumulative_logprob,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            prompt_logprobs=self.prompt_logprobs,   # complete by now, never changed again: shared
             first_token_time=self.first_token_time, request_id=self.request_id,
             index=int(child_id.rsplit(".", 1)[1]), priority=self.priority,
         )

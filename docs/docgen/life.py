@@ -73,6 +73,7 @@ ROLES = {
     "sequence.py": "the sequence's token counts and status changes",
     "block_pool.py": "ref counts and the free queue",
     "radix_cache.py": "the prefix lookup at admission; after the commit, newly full blocks join the tree",
+    "prompt_logprobs.py": "more logits rows for prompt log-probabilities, when a request asks (none here)",
     "runner.py": "`prepare` and `run`: the flat row of tokens, their slots, one forward",
     "kernels/backends.py": "which attention backend runs",
     "kernels/torch_backend.py": "the torch backend's metadata: block tables and masks for the reference functions",
