@@ -274,7 +274,8 @@ class LLMEngine(Displayable):
         except BaseException as exc:
             self._fail_step(exc, t0, plan, rollback, outputs)
         self.scheduler.mark_computed(plan)                 # the KV of every real token is written
-        prompt_logprobs.commit(plan.chunks)                # (only for requests that asked for them)
+        if any(c.prompt_logprobs for c in plan.chunks):    # prompt log-probabilities join their sequences
+            prompt_logprobs.commit(plan.chunks)
         counts = commit(self, chosen, drafts, outputs)     # append, fork, trim, prune, finish
         self.scheduler.cache_blocks()      # blocks that filled this step join the prefix cache
         result = self._end_step(t0, plan, outputs, counts)
@@ -314,9 +315,11 @@ class LLMEngine(Displayable):
             return []
         inputs = [RunInput(c.token_ids(), c.start, c.seq.block_table,
                            num_logits=1 + len(c.draft_token_ids) if c.samples else 0) for c in plan.chunks]
-        wide = prompt_logprobs.widen(plan.chunks, inputs)      # + the rows that give prompt log-probabilities
-        logits = self.runner.run(self.runner.prepare(wide))    # [rows, vocab], in chunk order
-        logits = prompt_logprobs.take(plan.chunks, inputs, wide, logits)   # (onto the chunks) the rows to sample
+        if not any(c.seq.needs_prompt_logprobs for c in plan.chunks):
+            logits = self.runner.run(self.runner.prepare(inputs))   # [rows, vocab], in chunk order
+        else:   # a request asked for its prompt's log-probabilities: more rows come back (prompt_logprobs.py)
+            wide = prompt_logprobs.widen(plan.chunks, inputs)
+            logits = prompt_logprobs.take(plan.chunks, inputs, wide, self.runner.run(self.runner.prepare(wide)))
         return choose_tokens(self, plan.chunks, inputs, logits, drafts)
 
     def _end_step(self, t0: float, plan: StepPlan | None, outputs: dict[str, RequestOutput], counts: tuple[int, int],
