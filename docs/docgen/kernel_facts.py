@@ -48,3 +48,6 @@ def make(read) -> Result:
         out.facts(PAGE, f"kernels.{name}", {k: facts[k] for k in keys})
     out.facts(PAGE, "kernels", exp_facts())
     return out
+
+# (Not named kernels.py: breakrun.py runs with docs/docgen/ on sys.path, and transformers imports any top-level
+# module named `kernels` it can find, taking it for Hugging Face's kernels package.)
