@@ -60,6 +60,10 @@ class EngineSynced(Event):
     # The engine's settings as (EngineConfig field, value) pairs, so a trace says what ran it
     # (empty in traces recorded before they were added).
     config: tuple[tuple[str, object], ...] = ()
+    # The prefix cache's counts since the engine started (kv_usage.HIT_RATE), so a viewer that joins
+    # mid-run shows the hit rate /metrics shows (0 in traces recorded before they were added).
+    cache_hit_tokens: int = 0
+    cache_lookup_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

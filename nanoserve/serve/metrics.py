@@ -7,7 +7,9 @@ global one, so two servers in one process, as in the tests, keep apart):
     nanoserve_requests{state="running"|"waiting"|"swapped"}      after each step
     nanoserve_kv_blocks{state="used"|"cached"|"free"}            used: held by requests; cached: only by the
                                                                  prefix cache (evictable); free: free queue
-    nanoserve_prefix_cache_hit_rate                              prompt tokens whose KV came from the cache
+    nanoserve_prefix_cache_hit_rate                              prompt tokens whose KV came from the cache,
+                                                                 since the engine started
+(the blocks and the hit rate are counted by kv_usage.py, as the TUI counts them)
     nanoserve_tokens_per_second                                  prefill + decode tokens, last 10 s
     nanoserve_prompt_tokens_total, nanoserve_generation_tokens_total, nanoserve_steps_total
     nanoserve_requests_finished_total{finish_reason}, nanoserve_requests_rejected_total (429)
@@ -33,6 +35,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from nanoserve.kv_usage import CACHED, FREE, HIT_RATE, USED, hit_rate, kv_usage
+
 # Latency buckets from 1 ms to a minute: tiny models answer in milliseconds, a CPU 135M model in seconds.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RATE_WINDOW_S = 10.0
@@ -42,10 +46,9 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Gauge("nanoserve_requests", "Requests in each engine queue", ["state"], registry=r)
-        self.kv_blocks = Gauge("nanoserve_kv_blocks", "KV blocks: held by requests, only by the prefix cache, free",
+        self.kv_blocks = Gauge("nanoserve_kv_blocks", f"KV blocks. used: {USED}; cached: {CACHED}; free: {FREE}",
                                ["state"], registry=r)
-        self.hit_rate = Gauge("nanoserve_prefix_cache_hit_rate",
-                              "Share of looked-up prompt tokens whose KV came from the prefix cache", registry=r)
+        self.hit_rate = Gauge("nanoserve_prefix_cache_hit_rate", f"Prefix cache hit rate: {HIT_RATE}", registry=r)
         self.tokens_per_s = Gauge("nanoserve_tokens_per_second",
                                   f"Prefill + decode tokens computed per second over the last {RATE_WINDOW_S:g} s",
                                   registry=r)
@@ -89,11 +92,12 @@ class ServerMetrics:
         self.requests.labels("running").set(stats.num_running)
         self.requests.labels("waiting").set(stats.num_waiting)
         self.requests.labels("swapped").set(stats.num_swapped)
-        cached = engine.radix.num_evictable_blocks if engine.radix is not None else 0
-        self.kv_blocks.labels("free").set(engine.pool.num_free_blocks)
-        self.kv_blocks.labels("cached").set(cached)
-        self.kv_blocks.labels("used").set(engine.pool.num_used_blocks - cached)
-        rate = engine.prefix_cache_stats()["hit_rate"]
+        usage = kv_usage(engine.pool.num_blocks, engine.pool.num_free_blocks,
+                         engine.radix.num_evictable_blocks if engine.radix is not None else 0)
+        for state in ("used", "cached", "free"):
+            self.kv_blocks.labels(state).set(getattr(usage, state))
+        cache = engine.prefix_cache_stats()
+        rate = hit_rate(cache["num_hit_tokens"], cache["num_lookup_tokens"])
         self.hit_rate.set(rate if rate is not None else 0.0)
         self._window.append((now, stats.num_prefill_tokens + stats.num_decode_tokens))
         while self._window and self._window[0][0] < now - RATE_WINDOW_S:

@@ -42,6 +42,10 @@ from nanoserve_tui.palette import CACHED, CURSOR, FREE, HELD, SHARED, TOUCHED, r
 from nanoserve_tui.widgets.block_info import cpu_strip, describe_block, legend
 from nanoserve_tui.widgets.ranks import rank_title, ranks_text
 
+# What the block details show before a block is selected: how to select one, and what "x6" means.
+HINT = Text.assemble(("click a block, or tab + arrows, for its ref count, owners and token positions\n", "dim"),
+                     ("x6", "bold"), (" on a white (shared) cell: its ref count, 6 holders: the block tables that "
+                                      "share it, plus 1 when the prefix cache holds it too", "dim"))
 NUMBERED_MAX = 1000   # up to this many blocks a cell shows its id; above, one character per block
 
 
@@ -275,8 +279,7 @@ class PoolPanel(Vertical):
         yield Static(id="cpu-pool")
         yield Static(id="ranks")
         yield Static(legend(None), id="pool-legend")
-        yield Static(Text("click a block, or tab + arrows, for details", style="dim"),
-                     id="block-info")
+        yield Static(HINT, id="block-info")
 
     def watch_state(self, state: ViewState | None) -> None:
         grid = self.query_one(PoolGrid)
