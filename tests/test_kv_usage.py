@@ -63,9 +63,9 @@ def test_the_tui_and_metrics_count_the_same_blocks_and_hit_rate(tiny_llama, join
         usage, rate = gauges(metrics)
         assert state.kv_usage() == usage, f"step {step}"
         assert (state.cache_hit_rate() or 0.0) == pytest.approx(rate), f"step {step}"
-        (kv_label, _), _, _ = series(Frame(state, ()))["kv"]
+        (kv_label, *_), _, _ = series(Frame(state, ()))["kv"]
         assert f"KV {usage.used} used · {usage.cached} cached /40" == kv_label
-        (hit_label, _), _, _ = series(Frame(state, ()))["hit"]
+        (hit_label, *_), _, _ = series(Frame(state, ()))["hit"]
         if rate:
             assert hit_label == f"cache hit {100 * rate:.0f}%"
         hits |= rate > 0 and usage.cached > 0

@@ -72,7 +72,7 @@ class AddRequestScreen(FormScreen):
                     yield Label("temperature (0 = greedy)")
                     yield Input("0", type="number", id="temperature")   # as `nanoserve generate`
             if self.chat_template is not None:
-                yield Checkbox(f"as a user turn in {self.chat_template}'s chat template (like generate --chat)",
+                yield Checkbox(f"wrap it in {self.chat_template}'s chat template (as generate --chat)",
                                True, id="chat")
             yield Label("", id="error")
             with Horizontal(classes="buttons"):

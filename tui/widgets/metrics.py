@@ -70,7 +70,7 @@ def rate_text(tokens: int, seconds: float) -> str:
 
 
 def series(frame: Frame) -> dict[str, tuple[tuple[str, str], list[float], float]]:
-    """Metric id -> ((label, short label) with the latest value, values per step, the value of a full bar)."""
+    """Metric id -> (labels with the latest value, longest first, values per step, the value of a full bar)."""
     state = frame.state
     tokens = [p + d for _, p, d, _, _ in state.history]
     used = [u for _, u, _ in state.kv_history]
@@ -90,11 +90,12 @@ def series(frame: Frame) -> dict[str, tuple[tuple[str, str], list[float], float]
 
 
 def kv_labels(state: ViewState) -> tuple[str, str]:
-    """The KV label, long and short: used (and, with a prefix cache, cached) blocks of the pool, now."""
+    """The KV labels, longest first: used (and, with a prefix cache, cached) blocks of the pool, now."""
     usage, total = state.kv_usage(), state.num_blocks
     if not state.prefix_caching:
         return f"KV {usage.used}/{total} blocks used", f"KV {usage.used}/{total}"
-    return f"KV {usage.used} used · {usage.cached} cached /{total}", f"KV {usage.used}+{usage.cached}c/{total}"
+    return (f"KV {usage.used} used · {usage.cached} cached /{total}", f"KV {usage.used} used, {usage.cached} cached",
+            f"KV used {usage.used}/{total}")
 
 
 # The metrics panel's subtitle with a prefix cache: what "used", "cached" and "hit" count (kv_usage.py), the
@@ -127,9 +128,10 @@ class Metrics(Horizontal):
         self.border_title = f"metrics · last step {rate}" if rate else "metrics"
         room = self.size.width - 4
         self.border_subtitle = next((w for w in WORDS if len(w) <= room), "") if frame.state.prefix_caching else ""
-        for key, ((long, short), values, top) in series(frame).items():
+        for key, (labels, values, top) in series(frame).items():
             label = self.query_one(f"#{key}-label", Label)
             room = label.size.width
-            label.update(long if not room or len(long) <= room else short, layout=False)   # fixed size: repaint
+            fits = next((text for text in labels if not room or len(text) <= room), labels[-1])
+            label.update(fits, layout=False)   # fixed size: repaint
             bars = self.query_one(f"#{key}-bars", Bars)
             bars.values, bars.top = tuple(values[-200:]), top
