@@ -213,7 +213,8 @@ PANELS = [
                    "@step of its last use. Yellow = hit this step, green = new, struck through = evicted. "
                    "Hidden under 130 columns when the engine has no prefix cache."),
     ("requests", "running, waiting, swapped out (KV in the CPU pool) and finished: tokens generated of "
-                 "max_tokens, prompt tokens, tokens with K/V in the cache, and the newest text."),
+                 "max_tokens, prompt tokens, tokens with K/V in the cache, and the newest text (⏎ a newline, → a tab, "
+                 "⟨bytes⟩ bytes that spell no whole character yet; a random tiny model's text is noise)."),
     ("events", "everything the engine decided this step, in order."),
     ("metrics", "one bar per step, measured from zero on a fixed scale: tokens computed per step (the "
                 "scale: the run's largest step; the title: tokens per second of the latest step), KV blocks "

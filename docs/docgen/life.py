@@ -16,7 +16,7 @@ from pathlib import Path
 from graphviz import Digraph
 
 import nanoserve
-from docgen import Result, regions
+from docgen import Result, regions, sizes
 from docgen.home import _ranges
 from docgen.pictures import graphviz_svg
 from docgen.scenarios import words
@@ -219,5 +219,6 @@ def make(read) -> Result:
     out.region(PAGE, "life.code", regions.block(CODE, "python"))
     steps = route(prefill[-1].step)
     out.facts(PAGE, "life", {"route_step": prefill[-1].step, "route_count": len(steps)})
+    out.facts(PAGE, "life", {"longest": sizes.module_facts()["longest"]})   # the reading order's sizes
     out.region(PAGE, "life.route", "\n" + "\n".join(f"{i}. `{m}`: {ROLES[m]}" for i, m in enumerate(steps, 1)) + "\n")
     return out
