@@ -170,3 +170,13 @@ def test_readme_fork_example_copies_on_write():
     tables = {s["seq_id"]: s["block_table"] for s in engine.snapshot()["sequences"]}
     assert tables["r1.1"][-1] == 7 and tables["r1"][-1] == copies[0].dst and tables["r1"][:-1] == tables["r1.1"][:-1]
     assert "a copy of block 7 (r1.1 keeps it)" in block
+
+
+def test_cli_transcripts_wrap_between_words():
+    """A 100-column terminal cuts "data" into "da" / "ta"; the page wraps between words instead."""
+    from docgen.cli import terminal_lines
+
+    text = "In other words, it is a data structure that stores and retrieves data " * 3
+    lines = terminal_lines(text)
+    assert len(lines) > 1 and all(len(line) <= 100 for line in lines)
+    assert " ".join(lines).split() == text.split()          # every word whole, none cut in two
