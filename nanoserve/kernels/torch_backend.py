@@ -31,7 +31,7 @@ benchmarks/bench_decode_attention.py on one core of an AMD EPYC (AVX2), one
 layer of SmolLM2-135M, B = 32 decodes of 60-380 tokens, float32, 2026-11-24:
 plain 7.4 ms, groups 4.9-7.3 ms (two runs), C kernel 2.4-2.5 ms. A 256-token
 prefill chunk, one core: torch's SDPA (gather, mask, flash kernel) 6.6 ms, its
-rows in the C kernel 4.5 ms (no work above the diagonal). docs/benchmarks.md
+rows in the C kernel 4.5 ms (no work above the diagonal). docs/benchmarks-notebook.md
 has the rest.
 """
 
