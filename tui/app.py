@@ -74,6 +74,7 @@ def _why(action: str) -> str:
     name, _, args = action.partition("(")
     return f"why('{name}'" + (f", {args}" if args else ")")
 
+
 # (action, what the command palette calls it, its help) for the palette's list.
 COMMANDS = [
     ("step", "Step", "one engine step forward (space)"), ("toggle_run", "Run / pause", "step on a timer (r)"),
