@@ -12,7 +12,7 @@ engine's own events from GET /events to see what the server did with each
 request. Every claim is checked with an `assert`.
 """
 
-from lesson import breaks, console, section  # prose that fits your terminal; --break NAME
+from nanoserve.lesson import breaks, console, section  # prose that fits your terminal; --break NAME
 
 BROKEN = breaks({
     "queue-without-bound": "expect the fifth waiting request to be queued like the others",

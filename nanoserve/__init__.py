@@ -52,10 +52,12 @@ Watching: what the engine decided, for people
     trace_check.py      refuse a trace whose fields or block books are wrong, before drawing it
     fold.py             events -> the view state
     view.py             the view state every viewer draws
+    kv_usage.py         one definition of "used", "cached" and the hit rate for every screen
     engine_state.py     snapshot() and check_invariants()
     display.py          how engine objects show in a REPL, without importing the viewers
     viz/                Graphviz pictures, rich panels for the REPL
     scenarios.py        small workloads that make one mechanism happen
+    lesson.py           the helpers the runnable lessons share (a copied lesson still runs)
 
 Around the engine
     components.py       the engine's replaceable parts (how a lab plugs in a student's code)

@@ -294,7 +294,7 @@ def cmd_tui(args: argparse.Namespace) -> int:
     components = components_from(args.lab)
     say(apply_thread_policy(args.threads).note())
     return run_app(model=args.model, replay=args.replay, scenario=args.scenario, components=components,
-                   changes={"fast_paths": False} if args.reading_path else None)
+                   overrides={"fast_paths": False} if args.reading_path else None)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

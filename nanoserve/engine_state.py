@@ -47,7 +47,9 @@ def snapshot(engine: LLMEngine) -> dict:
         "running": [s.seq_id for s in engine.scheduler.running],
         "swapped": [s.seq_id for s in engine.scheduler.swapped],
         "sequences": [view(s) for s in engine.sequences.values()],
-        "radix": {"enabled": engine.radix is not None, "nodes": engine.radix.snapshot() if engine.radix else []},
+        "radix": {"enabled": engine.radix is not None, "nodes": engine.radix.snapshot() if engine.radix else [],
+                  # prompt tokens looked up and hit since the engine started (kv_usage.HIT_RATE)
+                  "num_lookup_tokens": engine.kv.num_lookup_tokens, "num_hit_tokens": engine.kv.num_hit_tokens},
         "cpu_pool": engine.cpu_pool.snapshot() if engine.cpu_pool else None,
         "config": {f.name: getattr(engine.config, f.name) for f in dataclasses.fields(engine.config)},
         # what computes a step, as it runs (runner.Implementation): the config says what was asked for

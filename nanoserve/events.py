@@ -63,6 +63,10 @@ class EngineSynced(Event):
     # What computed the steps, as (field, value) pairs of runner.Implementation: the path ("fast" or
     # "reading"), model class, attention backend, matmul and a note (empty in older traces).
     implementation: tuple[tuple[str, str], ...] = ()
+    # The prefix cache's counts since the engine started (kv_usage.HIT_RATE), so a viewer that joins
+    # mid-run shows the hit rate /metrics shows (0 in traces recorded before they were added).
+    cache_hit_tokens: int = 0
+    cache_lookup_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,14 +56,16 @@ def synced_event(snapshot: dict) -> ev.EngineSynced:
                            tuple(pool["ref_counts"]), tuple(pool["free_queue"]), sequences, nodes,
                            bool(radix.get("enabled", False)), cpu_pool.get("num_blocks", 0), ranks,
                            tuple(dict(snapshot.get("config", {})).items()),
-                           tuple(dict(snapshot.get("implementation", {})).items()))
+                           tuple(dict(snapshot.get("implementation", {})).items()),
+                           radix.get("num_hit_tokens", 0), radix.get("num_lookup_tokens", 0))
 
 
 def _synced_state(e: ev.EngineSynced) -> ViewState:
     state = ViewState(e.step, e.model, e.num_blocks, e.block_size, list(e.ref_counts), list(e.free_queue),
                       prefix_caching=e.prefix_caching, num_cpu_blocks=e.num_cpu_blocks,
                       ranks=[RankView(rank, tuple(heads), size) for rank, heads, size in e.ranks],
-                      implementation=dict(e.implementation))
+                      implementation=dict(e.implementation),
+                      cache_hit_tokens=e.cache_hit_tokens, cache_lookup_tokens=e.cache_lookup_tokens)
     queues = {"running": state.running, "waiting": state.waiting, "swapped": state.swapped}
     for fields in e.sequences:
         # 9 fields in traces recorded before the memory mechanisms, 11 since
@@ -292,6 +294,9 @@ def fold(state: ViewState | None, event: ev.Event) -> ViewState:
         state.history.append((event.step, event.num_prefill_tokens, event.num_decode_tokens,
                               event.num_free_blocks, event.duration_s))
         del state.history[:-HISTORY_LEN]
+        usage = state.kv_usage()
+        state.kv_history.append((event.step, usage.used, usage.cached))
+        del state.kv_history[:-HISTORY_LEN]
         if state.cache_lookup_tokens:
             state.cache_history.append((event.step, state.cache_hit_tokens, state.cache_lookup_tokens))
             del state.cache_history[:-HISTORY_LEN]

@@ -204,6 +204,12 @@ def has_chat_template(tokenizer) -> bool:
     return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
 
 
+def chat_prompt(tokenizer, text: str) -> str:
+    """One user turn in the model's chat template, ready for the answer (as `nanoserve generate --chat`)."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
 def request_args(arrival: Arrival, chat: bool, tokenizer) -> tuple[str | list[int], dict]:
     """The prompt and SamplingParams fields an arrival is added with.
 

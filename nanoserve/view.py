@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nanoserve.events import StepFinished
+from nanoserve.kv_usage import KVUsage, hit_rate, kv_usage
 
 FINISHED_STATUS = {"stop": "finished_stopped", "length": "finished_length", "abort": "finished_aborted",
                    "pruned": "finished_pruned"}
@@ -117,10 +118,13 @@ class ViewState:
     radix: dict[int, RadixNodeView] = field(default_factory=_root)   # node id -> node, the root (0) included
     swapped: list[str] = field(default_factory=list)    # sequences whose KV sits in the CPU pool
     num_cpu_blocks: int = 0           # size of the CPU swap pool (0: no swapping)
-    cache_hit_tokens: int = 0         # sum of PrefixMatched.num_hit_tokens
-    cache_lookup_tokens: int = 0      # sum of PrefixMatched.num_tokens
+    # since the engine started: EngineSynced's counts, plus PrefixMatched's num_hit_tokens / num_tokens
+    cache_hit_tokens: int = 0
+    cache_lookup_tokens: int = 0
     # (step, cache_hit_tokens, cache_lookup_tokens) after each step, last HISTORY_LEN steps
     cache_history: list[tuple[int, int, int]] = field(default_factory=list)
+    # (step, used, cached) blocks after each step (kv_usage.py's words), last HISTORY_LEN steps
+    kv_history: list[tuple[int, int, int]] = field(default_factory=list)
     hit_nodes: set[int] = field(default_factory=set)        # matched this step
     inserted_nodes: set[int] = field(default_factory=set)   # created this step
     evicted_nodes: dict[int, RadixNodeView] = field(default_factory=dict)   # removed this step (kept to draw)
@@ -202,9 +206,15 @@ class ViewState:
                 kinds[block_id] = "cached"
         return kinds
 
+    def kv_usage(self) -> KVUsage:
+        """The pool as used / cached / free blocks, counted as /metrics counts them (kv_usage.py)."""
+        cached = len(self.evictable_blocks()) if self.prefix_caching else 0
+        return kv_usage(self.num_blocks, len(self.free_queue), cached)
+
     def cache_hit_rate(self) -> float | None:
-        """Tokens whose KV came from the cache / tokens looked up; None before any lookup."""
-        return self.cache_hit_tokens / self.cache_lookup_tokens if self.cache_lookup_tokens else None
+        """Prompt tokens whose KV came from the cache / tokens looked up, since the engine started
+        (kv_usage.HIT_RATE); None before any lookup."""
+        return hit_rate(self.cache_hit_tokens, self.cache_lookup_tokens)
 
     def cpu_blocks_used(self) -> int:
         return sum(len(req.cpu_block_table) for req in self.sequences.values())

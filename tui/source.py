@@ -40,10 +40,11 @@ from textual.worker import get_current_worker
 
 from nanoserve.events import DraftVerified, EngineSynced, Event, StepFinished, StepStarted
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.scenarios import Scenario, get_scenario
+from nanoserve.scenarios import Scenario, chat_prompt, get_scenario, has_chat_template
 from nanoserve.trace import JsonlRecorder, ViewState, fold, fold_all, read_trace, synced_event
 from nanoserve.whatif.compare import first_divergence
 from nanoserve.whatif.run import Run
+from nanoserve.whatif.settings import BRANCH_SETTINGS
 from nanoserve.whatif.workload import scenario_start
 
 DEFAULT_MODEL = "tiny-llama"
@@ -54,6 +55,11 @@ PLAYGROUND = Scenario(
     "playground", "An empty engine: add requests with `a`, or pick a preset with `p`.",
     dict(block_size=8, num_blocks=128, max_num_batched_tokens=64, max_num_seqs=8), [],
 )
+
+
+# The app's actions that depend on the source (`Source.controls` says which it has): the key bar shows
+# only those, and a hidden key says why it does not apply.
+CONTROLS = frozenset({"step", "toggle_run", "speed", "back", "add", "abort", "fork", "presets", "branch"})
 
 
 class Unsupported(Exception):
@@ -123,7 +129,10 @@ class Source:
     """What the app asks of a source. Results arrive as FrameReady / SourceStatus messages."""
 
     mode: ClassVar[str]
+    controls: ClassVar[frozenset[str]]     # the app's actions (of CONTROLS) this source can do
     description: str = ""                  # e.g. "memory-pressure on tiny-llama"
+    busy: str | None = None                # e.g. "rewinding to step 30": a command is replaying the run
+    chat_template: str | None = None       # the model's name when its tokenizer has a chat template (live)
 
     def attach(self, app: App) -> None:
         """Start: post the first frame (and status) to `app`."""
@@ -154,6 +163,11 @@ class Source:
         """The engine settings a branch starts from (empty: this source cannot branch)."""
         return {}
 
+    @property
+    def changes(self) -> dict:
+        """The settings a branch changed from the run's start (empty: none), for the status line."""
+        return {}
+
     def close(self) -> None:
         """Stop whatever the source runs (the live worker)."""
 
@@ -162,6 +176,7 @@ class ReplaySource(Source):
     """Frames from a recorded trace; step N is the fold of steps 0..N."""
 
     mode = "replay"
+    controls = frozenset({"step", "toggle_run", "speed", "back", "presets"})
 
     def __init__(self, events: Sequence[Event], name: str = "trace") -> None:
         fold_all(events)                              # a trace that does not fold fails here, up front
@@ -222,11 +237,12 @@ class LiveSource(Source):
     """A live engine stepped on a worker thread; commands go through a queue."""
 
     mode = "live"
+    controls = CONTROLS
 
     def __init__(self, model: str | None = None, scenario: str | None = None,
-                 record: str | Path | None = None, components=None, changes: dict | None = None) -> None:
+                 record: str | Path | None = None, components=None, overrides: dict | None = None) -> None:
         self.model = model or DEFAULT_MODEL
-        self.changes = dict(changes or {})           # settings over the scenario's, e.g. {"fast_paths": False}
+        self.overrides = dict(overrides or {})       # settings over the scenario's, e.g. {"fast_paths": False}
         self.scenario = get_scenario(scenario) if scenario else PLAYGROUND   # ValueError when unknown
         self.record = record                          # also write every event to this JSONL trace
         self.components = components                  # `--lab`: the engine's parts replaced (None: its own)
@@ -239,6 +255,9 @@ class LiveSource(Source):
         self._acceptance: tuple[float, ...] = ()
         self._app: App | None = None
         self._settings: dict = {}                     # the run's EngineConfig, set by the worker
+        self._base_settings: dict = {}                # ... as the scenario started it (a branch changes _settings)
+        self._busy: list[str] = []                    # rewinds and branches queued, not yet delivered (UI thread)
+        self._frame: Frame | None = None              # the last frame posted
 
     def _yours(self) -> str:
         """The title's ending when `--lab` replaced a part, e.g. " with your block_pool" (whose code runs)."""
@@ -278,19 +297,35 @@ class LiveSource(Source):
         """One step back: the command log replayed into a fresh engine (nanoserve/whatif/run.py)."""
         if self._state is None:
             raise Unsupported(f"still loading {self.model}")
-        if self._state.step == 0 and not self._pending_steps:
+        backs = sum(b.startswith("rewinding") for b in self._busy)
+        target = self._state.step + self._pending_steps - backs - 1
+        if target < 0:
             raise Unsupported("already at step 0")
+        self._busy.append(f"rewinding to step {target}: replaying the run …")
         self._commands.put(("back", ()))
 
     def branch(self, changes: dict) -> None:
         """Go on from this step under other settings (`Run.branch`: the log replayed with them)."""
         if self._state is None:
             raise Unsupported(f"still loading {self.model}")
+        what = ", ".join(f"{k}={v}" for k, v in changes.items()) or "the same settings"
+        self._busy.append(f"branching with {what}: replaying the run …")
         self._commands.put(("branch", (changes,)))
+
+    @property
+    def busy(self) -> str | None:
+        """What the engine is replaying for a rewind or a branch, until its frame arrives."""
+        return self._busy[0] if self._busy else None
 
     @property
     def settings(self) -> dict:
         return dict(self._settings)
+
+    @property
+    def changes(self) -> dict:
+        """The branch settings that differ from the scenario's own (after `w`), e.g. {"preemption_mode": "swap"}."""
+        return {k: v for k, v in self._settings.items()
+                if k in BRANCH_SETTINGS and k in self._base_settings and self._base_settings[k] != v}
 
     def restart(self, scenario: str) -> None:
         """Start over on a fresh engine running `scenario` (the model stays loaded).
@@ -302,12 +337,14 @@ class LiveSource(Source):
     def close(self) -> None:
         self._commands.put(("stop", ()))
 
-    def _deliver(self, events: list[Event], done: bool, stepped: bool, description: str | None = None,
+    def _deliver(self, events: list[Event], done: bool, command: str, description: str | None = None,
                  shown_from: int = 0) -> None:
         """Fold a command's events into the view (runs on the UI thread); the frame's event list
         shows `events[shown_from:]` (after a rewind: its last step, not the whole history)."""
-        if stepped:
+        if command == "step":
             self._pending_steps = max(0, self._pending_steps - 1)
+        if command in ("back", "branch") and self._busy:
+            self._busy.pop(0)                         # (the frame below clears the status line's "rewinding")
         self._done = done
         if description is not None:                   # a restart succeeded: the new scenario's name
             self.description = description
@@ -332,8 +369,10 @@ class LiveSource(Source):
         if rate is not None:
             self._acceptance += (rate,)
         if events and self._state is not None and self._app is not None:
-            self._app.post_message(FrameReady(Frame(self._state, tuple(events[shown_from:]), self._acceptance,
-                                                    done)))
+            self._frame = Frame(self._state, tuple(events[shown_from:]), self._acceptance, done)
+            self._app.post_message(FrameReady(self._frame))
+        elif command in ("back", "branch") and self._frame is not None:   # it failed (a notice says why):
+            self._app.post_message(FrameReady(self._frame))              # the same frame, without "rewinding"
 
     # -- worker thread -----------------------------------------------------------------
 
@@ -341,7 +380,7 @@ class LiveSource(Source):
         """The worker: load the model, then execute commands until told to stop."""
         worker = get_current_worker()
         try:
-            runner = scenario_start(self.scenario, self.model, components=self.components, changes=self.changes)
+            runner = scenario_start(self.scenario, self.model, components=self.components, changes=self.overrides)
         except Exception as exc:   # noqa: BLE001 -- any loading failure becomes one clear line
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             what = f"could not load model {self.model!r}: {reason}"
@@ -355,10 +394,11 @@ class LiveSource(Source):
         self._buffer: list[Event] = []               # the current command's events (worker only)
         self._recorder = JsonlRecorder(self.record) if self.record else None
         self._unsubscribe = self._listen(runner)
-        self._settings = dataclasses.asdict(runner.config)
+        self._settings = self._base_settings = dataclasses.asdict(runner.config)
+        self.chat_template = self.model if has_chat_template(runner.engine.tokenizer) else None
         hint = "press space to step, r to run" if not runner.done else "press a to add a request, p for a preset"
         self._to_ui(self._app.post_message, SourceStatus("ready", f"{self.description}: {hint}"))
-        self._flush(runner, stepped=False)
+        self._flush(runner, "start")
         try:
             while not worker.is_cancelled:
                 try:
@@ -376,8 +416,7 @@ class LiveSource(Source):
                 except Exception as exc:                    # noqa: BLE001 -- an engine bug: show it, stay up
                     self._to_ui(self._app.notify, f"{type(exc).__name__}: {exc}", title=f"engine {command} failed",
                                 severity="error", timeout=30)
-                self._flush(runner, stepped=command == "step", description=self._description,
-                            shown_from=self._shown_from)
+                self._flush(runner, command, description=self._description, shown_from=self._shown_from)
         finally:
             runner.engine.shutdown()                        # (a tensor-parallel engine's worker processes)
             if self._recorder:
@@ -389,6 +428,9 @@ class LiveSource(Source):
             runner.step()
         elif command == "add":
             request_id, prompt, params = args
+            params = dict(params)
+            if params.pop("chat", False):                   # as `nanoserve generate --chat` and the presets
+                prompt = chat_prompt(runner.engine.tokenizer, prompt)
             runner.engine.add_request(request_id, prompt, SamplingParams(**params))
         elif command == "abort":
             runner.engine.abort_request(*args)
@@ -399,8 +441,9 @@ class LiveSource(Source):
         elif command == "restart":                          # a fresh engine; the loaded model stays
             scenario = get_scenario(args[0])
             new = scenario_start(scenario, self.model, runner.engine.loaded,   # may fail: the old one stays
-                                 components=self.components, changes=self.changes)
+                                 components=self.components, changes=self.overrides)
             runner, self.scenario = self._switch(runner, new), scenario
+            self._base_settings = self._settings            # a fresh start: nothing is changed yet
             self._description = f"{scenario.name} on {self.model}{self._yours()}"
         elif command == "sync":                             # the view lost track: the whole state again
             self._buffer.append(synced_event(runner.engine.snapshot()))
@@ -442,10 +485,10 @@ class LiveSource(Source):
             unsubscribe.append(runner.engine.subscribe(self._recorder))
         return unsubscribe
 
-    def _flush(self, runner: Run, stepped: bool, description: str | None = None, shown_from: int = 0) -> None:
+    def _flush(self, runner: Run, command: str, description: str | None = None, shown_from: int = 0) -> None:
         events = self._buffer[:]
         self._buffer.clear()
-        self._to_ui(self._deliver, events, runner.done, stepped, description, shown_from)
+        self._to_ui(self._deliver, events, runner.done, command, description, shown_from)
 
     def _to_ui(self, callback, *args, **kwargs) -> None:
         try:

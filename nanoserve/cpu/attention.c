@@ -25,7 +25,7 @@
    step here that way: one call per layer, no causal mask, no work above the
    diagonal. paged_store_kv at the end of the file writes the step's K/V.
 
-   How it is fast (each measured on an AMD EPYC, docs/benchmarks.md):
+   How it is fast (each measured on an AMD EPYC, docs/benchmarks-notebook.md):
    - eight tokens at a time in passes 1 and 3, in 8-float vectors (`f8`, the
      compiler's vector extension: AVX on x86, NEON on Arm);
    - pass 1 makes eight dot products' 8-lane sums into one vector of eight

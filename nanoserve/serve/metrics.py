@@ -11,6 +11,7 @@ one dashboard can show several servers:
                                                                      the prefix cache (evictable); free
                  nanoserve_kv_cache_usage_perc            used blocks / all blocks (0..1)
                  nanoserve_prefix_cache_hit_rate          lifetime: hit tokens / looked-up tokens
+                 (the blocks and the hit rate are counted by kv_usage.py, as the TUI counts them)
                  nanoserve_tokens_per_second              prefill + decode tokens, last 10 s
     counters     nanoserve_prompt_tokens_total, nanoserve_generation_tokens_total, nanoserve_steps_total
                  nanoserve_requests_finished_total{finish_reason}, nanoserve_requests_rejected_total (429)
@@ -48,6 +49,7 @@ from prometheus_client import (
 )
 
 from nanoserve import events as ev
+from nanoserve.kv_usage import CACHED, FREE, HIT_RATE, USED, hit_rate, kv_usage
 
 # Latency buckets from 1 ms to a minute: tiny models answer in milliseconds, a CPU 135M model in seconds.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -81,11 +83,10 @@ class ServerMetrics:
             return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model_name)
 
         self.requests = gauge("nanoserve_requests", "Sequences in each engine queue", ["state"])
-        self.kv_blocks = gauge("nanoserve_kv_blocks", "KV blocks: held by requests, only by the prefix cache, free",
+        self.kv_blocks = gauge("nanoserve_kv_blocks", f"KV blocks. used: {USED}; cached: {CACHED}; free: {FREE}",
                                ["state"])
         self.kv_usage = gauge("nanoserve_kv_cache_usage_perc", "Share of KV blocks held by requests (0..1)")
-        self.hit_rate = gauge("nanoserve_prefix_cache_hit_rate",
-                              "Share of looked-up prompt tokens whose KV came from the prefix cache")
+        self.hit_rate = gauge("nanoserve_prefix_cache_hit_rate", f"Prefix cache hit rate: {HIT_RATE}")
         self.tokens_per_s = gauge("nanoserve_tokens_per_second",
                                   f"Prefill + decode tokens computed per second over the last {RATE_WINDOW_S:g} s")
         self.prompt_tokens = counter("nanoserve_prompt_tokens", "Prompt tokens of admitted requests")
@@ -143,15 +144,15 @@ class ServerMetrics:
         self.requests.labels(name, "running").set(len(scheduler.running))
         self.requests.labels(name, "waiting").set(len(scheduler.waiting))
         self.requests.labels(name, "swapped").set(len(scheduler.swapped))
-        cached = engine.radix.num_evictable_blocks if engine.radix is not None else 0
-        used = pool.num_used_blocks - cached
-        self.kv_blocks.labels(name, "free").set(pool.num_free_blocks)
-        self.kv_blocks.labels(name, "cached").set(cached)
-        self.kv_blocks.labels(name, "used").set(used)
-        self.kv_usage.labels(name).set(used / pool.num_blocks)
+        usage = kv_usage(pool.num_blocks, pool.num_free_blocks,           # counted as the TUI counts them
+                         engine.radix.num_evictable_blocks if engine.radix is not None else 0)
+        for state in ("used", "cached", "free"):
+            self.kv_blocks.labels(name, state).set(getattr(usage, state))
+        self.kv_usage.labels(name).set(usage.used / pool.num_blocks)
         stats = engine.prefix_cache_stats()
-        self.hit_rate.labels(name).set(stats["hit_rate"] if stats["hit_rate"] is not None else 0.0)
         looked, hit = stats["num_lookup_tokens"], stats["num_hit_tokens"]
+        rate = hit_rate(hit, looked)
+        self.hit_rate.labels(name).set(rate if rate is not None else 0.0)
         self._inc(self.cache_queries, looked - self._cache_seen[0])
         self._inc(self.cache_hits, hit - self._cache_seen[1])
         self._cache_seen = (looked, hit)

@@ -148,9 +148,8 @@ def measure(events) -> RunMetrics:
 
 
 def _step_row(state: ViewState, event: ev.StepFinished, counts: dict) -> StepRow:
-    kinds = state.block_kinds()
-    free, cached = kinds.count("free"), kinds.count("cached")
-    return StepRow(event.step, free, state.num_blocks - free - cached, cached, state.cpu_blocks_used(),
+    usage = state.kv_usage()                       # the TUI's and /metrics' definitions (kv_usage.py)
+    return StepRow(event.step, usage.free, usage.used, usage.cached, state.cpu_blocks_used(),
                    event.num_prefill_tokens, event.num_decode_tokens, event.duration_s,
                    prefix_hit_tokens=state.cache_hit_tokens, **counts)
 

@@ -1,5 +1,9 @@
 """What every lesson shares: prose that fits the terminal, section titles, and `--break`.
 
+The lessons (lessons/NN_*.py in the repository) import it from the package,
+`from nanoserve.lesson import ...`, so a lesson copied anywhere runs where
+nanoserve is installed. Nothing in the engine imports it.
+
 A lesson is a script that teaches by checking: it prints what it does, runs
 the real engine and `assert`s each claim. Its prose reflows to the width of
 your terminal (a paragraph's lines are joined; indented lines and lines
