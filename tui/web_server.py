@@ -24,6 +24,7 @@ web_command.py.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -32,6 +33,7 @@ import socket
 from pathlib import Path
 
 import aiohttp_jinja2
+import psutil
 from aiohttp import web
 from textual_serve.server import Server
 
@@ -129,10 +131,20 @@ class WebServer(Server):
     async def on_startup(self, app: web.Application) -> None:
         """(textual-serve prints its logo here; `nanoserve web` has said what it serves already.)"""
 
+    async def on_shutdown(self, app: web.Application) -> None:
+        """Ctrl+C: end every tab's app process. A live tab may still be loading its model, deaf to the
+        "quit" textual-serve sends it, and a process left running would outlive the server."""
+        tabs = psutil.Process().children(recursive=True)
+        for tab in tabs:
+            tab.terminate()
+        _, alive = await asyncio.to_thread(psutil.wait_procs, tabs, timeout=5)
+        for tab in alive:
+            tab.kill()
+
     def serve_on(self, sock: socket.socket) -> None:
-        """Serve on a bound socket until Ctrl+C (or SIGTERM); open app processes are told to quit."""
+        """Serve on a bound socket until Ctrl+C (or SIGTERM)."""
         logging.basicConfig(level=logging.WARNING, format="nanoserve web: %(message)s")
-        web.run_app(self._make_app(), sock=sock, print=None, shutdown_timeout=5, handle_signals=True)
+        web.run_app(self._make_app(), sock=sock, print=None, shutdown_timeout=2, handle_signals=True)
 
 
 def _int(value: str, default: int) -> int:
