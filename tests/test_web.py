@@ -189,3 +189,100 @@ def test_a_live_tab_adds_a_request_and_steps():
             assert server.poll() is None
         finally:
             browser.close()
+
+
+# -- --shared: one app for a class --------------------------------------------------------
+
+
+async def _read_until(ws, pattern: bytes, timeout: float = 60) -> bytes:
+    import asyncio
+
+    screen = b""
+    while not re.search(pattern, screen):
+        message = await asyncio.wait_for(ws.receive(), timeout)
+        assert message.type.name in ("BINARY", "TEXT"), f"the tab was closed: {message}"
+        screen += message.data if isinstance(message.data, bytes) else b""
+    return screen
+
+
+def test_shared_tabs_watch_one_app_and_a_late_tab_gets_the_whole_screen():
+    import asyncio
+
+    import aiohttp
+
+    with web("--replay", str(TRACE), "--shared") as (url, server):
+        async def class_() -> int:
+            ws_url = url.replace("http", "ws") + "/ws?width=80&height=24"
+            async with aiohttp.ClientSession() as session:
+                teacher = await session.ws_connect(ws_url, max_msg_size=0)
+                await _read_until(teacher, rb"step 0/")
+                students = [await session.ws_connect(ws_url, max_msg_size=0) for _ in range(3)]
+                for s in students:                 # joined after the first screen: redrawn for them (Ctrl+L)
+                    screen = await _read_until(s, rb"step 0/")
+                    assert b"block tables" in screen and b"free queue" in screen
+                apps = [p for p in psutil.Process(server.pid).children(recursive=True) if "python" in p.name()]
+                await teacher.send_json(["stdin", " "])                   # the teacher steps ...
+                await asyncio.gather(*(_read_until(t, rb"step 1/") for t in (teacher, *students)))   # ... all see it
+                for t in (teacher, *students):
+                    await t.close()
+                return len(apps)
+
+        assert asyncio.run(class_()) == 1                  # one app process for four tabs
+
+
+def test_only_this_machine_types_into_the_shared_app(monkeypatch):
+    """A student's key would move everyone's screen: keys from another machine are dropped."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from nanoserve_tui import web_shared
+    from nanoserve_tui.web_server import WebServer
+
+    assert web_shared.from_this_machine("127.0.0.1", set()) and web_shared.from_this_machine("::1", set())
+    assert web_shared.from_this_machine("::ffff:127.0.0.1", set())
+    assert web_shared.from_this_machine("192.168.1.7", {"192.168.1.7"})   # the teacher by the network address
+    assert not web_shared.from_this_machine("192.168.1.8", {"192.168.1.7"})
+    assert not web_shared.from_this_machine(None, set()) and not web_shared.from_this_machine("x", set())
+
+    command = f"{sys.executable} -m nanoserve tui --replay {TRACE}"
+    monkeypatch.setattr(web_shared, "from_this_machine", lambda remote, local: False)   # every tab a student's
+
+    async def student() -> bytes:
+        server = WebServer(command, title="t", shared=True)
+        async with TestClient(TestServer(await server._make_app())) as client:
+            ws = await client.ws_connect("/ws", max_msg_size=0)
+            await _read_until(ws, rb"step 0/")
+            await ws.send_json(["stdin", " "])
+            await ws.send_json(["ping", "p1"])          # answered after the key was handled
+            seen = b""
+            try:
+                seen = await _read_until(ws, rb"step 1/", timeout=5)
+            except asyncio.TimeoutError:
+                pass
+            await ws.close()
+            return seen
+
+    assert b"step 1/" not in asyncio.run(student())
+
+
+@needs_browser
+def test_a_shared_tab_shows_the_whole_screen_in_a_small_window():
+    """The shared app is 160x50 cells whatever the window: the tab's terminal is that grid, scaled to fit."""
+    from playwright.sync_api import sync_playwright
+
+    with web("--replay", str(TRACE), "--shared") as (url, _), sync_playwright() as p:
+        browser = launch(p)
+        try:
+            page = browser.new_page(viewport={"width": 800, "height": 600})
+            sizes = []
+            page.on("websocket", lambda ws: ws.on("framesent", lambda f: sizes.append(f) if "resize" in f else 0))
+            page.goto(url)
+            page.wait_for_function("document.body.classList.contains('-first-byte')", timeout=60_000)
+            page.wait_for_timeout(1000)
+            assert sizes and sizes[-1] == '["resize",{"width":160,"height":50}]', sizes
+            box = page.locator("#terminal .xterm-screen").bounding_box()
+            assert box["x"] >= 0 and box["y"] >= 0 and box["x"] + box["width"] <= 800 and box["y"] + box["height"] <= 600
+            assert box["width"] > 700 or box["height"] > 500               # ... and fills the window
+        finally:
+            browser.close()

@@ -31,7 +31,8 @@ import socket
 import sys
 
 API_KEY_ENV = "NANOSERVE_API_KEY"       # as `nanoserve serve` and `nanoserve tui --attach` read it
-SEATS = {"live": 4, "replay": 40, "compare": 40, "attach": 40}   # default --max-sessions (benchmarks/bench_web.py)
+SEATS = {"live": 4, "replay": 40, "compare": 40, "attach": 40}   # default --max-sessions, an app per tab
+SHARED_SEATS = 200                                              # ... and with --shared (a websocket each)
 
 
 def add_web_parser(sub) -> argparse.ArgumentParser:
@@ -52,6 +53,9 @@ def add_web_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--port", "-p", type=int, default=8080, help="(default: %(default)s)")
     p.add_argument("--api-key", default=None, help=f"require this key of every browser (default: ${API_KEY_ENV} "
                                                    "if set); with --attach also sent to the server")
+    p.add_argument("--shared", action=argparse.BooleanOptionalAction, default=None,
+                   help="one app for every tab, drawn once; keys only from this machine's browser (default: on "
+                        "with --attach, off otherwise: each tab steps its own copy)")
     p.add_argument("--max-sessions", type=int, default=None, metavar="N",
                    help="browser tabs served at once, one app process each (default: "
                         + ", ".join(f"{n} {mode}" for mode, n in SEATS.items()) + ")")
@@ -155,10 +159,15 @@ def run_web(args: argparse.Namespace) -> int:
         sock = socket.create_server((args.host, args.port), reuse_port=False)
     except OSError as exc:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
-    seats = args.max_sessions or SEATS[mode]
-    note = {"live": "every tab loads the model and runs its own engine",
-            "attach": "every tab watches the same server"}.get(mode, "every tab steps its own copy")
-    server = WebServer(shlex.join(tab_command(args)), title=title, api_key=api_key, max_sessions=seats, note=note)
+    shared = args.shared if args.shared is not None else mode == "attach"
+    seats = args.max_sessions or (SHARED_SEATS if shared else SEATS[mode])
+    if shared:
+        note = "one app for every tab, drawn once; keys only from this machine's browser"
+    else:
+        note = {"live": "every tab loads the model and runs its own engine",
+                "attach": "every tab watches the same server"}.get(mode, "every tab steps its own copy")
+    server = WebServer(shlex.join(tab_command(args)), title=title, api_key=api_key, max_sessions=seats, note=note,
+                       shared=shared)
     port = sock.getsockname()[1]
     say = lambda line: print(f"nanoserve: {line}", file=sys.stderr, flush=True)  # noqa: E731
     say(f"serving the TUI ({title.removeprefix('nanoserve: ')}) to web browsers; {note} "

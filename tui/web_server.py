@@ -18,8 +18,8 @@ needs around it, and nothing inside the app:
 * its own page (`web.html`), without the web fonts textual-serve's page
   fetches from the internet.
 
-What runs in each tab (`command`) and what to tell the user is decided in
-web_command.py.
+With `shared`, every tab shows one app process instead (web_shared.py). What
+runs (`command`) and what to tell the user is decided in web_command.py.
 """
 
 from __future__ import annotations
@@ -37,18 +37,21 @@ import psutil
 from aiohttp import web
 from textual_serve.server import Server
 
+from nanoserve_tui.web_shared import SharedApp
+
 COOKIE = "nanoserve_web"
 TEMPLATES = Path(__file__).parent   # web.html
 
 
 class WebServer(Server):
     def __init__(self, command: str, title: str, api_key: str | None = None, max_sessions: int = 40,
-                 note: str = "") -> None:
+                 note: str = "", shared: bool = False) -> None:
         super().__init__(command, title=title, templates_path=TEMPLATES)
         self.api_key = api_key
         self.max_sessions = max_sessions
         self.note = note            # a line under the title while the app starts, e.g. "every tab runs ..."
-        self.sessions = 0           # websockets open now: app processes running
+        self.sessions = 0           # websockets open now (one app process each, unless shared)
+        self.shared = SharedApp(command, self.download_manager) if shared else None   # one app for all tabs
 
     # -- the key ------------------------------------------------------------------------
 
@@ -111,6 +114,7 @@ class WebServer(Server):
             "config": {"static": {"url": f"{base}/static/"}},
             "application": {"name": self.title},
             "note": self.note,
+            "shared": {"cols": self.shared.size[0], "rows": self.shared.size[1]} if self.shared else None,
         }
         return aiohttp_jinja2.render_template("web.html", request, context)
 
@@ -120,13 +124,16 @@ class WebServer(Server):
             return self._full()
         self.sessions += 1
         try:
+            if self.shared is not None:
+                return await self.shared.serve(request)
             return await super().handle_websocket(request)
         finally:
             self.sessions -= 1
 
     def _full(self) -> web.Response:
-        return web.Response(status=503, text=f"nanoserve web: all {self.max_sessions} seats are taken (each browser "
-                                             "tab runs its own copy of the app); close a tab and reload\n")
+        why = "" if self.shared else " (each browser tab runs its own copy of the app)"
+        return web.Response(status=503, text=f"nanoserve web: all {self.max_sessions} seats are taken{why}; "
+                                             "close a tab and reload\n")
 
     async def on_startup(self, app: web.Application) -> None:
         """(textual-serve prints its logo here; `nanoserve web` has said what it serves already.)"""
