@@ -150,6 +150,18 @@ class TokenSampled(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class TokenConstrained(Event):
+    """Structured output: the grammar's mask at the position of the token just sampled (TokenSampled follows)."""
+
+    seq_id: str
+    token_id: int
+    num_allowed: int                  # tokens of the vocabulary the mask allowed
+    vocab_size: int
+    top_masked: bool                  # the model's own most likely token was forbidden
+    forced: bool                      # exactly one token was allowed: the grammar chose it, not the model
+
+
+@dataclass(frozen=True, slots=True)
 class SequenceFinished(Event):
     """A sequence ended: "stop", "length" or "abort" (with `error` when the engine gave up on it).
     Its request ends with its last sequence."""
@@ -369,7 +381,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
     cls.__name__: cls
     for cls in (
         EngineSynced, StepStarted, RequestAdded, SequenceAdmitted, ChunkScheduled, BlocksAllocated,
-        BlocksFreed, Preempted, TokenSampled, SequenceFinished, SequenceAborted, StepFinished,
+        BlocksFreed, Preempted, TokenConstrained, TokenSampled, SequenceFinished, SequenceAborted, StepFinished,
         DraftProposed, DraftVerified, KVTrimmed, PrefixMatched, RadixInserted, RadixSplit, RadixLocked,
         RadixEvicted, BlockDeduplicated, Forked, CowCopied, BeamPruned, SwappedOut, SwappedIn,
         CollectiveOps, RankPoolState, KVTransferred,
