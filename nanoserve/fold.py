@@ -21,6 +21,7 @@ from nanoserve.view import (
     FINISHED_STATUS,
     HISTORY_LEN,
     ROOT,
+    GrammarView,
     RadixNodeView,
     RankView,
     SequenceView,
@@ -178,10 +179,33 @@ def _fork(state: ViewState, event: ev.Forked) -> None:
     child = SequenceView(event.seq_id, parent.prompt, parent.num_prompt_tokens, parent.max_tokens,
                         parent.status, parent.output_text, parent.num_output_tokens,
                         parent.num_computed_tokens, list(event.block_ids), None, parent.cache_node)
+    if parent.grammar is not None:                    # the fork continues from the parent's place in it
+        child.grammar = GrammarView(**{**_fields(parent.grammar), "allowed": list(parent.grammar.allowed)})
     for block_id in event.block_ids:
         _take(state, block_id)                        # shared: one more holder each
     _new_request(state, child, state.waiting if parent.status == "waiting" else state.running)
     state.touched_blocks.update(event.block_ids)
+
+
+def _fields(view) -> dict:
+    return {name: getattr(view, name) for name in view.__slots__}
+
+
+def _grammar_kind(params: tuple) -> str | None:
+    """The structured output's kind from RequestAdded.params ((field, value) pairs), or None."""
+    spec = dict(params).get("structured_outputs")
+    return spec[0][0] if spec else None
+
+
+def _fold_constrained(req: SequenceView, event: ev.TokenConstrained) -> None:
+    g = req.grammar if req.grammar is not None else GrammarView()   # (a trace that began mid-request)
+    req.grammar = g
+    g.vocab_size, g.num_allowed = event.vocab_size, event.num_allowed
+    g.num_tokens += 1
+    g.num_forced += event.forced
+    g.num_top_masked += event.top_masked
+    g.allowed.append(event.num_allowed)
+    del g.allowed[:-HISTORY_LEN]
 
 
 def _fold_memory(state: ViewState, req: SequenceView, event: ev.Event) -> None:
@@ -300,7 +324,10 @@ def fold(state: ViewState | None, event: ev.Event) -> ViewState:
     elif isinstance(event, (ev.CollectiveOps, ev.RankPoolState)):
         _fold_distributed(state, event)
     elif isinstance(event, ev.RequestAdded):
-        _new_request(state, SequenceView(rid, event.prompt, event.num_prompt_tokens, event.max_tokens), state.waiting)
+        req = SequenceView(rid, event.prompt, event.num_prompt_tokens, event.max_tokens)
+        kind = _grammar_kind(event.params)
+        req.grammar = GrammarView(kind) if kind else None
+        _new_request(state, req, state.waiting)
     elif isinstance(event, ev.Forked):
         _fork(state, event)
     elif req is None:  # every other event is about a request we must know
@@ -331,6 +358,8 @@ def fold(state: ViewState | None, event: ev.Event) -> ViewState:
         state.touched_blocks.update(event.block_ids)
     elif isinstance(event, ev.KVTrimmed):
         req.num_computed_tokens = event.num_computed_tokens   # rejected drafts' KV is gone
+    elif isinstance(event, ev.TokenConstrained):
+        _fold_constrained(req, event)
     elif isinstance(event, ev.TokenSampled):
         req.num_output_tokens += 1
         req.output_text += event.text

@@ -66,14 +66,30 @@ def parse_grammar(spec):
     xgr = xgrammar()
     kind = spec.kind
     if kind == "json":
-        return xgr.Grammar.from_json_schema(spec.json, strict_mode=not spec.additional_properties, **JSON_LAYOUT)
+        return _json_strings(xgr.Grammar.from_json_schema(spec.json, strict_mode=not spec.additional_properties,
+                                                          **JSON_LAYOUT))
     if kind == "regex":
         return xgr.Grammar.from_regex(spec.regex)
     if kind == "choice":
         return xgr.Grammar.from_regex("|".join(_regex_literal(c) for c in spec.choice))
     if kind == "grammar":
         return xgr.Grammar.from_ebnf(spec.grammar)
-    return xgr.Grammar.builtin_json_grammar()
+    # json_object: any JSON object (OpenAI's meaning; xgrammar's builtin JSON grammar allows any value)
+    return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **JSON_LAYOUT)
+
+
+# xgrammar 0.2.8 writes the characters of a string with minLength/maxLength as [^"\\\r\n], which lets
+# control characters (U+0000-U+001F) through: JSON forbids them unescaped, and json.loads refuses
+# them. Its unbounded strings exclude them; bounded ones get the same class here.
+_LOOSE_CHARS, _JSON_CHARS = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\]'
+
+
+def _json_strings(grammar):
+    """`grammar` with JSON's string characters in bounded strings too (see _LOOSE_CHARS)."""
+    text = str(grammar)
+    if _LOOSE_CHARS not in text:
+        return grammar
+    return xgrammar().Grammar.from_ebnf(text.replace(_LOOSE_CHARS, _JSON_CHARS))
 
 
 def error_reason(exc: BaseException) -> str:
