@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from nanoserve import SamplingParams
 from nanoserve import events as ev
-from nanoserve.errors import FieldError, StepFailed
+from nanoserve.errors import FieldError
 from nanoserve.sampler import SamplingRow, probs
 from nanoserve.sampling_params import StructuredOutputsParams
 from nanoserve.structured_output import allowed_tokens, compiler_for

@@ -23,6 +23,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from nanoserve.errors import FieldError
 from nanoserve.outputs import RequestOutput
 from nanoserve.serve.engine_loop import Sink, Submission
 from nanoserve.serve.protocol import ApiError, ChatRequest, CompletionRequest
@@ -64,6 +65,10 @@ def _check_model(server, model: str) -> None:
 async def _generate(request: Request, body, prompt, params: dict, chat: bool, top_logprobs: int):
     server = request.app.state.server
     _check_model(server, body.model)
+    try:                                             # structured output (structured.py): checked before queueing
+        params["structured_outputs"] = body.structured_outputs_params()
+    except FieldError as exc:
+        raise ApiError(400, str(exc), exc.field) from None
     rid = server.next_request_id(chat)
     client = f"{request.client.host}:{request.client.port}" if request.client else "?"
     server.book.open(rid, client, body.user, "chat" if chat else "completions", body.stream)

@@ -25,6 +25,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from nanoserve.serve.structured import StructuredFields
+
 MAX_N = 128            # OpenAI's own upper bound on `n`; the engine's max_num_seqs is usually lower
 MAX_LOGPROBS = 20      # top log-probabilities per token, as in the OpenAI API
 
@@ -49,8 +51,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False        # a last chunk with `usage` and no choices
 
 
-class _Sampling(BaseModel):
-    """The fields both endpoints share; each maps to the SamplingParams field of the same meaning."""
+class _Sampling(StructuredFields):
+    """The fields both endpoints share; each maps to the SamplingParams field of the same meaning
+    (and structured output's: response_format, vLLM's structured_outputs and guided_*: structured.py)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
