@@ -47,8 +47,9 @@ class EngineSynced(Event):
     ref_counts: tuple[int, ...]       # per physical block
     free_queue: tuple[int, ...]       # block ids, head (next allocated) first
     # (seq_id, status, prompt, num_prompt_tokens, output_text, num_output_tokens,
-    #  num_computed_tokens, block_table, max_tokens, cache_node, cpu_block_table) per live sequence,
-    #  waiting and swapped ones included (older traces have only the first 9 fields)
+    #  num_computed_tokens, block_table, max_tokens, cache_node, cpu_block_table, grammar) per live
+    #  sequence, waiting and swapped ones included; grammar is structured output's kind or "" (older
+    #  traces have only the first 9 or 11 fields)
     sequences: tuple[tuple, ...]
     # Radix prefix cache: (node_id, parent_id, text, num_tokens, block_ids, last_access) per node,
     # parents before children, the root (node 0) left out. Empty when prefix caching is off.

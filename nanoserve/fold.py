@@ -45,7 +45,7 @@ def synced_event(snapshot: dict) -> ev.EngineSynced:
     sequences = tuple(
         (r.get("seq_id", r.get("request_id")), r["status"], r["prompt"], r["num_prompt_tokens"], r["output_text"],
          r["num_output_tokens"], r["num_computed_tokens"], tuple(r["block_table"]), r["max_tokens"],
-         r.get("cache_node", ROOT), tuple(r.get("cpu_block_table", ())))
+         r.get("cache_node", ROOT), tuple(r.get("cpu_block_table", ())), r.get("grammar", ""))
         for r in (by_id[rid] for rid in order)
     )
     radix = snapshot.get("radix") or {}
@@ -70,8 +70,10 @@ def _synced_state(e: ev.EngineSynced) -> ViewState:
         # 9 fields in traces recorded before the memory mechanisms, 11 since
         rid, status, prompt, n_prompt, text, n_out, n_computed, table, max_tokens = fields[:9]
         cache_node, cpu_table = fields[9:11] if len(fields) >= 11 else (ROOT, ())
+        kind = fields[11] if len(fields) >= 12 else ""        # structured output (12 fields since it came)
         state.sequences[rid] = SequenceView(rid, prompt, n_prompt, max_tokens, status, text, n_out, n_computed,
-                                          list(table), None, cache_node, list(cpu_table))
+                                          list(table), None, cache_node, list(cpu_table),
+                                          GrammarView(kind) if kind else None)
         if status in queues:
             queues[status].append(rid)
     for node_id, parent_id, text, num_tokens, block_ids, last_access in e.radix:   # parents come first
