@@ -189,6 +189,13 @@ def test_events_fold_and_check(tiny_llama):
             tokens.setdefault(e.seq_id, []).append(e.token_id)
         if isinstance(e, ev.Forked):
             tokens[e.seq_id] = list(tokens.get(e.parent_id, []))
+    # `nanoserve plot --what grammar` draws exactly these numbers
+    from nanoserve.whatif.metrics import measure
+    from nanoserve.whatif.plots import grammar_data, render
+    drawn = grammar_data(measure(run.events))
+    assert drawn == {sid: [(e.num_allowed, e.forced, e.top_masked) for e in constrained if e.seq_id == sid]
+                     for sid in state.sequences}
+    assert render(run.events, "grammar", "svg").startswith(b"<?xml")
     bad = ev.TokenConstrained(1, "json-greedy", 5, 2, 257, False, True)
     with pytest.raises(ValueError, match="forced"):
         check_trace([run.events[0], bad])
