@@ -123,7 +123,7 @@ def prompts(tokenizer, n: int) -> list[str]:
 
 def decode_steps(loaded, texts, params_of, events: bool, steps: int, clock: GrammarClock | None = None):
     """Run len(texts) requests; time `steps` decode steps once all of them decode. (step s, grammar s) each."""
-    engine = LLMEngine(EngineConfig(model=loaded.name, block_size=16, num_blocks=2048, max_num_seqs=len(texts),
+    engine = LLMEngine(EngineConfig(model=loaded.name, block_size=16, num_blocks=400, max_num_seqs=len(texts),
                                     max_num_batched_tokens=4096), loaded=loaded)
     if events:
         state = [None]
@@ -177,7 +177,7 @@ def main() -> None:
               f"constrained / free step time {ratio:.2f}x")
 
     print(f"\n2. {args.seeds} seeds of sampled JSON (temperature 1): parse and validate")
-    engine = LLMEngine(EngineConfig(model=loaded.name, block_size=16, num_blocks=4096, max_num_seqs=args.batch,
+    engine = LLMEngine(EngineConfig(model=loaded.name, block_size=16, num_blocks=512, max_num_seqs=args.batch,
                                     max_num_batched_tokens=4096), loaded=loaded)
     for seed in range(args.seeds):
         engine.add_request(str(seed), texts[seed % len(texts)],
@@ -193,7 +193,7 @@ def main() -> None:
     print("\n3. greedy under a grammar that allows every text == unconstrained greedy")
     anything = SamplingParams(max_tokens=64, temperature=0, structured_outputs=dict(regex=r"[\s\S]*"))
     plain = SamplingParams(max_tokens=64, temperature=0)
-    engine = LLMEngine(EngineConfig(model=loaded.name, block_size=16, num_blocks=2048), loaded=loaded)
+    engine = LLMEngine(EngineConfig(model=loaded.name, block_size=16, num_blocks=256), loaded=loaded)
     questions = ["What is a KV cache?", "Name three colours.", "Write a haiku about the sea.", "What is 17 * 3?"]
     for i, q in enumerate(questions):
         text = chat(loaded.tokenizer, q)
