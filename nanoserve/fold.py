@@ -45,7 +45,8 @@ def synced_event(snapshot: dict) -> ev.EngineSynced:
     sequences = tuple(
         (r.get("seq_id", r.get("request_id")), r["status"], r["prompt"], r["num_prompt_tokens"], r["output_text"],
          r["num_output_tokens"], r["num_computed_tokens"], tuple(r["block_table"]), r["max_tokens"],
-         r.get("cache_node", ROOT), tuple(r.get("cpu_block_table", ())), r.get("grammar", ""))
+         r.get("cache_node", ROOT), tuple(r.get("cpu_block_table", ())))
+        + ((r["grammar"],) if "grammar" in r else ())     # structured output's kind (newer snapshots)
         for r in (by_id[rid] for rid in order)
     )
     radix = snapshot.get("radix") or {}

@@ -8,6 +8,7 @@ The modules, one concept each:
     app.py            the FastAPI app: routes for watching, auth, error bodies, lifespan
     openai_routes.py  /v1/models, /v1/completions, /v1/chat/completions (streaming or not)
     protocol.py       request bodies (pydantic) and ApiError, the OpenAI-style error
+    structured.py     structured output's request fields (response_format, guided_*) -> structured_outputs
     responses.py      engine outputs as OpenAI JSON and stream chunks
     engine_loop.py    the thread that owns the engine; queues to and from the handlers
     event_stream.py   GET /events: the engine's events as server-sent events (trace lines)
