@@ -37,6 +37,7 @@ Compute: one forward pass over the step's tokens, then the token choice
     token_choice.py     logits -> each sequence's next token(s), changing no bookkeeping
     prompt_logprobs.py  log-probabilities of the prompt's own tokens, from the prefill's logits
     sampler.py          logits processors, then greedy or sampled tokens
+    structured_output.py  structured output: each sequence's grammar (xgrammar), its token mask, its matcher
     beam_search.py      beam search's scores and decisions
     step_rollback.py    undoing a step whose compute phase failed
 
