@@ -88,9 +88,14 @@ def resolve(module: ModuleType, qualname: str):
 
 def signature_mismatches(lab, module: ModuleType) -> list[str]:
     """One line per blank the student's module lacks or whose signature differs from the engine's."""
-    real = importlib.import_module(lab.module)
+    return signature_mismatches_of(lab.module, list(lab.blanks), module)
+
+
+def signature_mismatches_of(engine_module: str, qualnames: list[str], module: ModuleType) -> list[str]:
+    """`signature_mismatches` by names (the lab's worker runs it next to the student's module)."""
+    real = importlib.import_module(engine_module)
     out = []
-    for qualname in lab.blanks:
+    for qualname in qualnames:
         want, got = resolve(real, qualname), resolve(module, qualname)
         want, got = getattr(want, "fn", want), getattr(got, "fn", got)   # a @triton.jit function: its Python one
         if got is None:
