@@ -38,6 +38,21 @@ def expect(cond: bool, what: str, hint: str | None = None) -> None:
         raise CheckFailed(what, hint)
 
 
+def raises(error: type[Exception], call: Callable[[], Any], what: str, hint: str | None = None) -> None:
+    """`call()` must raise `error` (a stated rule: e.g. ValueError for an id outside the pool).
+
+    Another exception type, or none, is a CheckFailed saying which. (The time limit's and the
+    channel's exceptions are BaseExceptions: they pass through.)"""
+    try:
+        call()
+    except error:
+        return
+    except Exception as exc:   # noqa: BLE001 -- the wrong type is the finding
+        text = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+        raise CheckFailed(f"{what} raised {text}; expected {error.__name__}", hint) from None
+    raise CheckFailed(f"{what} did not raise {error.__name__}", hint)
+
+
 @dataclass(frozen=True, slots=True)
 class Check:
     """One auto-checked property of the student's component."""

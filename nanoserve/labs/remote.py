@@ -67,13 +67,15 @@ class RemoteError(Exception):
     """An exception of a type the parent does not rebuild (SystemExit, a student's own class): named as sent."""
 
 
-_remote_error_types: dict[str, type] = {}
+_remote_error_types: dict[tuple[str, type], type] = {}
 
 
-def _error_type(name: str) -> type:
-    if name not in _remote_error_types:
-        _remote_error_types[name] = type(name, (RemoteError,), {})
-    return _remote_error_types[name]
+def _error_type(name: str, base: type = RemoteError) -> type:
+    """A stand-in class named `name`: a subclass of the nearest builtin base it had (a student's
+    `class PoolFull(MemoryError)` still passes `except MemoryError`), else of RemoteError."""
+    if (name, base) not in _remote_error_types:
+        _remote_error_types[name, base] = type(name, (base,), {"remote": True})
+    return _remote_error_types[name, base]
 
 
 class Refused(AttributeError):
@@ -510,6 +512,7 @@ class Endpoint:
         frames += [list(f) for f in getattr(exc, "lab_frames", ())]      # (it came from the other side: deeper)
         cause = exc.__cause__ or exc.__context__
         return {"T": "exc", "type": type(exc).__name__, "mod": type(exc).__module__,
+                "bases": [c.__name__ for c in type(exc).__mro__ if c.__module__ == "builtins"][:8],
                 "msg": str(exc)[:4000], "frames": frames[-40:],
                 "hint": getattr(exc, "hint", None) if isinstance(getattr(exc, "hint", None), str) else None,
                 "cause": self.encode_error(cause) if cause is not None and not self.strict and
@@ -524,7 +527,9 @@ class Endpoint:
             found = getattr(importlib.import_module(module), name, None)   # the worker trusts the parent
             cls = found if isinstance(found, type) and issubclass(found, Exception) else None
         if cls is None:
-            cls = _error_type(name)
+            bases = v.get("bases") if isinstance(v.get("bases"), list) else []
+            base = next((SAFE_ERRORS[b] for b in bases if isinstance(b, str) and b in SAFE_ERRORS), RemoteError)
+            cls = _error_type(name, base)
         exc = cls.__new__(cls)
         Exception.__init__(exc, msg) if issubclass(cls, Exception) else BaseException.__init__(exc, msg)
         if cls is KeyError and msg.startswith("'") and msg.endswith("'"):
