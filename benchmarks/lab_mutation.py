@@ -40,6 +40,9 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TRITON_INTERPRET", "1")    # the triton-decode lab's engine runs Triton's interpreter
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "lab_mutation"
 SUMMARY = ROOT / "benchmarks" / "results" / "lab_mutation.json"

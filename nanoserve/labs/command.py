@@ -16,6 +16,7 @@ with exit code 2.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from nanoserve.errors import FieldError
@@ -52,6 +53,9 @@ def add_lab_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
+    # Triton on a CPU runs under its interpreter, which must be on before triton is first imported (loading a
+    # model imports it); no lab needs compiled Triton, and the triton-decode lab's engine uses the interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
     return {"list": lab_list, "start": lab_start, "check": lab_check, "grade": lab_grade}[args.lab_command](args)
 
 

@@ -672,3 +672,12 @@ def _copy_back(original, new) -> None:
         original.copy_(new.to(original.dtype))
     elif isinstance(original, torch.Generator) and isinstance(new, torch.Generator):
         original.set_state(new.get_state())
+
+
+def worker_helper(module, name: str, *args):
+    """Run the lab helper `name` ("nanoserve.labs.x:function") on the student's `module`, where the module lives:
+    through the channel for a worker's module, here for one loaded in this process (`--lab` on the TUI)."""
+    if isinstance(module, Proxy):
+        return module._rpc_ep.call({"op": "helper", "f": name}, (module, *args), {})
+    module_name, _, function = name.partition(":")
+    return getattr(importlib.import_module(module_name), function)(module, *args)

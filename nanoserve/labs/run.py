@@ -136,9 +136,9 @@ class Session:
         self.module = module
         return self.module
 
-    def helper(self, name: str, *args):
+    def helper(self, name: str, *args, **kwargs):
         """Run the lab helper `name` ("module:function") in the worker, next to the student's code."""
-        return self.ep.call({"op": "helper", "f": name}, args, {})
+        return self.ep.call({"op": "helper", "f": name}, args, kwargs)
 
     def end_check(self) -> None:
         """Forget the check's objects on both sides (the module stays)."""

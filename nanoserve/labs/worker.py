@@ -77,7 +77,7 @@ def install(ep) -> None:
         if not module_name.startswith("nanoserve.labs."):
             raise ValueError(f"no helper {m.get('f')!r}")
         fn = getattr(importlib.import_module(module_name), name)
-        return fn(*[ep.decode(a) for a in m.get("a") or []])
+        return fn(*[ep.decode(a) for a in m.get("a") or []], **{k: ep.decode(v) for k, v in (m.get("k") or {}).items()})
 
     def reset(ep, m):
         ep.exports = dict(pinned)
