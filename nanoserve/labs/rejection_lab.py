@@ -140,10 +140,10 @@ def draft_law(ctx: Context) -> None:
 
 def bonus_law(ctx: Context) -> None:
     p = torch.stack([torch.eye(4)[2], P])     # the draft token 2 is certain under p: always accepted
-    gen = _gen(ctx, 3)
+    gen, verify = _gen(ctx, 3), ctx.module.verify
     counts = torch.zeros(4)
     for _ in range(TRIALS):
-        tokens, accepted = _pair(ctx.module.verify(p, [2], None, False, gen))
+        tokens, accepted = _pair(verify(p, [2], None, False, gen))
         expect(len(tokens) == 2 and accepted == 1 and tokens[0] == 2,
                f"a draft token with p = 1 gave {tokens}, {accepted} accepted; expected [2, bonus], 1",
                "when all k drafts are accepted, emit a bonus token sampled from p[k] and return k accepted")
@@ -156,10 +156,10 @@ def bonus_law(ctx: Context) -> None:
 def accepted_law(ctx: Context) -> None:
     """Two n-gram draft tokens: how many are accepted follows p, and the tokens start with the accepted drafts."""
     p = torch.stack([P, P, P])
-    gen = _gen(ctx, 4)
+    gen, verify = _gen(ctx, 4), ctx.module.verify
     counts = torch.zeros(3)
     for _ in range(TRIALS // 2):
-        tokens, accepted = _pair(ctx.module.verify(p, [0, 0], None, False, gen))
+        tokens, accepted = _pair(verify(p, [0, 0], None, False, gen))
         expect(0 <= accepted <= 2 and len(tokens) == accepted + 1 and tokens[:accepted] == [0] * accepted,
                f"draft [0, 0] gave tokens {tokens} with {accepted} accepted",
                "return the accepted drafts, then exactly one more token (corrected or bonus), and how many drafts "
@@ -177,12 +177,11 @@ def accepted_law(ctx: Context) -> None:
 def reproducible(ctx: Context) -> None:
     """The same generator state gives the same tokens, whatever the global RNG does in between."""
     p = torch.stack([P, P, P])
-    runs = []
+    runs, verify, q = [], ctx.module.verify, Q[None].repeat(2, 1)
     for global_seed in (1, 2):
         ctx.helper("nanoserve.labs.rejection_lab:reseed_global", global_seed)
         gen = _gen(ctx, 11)
-        runs.append([tuple(_pair(ctx.module.verify(p, [1, 2], Q[None].repeat(2, 1), False, gen))[0])
-                     for _ in range(60)])
+        runs.append([tuple(_pair(verify(p, [1, 2], q, False, gen))[0]) for _ in range(60)])
     expect(runs[0] == runs[1], "two runs from the same generator seed gave different tokens once the global RNG "
            "was reseeded", "draw every random number from `generator` (torch.rand(..., generator=generator), "
                            "torch.multinomial(..., generator=generator)): a seeded request must repeat exactly")

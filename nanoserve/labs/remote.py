@@ -233,8 +233,8 @@ class Endpoint:
     # -- requests -----------------------------------------------------------------------------
 
     def call(self, message: dict, args: tuple, kwargs: dict):
-        message["a"] = [self.encode(a, by_value=True) for a in args]
-        message["k"] = {str(k): self.encode(v, by_value=True) for k, v in kwargs.items()}
+        message["a"] = [self.encode(a, by_value=True, argument=True) for a in args]
+        message["k"] = {str(k): self.encode(v, by_value=True, argument=True) for k, v in kwargs.items()}
         return self.request(message, args, kwargs)
 
     def request(self, message: dict, args: tuple = (), kwargs: dict | None = None):
@@ -367,11 +367,13 @@ class Endpoint:
             self._next_handle += 1
         return self.handles[key]
 
-    def encode(self, v, by_value: bool | str = False, guard: bool = False):
+    def encode(self, v, by_value: bool | str = False, guard: bool = False, argument: bool = False):
         """`v` for the wire. by_value: containers copied (one level; "deep": all levels), else shared.
 
         guard (the parent answering the worker): only allowed objects get a handle (see ALLOWED); what
-        the parent passes in its own requests is its code's choice and goes as it is."""
+        the parent passes in its own requests is its code's choice and goes as it is. A torch.Generator
+        is copied (and its new state copied back) when it is a call's `argument` or comes from the
+        parent; one the worker hands over stays there (a handle: the checks draw from it there)."""
         t = type(v)
         if v is None or t in (bool, int, float, str):
             return v
@@ -408,7 +410,7 @@ class Endpoint:
         if t.__name__ in ("dict_keys", "dict_values", "dict_items", "generator", "map", "filter", "zip",
                           "enumerate", "reversed", "list_iterator") and by_value:
             return {"T": "list", "v": [self.encode(x, inner, guard) for x in _take(v)]}
-        special = _special(v)
+        special = _special(v, argument or self.strict)
         if special is not None:
             return special
         if _is_event(v):
@@ -507,7 +509,7 @@ class Endpoint:
 
     # -- errors -----------------------------------------------------------------------------------
 
-    def encode_error(self, exc: BaseException) -> dict:
+    def encode_error(self, exc: BaseException, depth: int = 0) -> dict:
         frames = [[f.filename, f.lineno, f.name, f.line or ""] for f in traceback.extract_tb(exc.__traceback__)]
         frames += [list(f) for f in getattr(exc, "lab_frames", ())]      # (it came from the other side: deeper)
         cause = exc.__cause__ or exc.__context__
@@ -515,8 +517,8 @@ class Endpoint:
                 "bases": [c.__name__ for c in type(exc).__mro__ if c.__module__ == "builtins"][:8],
                 "msg": str(exc)[:4000], "frames": frames[-40:],
                 "hint": getattr(exc, "hint", None) if isinstance(getattr(exc, "hint", None), str) else None,
-                "cause": self.encode_error(cause) if cause is not None and not self.strict and
-                isinstance(cause, BaseException) and cause is not exc and _depth(exc) < 3 else None}
+                "cause": self.encode_error(cause, depth + 1) if cause is not None and cause is not exc and
+                depth < 4 else None}
 
     def decode_error(self, v) -> BaseException:
         if not isinstance(v, dict) or not isinstance(v.get("type"), str) or not v["type"].isidentifier():
@@ -539,6 +541,8 @@ class Endpoint:
                           and isinstance(f[0], str) and isinstance(f[1], int)]
         if not self.strict and isinstance(v.get("hint"), str):
             exc.hint = v["hint"]
+        if isinstance(v.get("cause"), dict):          # what it was raised from (the student's own raise, often)
+            exc.__cause__ = self.decode_error(v["cause"])
         return exc
 
 
@@ -573,13 +577,6 @@ def _pair(p):
     if not isinstance(p, list) or len(p) != 2:
         raise ChannelBroken("a dict entry was expected: not the lab's protocol")
     return p
-
-
-def _depth(exc: BaseException) -> int:
-    n, seen = 0, exc
-    while seen is not None and n < 5:
-        seen, n = seen.__cause__ or seen.__context__, n + 1
-    return n
 
 
 def _take(obj) -> list:
@@ -625,7 +622,7 @@ def _enum(v: dict):
     return cls[str(v.get("n"))]
 
 
-def _special(v):
+def _special(v, copy_generator: bool = True):
     """Tensors, generators, dtypes and devices, without importing torch when it is not loaded."""
     module = type(v).__module__
     if not module.startswith("torch"):
@@ -634,7 +631,7 @@ def _special(v):
     if isinstance(v, torch.Tensor):
         return wire.tensor_to_wire(v)
     if isinstance(v, torch.Generator):
-        return wire.generator_to_wire(v)
+        return wire.generator_to_wire(v) if copy_generator else None
     if isinstance(v, torch.dtype):
         return {"T": "dtype", "v": str(v).removeprefix("torch.")}
     if isinstance(v, torch.device):

@@ -88,7 +88,9 @@ def starter_source(lab, mode: str = "guided") -> str:
 
 def _design_header(lab) -> str:
     """Design mode's header: the invariants, and that the how is the student's."""
-    rows = [f"# nanoserve lab {lab.name} (design mode): {lab.title}.",
+    rows = [f"# nanoserve lab {lab.name}, design mode.",                  # (the title is not on line 1 or 2:
+            "#",                                                         # "decoding: x" there would be read
+            f"# {lab.title}.",                                           # as a source encoding)
             "# Each body you write states its contract: what must hold, not how. The data structures, the",
             "# helpers and the signatures are the engine's (it calls them); everything inside the bodies is",
             f"# yours. `nanoserve lab check {lab.name}` judges it with the same checks as the guided starter."]

@@ -33,7 +33,7 @@ BUGS = (
     Bug("reserve_one_victim", "Scheduler._reserve", "_reserve preempts one victim and grows the table whether or "
         "not that made room", (("        while self.kv.blocks_to_write(seq, num_new) > self.kv.num_available_blocks:",
                                 "        if self.kv.blocks_to_write(seq, num_new) > self.kv.num_available_blocks:"),),
-        "until it fits"),
+        "MemoryError"),
 )
 
 EQUIVALENT = {
