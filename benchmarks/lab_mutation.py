@@ -65,9 +65,12 @@ def cpu_line() -> str:
 
 
 def stamp(lab) -> str:
-    """A hash of what decides a mutant's fate: the lab's checks, the lab machinery, the engine's module."""
-    import nanoserve.labs as labs
-    files = sorted(Path(labs.__file__).parent.glob("*.py")) + [Path(importlib.import_module(lab.module).__file__)]
+    """A hash of what decides a mutant's fate: the lab's checks (its module, and the helpers every lab's
+    checks use) and the engine's module the mutants are made from."""
+    from nanoserve.labs import LAB_MODULES
+    labs = Path(importlib.import_module("nanoserve.labs").__file__).parent
+    files = [Path(importlib.import_module(LAB_MODULES[lab.name]).__file__), labs / "lab.py", labs / "drive.py",
+             labs / "common.py", labs / "mutate.py", Path(importlib.import_module(lab.module).__file__)]
     h = hashlib.sha256()
     for f in files:
         h.update(f.read_bytes())
