@@ -27,7 +27,16 @@ from textual.widgets import Footer, Static
 from nanoserve.trace import read_trace
 from nanoserve.trace_check import check_trace
 from nanoserve_tui.screens import AddRequestScreen, BranchScreen, HelpScreen, ScenarioPicker
-from nanoserve_tui.source import Frame, FrameReady, LiveSource, ReplaySource, Source, SourceStatus, Unsupported
+from nanoserve_tui.source import (
+    Frame,
+    FrameReady,
+    LabStepFailed,
+    LiveSource,
+    ReplaySource,
+    Source,
+    SourceStatus,
+    Unsupported,
+)
 from nanoserve_tui.widgets.event_log import EventLog
 from nanoserve_tui.widgets.free_queue import FreeQueue
 from nanoserve_tui.widgets.metrics import Metrics
@@ -90,6 +99,7 @@ class NanoserveApp(App[None]):
                 yield EventLog(id="events", classes="panel")
                 yield Metrics(id="metrics", classes="panel")
         yield Static(id="error-message")
+        yield Static(id="lab-error")          # `--lab`: the step that failed in the student's code
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
@@ -131,6 +141,14 @@ class NanoserveApp(App[None]):
             self.query_one("#body").display = False
         self._update_status()
 
+    @on(LabStepFailed)
+    def _lab_step_failed(self, message: LabStepFailed) -> None:
+        """Pause on the failing step; one panel says where and what (the panels show the state it left)."""
+        self.playing = False
+        panel = self.query_one("#lab-error", Static)
+        panel.update(f"{message.text}\nhint: {message.hint}\n(fix your file, then p to start again or b to step back)")
+        panel.display = True
+
     def watch_frame(self, frame: Frame | None) -> None:
         if frame is None:
             return
@@ -143,6 +161,7 @@ class NanoserveApp(App[None]):
         self.query_one("#body").set_class(state.prefix_caching, "-radix")   # the tree panel gets room
         self.query_one(EventLog).show_events(frame.events)
         self.query_one(Metrics).frame = frame
+        self.query_one("#lab-error").display = bool(getattr(self.source, "lab_failed", None))
         if frame.at_end and self.playing and self.source.mode == "replay":
             self.playing = False
         self._update_status()

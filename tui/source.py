@@ -87,6 +87,15 @@ class FrameReady(Message):
         self.frame = frame
 
 
+class LabStepFailed(Message):
+    """`--lab`: a step failed in the student's component. The run pauses on it (the frame shows the pool,
+    tables and queue as the failure left them); `text` says where and what, `hint` what to look at."""
+
+    def __init__(self, text: str, hint: str) -> None:
+        super().__init__()
+        self.text, self.hint = text, hint
+
+
 def acceptance_rate(events: Sequence[Event]) -> float | None:
     """Accepted / drafted over one step's DraftVerified events; None when nothing was drafted."""
     drafted = accepted = 0
@@ -238,6 +247,7 @@ class LiveSource(Source):
         self._acceptance: tuple[float, ...] = ()
         self._app: App | None = None
         self._settings: dict = {}                     # the run's EngineConfig, set by the worker
+        self._lab_failed: str | None = None           # `--lab`: the step that failed in the student's code
 
     def _yours(self) -> str:
         """The title's ending when `--lab` replaced a part, e.g. " with your block_pool" (whose code runs)."""
@@ -260,6 +270,9 @@ class LiveSource(Source):
             return
         if self._done and not self._pending_steps:
             raise Unsupported("all requests are done: add one with a, or pick a preset with p")
+        if self._lab_failed:
+            raise Unsupported(f"{self._lab_failed} failed in your code: fix the file, then pick a scenario (p) to "
+                              "start again, or step back (b)")
         self._pending_steps += 1
         self._commands.put(("step", ()))
 
@@ -334,6 +347,11 @@ class LiveSource(Source):
             self._app.post_message(FrameReady(Frame(self._state, tuple(events[shown_from:]), self._acceptance,
                                                     done)))
 
+    @property
+    def lab_failed(self) -> str | None:
+        """`--lab`: the step that failed in the student's code ("step 12"), until a restart or a step back."""
+        return self._lab_failed
+
     # -- worker thread -----------------------------------------------------------------
 
     def _serve(self) -> None:
@@ -373,8 +391,11 @@ class LiveSource(Source):
                     self._to_ui(self._app.notify, str(exc.args[0] if exc.args else exc), title=command,
                                 severity="error")
                 except Exception as exc:                    # noqa: BLE001 -- an engine bug: show it, stay up
-                    self._to_ui(self._app.notify, f"{type(exc).__name__}: {exc}", title=f"engine {command} failed",
-                                severity="error", timeout=30)
+                    if command == "step" and self.components is not None and self.components.replaced():
+                        self._lab_step_failed(runner, exc)  # the student's part: pause there, say it once
+                    else:
+                        self._to_ui(self._app.notify, f"{type(exc).__name__}: {exc}",
+                                    title=f"engine {command} failed", severity="error", timeout=30)
                 self._flush(runner, stepped=command == "step", description=self._description,
                             shown_from=self._shown_from)
         finally:
@@ -382,8 +403,19 @@ class LiveSource(Source):
             if self._recorder:
                 self._recorder.close()
 
+    def _lab_step_failed(self, runner: Run, exc: Exception) -> None:
+        """A step failed in the student's component: one panel, with where it failed and the check's hint."""
+        from nanoserve.labs.plug import explain_failure
+        text, hint = explain_failure(exc)
+        self._lab_failed = f"step {runner.step_count}"
+        self._to_ui(self._app.post_message, LabStepFailed(f"{self._lab_failed}{self._yours()} failed: {text}", hint))
+
     def _execute(self, runner: Run, command: str, args: tuple) -> Run:
         """Run one command on the engine; returns the runner to use from now on."""
+        if command in ("restart", "back", "branch"):
+            self._lab_failed = None                         # a fresh run (or an earlier step) may go on
+        elif command == "step" and self._lab_failed:
+            return runner                                   # (steps queued before the failure: the run is paused)
         if command == "step" and not runner.done:
             runner.step()
         elif command == "add":

@@ -134,6 +134,13 @@ def match_prefix(ctx: Context) -> None:
     node, got = f3.cache.match_prefix(span(100, 2) + span(200, 1))
     expect(list(got) == pb and node is parent, f"match_prefix(a 3-block prompt fully cached over two nodes) gave "
            f"{list(got)}, expected {pb} (the cap leaves the last block)", FULL_HIT)
+    f4 = Fixture(ctx)
+    top, tb = f4.grow(None, span(100, 1))
+    low, lb = f4.grow(top, span(200, 3))
+    node, got = f4.cache.match_prefix(span(100, 1) + span(200, 3))      # 4 blocks cached, the cap is 3
+    expect(list(got) == tb + lb[:2] and _path_blocks(node) == tb + lb[:2],
+           f"match_prefix(a 4-block prompt, all cached: 1 block, then a node of 3) gave {list(got)}, expected "
+           f"{tb + lb[:2]} (the cap falls inside the second node: split it there)", FULL_HIT)
 
 
 INSERT_HINT = ("insert walks down like match_prefix; where no child starts with the next block it adds ONE node "
@@ -198,6 +205,18 @@ def insert(ctx: Context) -> None:
                            "rest under the head")
     f.pool.free(other)
     f.check("insert that split a node", INSERT_HINT)
+
+    g = Fixture(ctx)
+    top, tb = g.grow(None, span(100, 1))
+    low, lb = g.grow(top, span(200, 3))
+    node6, dups = g.cache.insert("y", span(100, 1) + span(200, 3), tb + lb[:1])   # tokens for 4 blocks, 2 given
+    expect(list(dups) == [] and list(node6.block_ids) == lb[:1] and node6.parent is top and
+           list(node6.children.values())[0].block_ids == lb[1:],
+           f"inserting 2 blocks whose tokens run on inside a cached node gave a node with blocks "
+           f"{list(node6.block_ids)}, duplicates {list(dups)}; expected a split: [{lb[0]}] above {lb[1:]}",
+           "only len(block_ids) whole blocks are inserted, whatever follows in `tokens`: compare at most the "
+           "blocks you were given (n - i of them) with a node's span")
+    g.check("insert of fewer blocks than its tokens", INSERT_HINT)
 
     refs, tree = f.refs(), f.tree()
     node5, dups = f.cache.insert("e", t + [1], mine)           # a partial 4th block: whole blocks only
