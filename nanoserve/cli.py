@@ -271,7 +271,11 @@ def cmd_tui(args: argparse.Namespace) -> int:
         raise FieldError("lab", "needs a live engine; --replay plays a recorded trace")
     components = components_from(args.lab)
     say(apply_thread_policy(args.threads).note())
-    return run_app(model=args.model, replay=args.replay, scenario=args.scenario, components=components)
+    explain = None
+    if components is not None:                 # a step that fails in the student's part: said as the checks would
+        from nanoserve.labs.plug import explain_failure as explain
+    return run_app(model=args.model, replay=args.replay, scenario=args.scenario, components=components,
+                   explain=explain)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

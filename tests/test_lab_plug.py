@@ -84,7 +84,9 @@ def test_tui_pauses_on_a_step_that_fails_in_the_students_code(tmp_path):
 
     path = tmp_path / "bad_pool.py"
     path.write_text(FAILING_POOL)
-    app = NanoserveApp(LiveSource(scenario="memory-pressure", components=components_from([f"block-pool={path}"])))
+    from nanoserve.labs.plug import explain_failure
+    app = NanoserveApp(LiveSource(scenario="memory-pressure", components=components_from([f"block-pool={path}"]),
+                                  explain=explain_failure))
 
     @run_async
     async def drive():

@@ -322,13 +322,14 @@ class NanoserveApp(App[None]):
 
 
 def make_source(model: str | None = None, replay: str | None = None, scenario: str | None = None,
-                components=None) -> Source:
-    """The source for the command line's choice; ValueError / OSError on bad input."""
+                components=None, explain=None) -> Source:
+    """The source for the command line's choice; ValueError / OSError on bad input. (`explain`: for `--lab`,
+    a failed step's exception -> (where and what, hint), shown in one panel.)"""
     if replay is not None:
         if model is not None or scenario is not None or components is not None:
             raise ValueError("--replay plays a recorded trace; it takes no --model, --scenario or --lab")
         return replay_source(replay)
-    return LiveSource(model=model, scenario=scenario, components=components)
+    return LiveSource(model=model, scenario=scenario, components=components, explain=explain)
 
 
 def replay_source(path: str | Path) -> ReplaySource:
@@ -345,11 +346,11 @@ def replay_source(path: str | Path) -> ReplaySource:
 
 
 def run_app(model: str | None = None, replay: str | None = None, scenario: str | None = None,
-            components=None) -> int:
+            components=None, explain=None) -> int:
     """Run the TUI; returns the exit code (2 on a bad trace, scenario or model).
     `components` (from `--lab`) runs the live engine with a student's parts."""
     try:
-        source = make_source(model, replay, scenario, components)
+        source = make_source(model, replay, scenario, components, explain)
     except (OSError, ValueError) as exc:
         print(f"nanoserve: error: {exc}", file=sys.stderr)
         return 2

@@ -233,11 +233,12 @@ class LiveSource(Source):
     mode = "live"
 
     def __init__(self, model: str | None = None, scenario: str | None = None,
-                 record: str | Path | None = None, components=None) -> None:
+                 record: str | Path | None = None, components=None, explain=None) -> None:
         self.model = model or DEFAULT_MODEL
         self.scenario = get_scenario(scenario) if scenario else PLAYGROUND   # ValueError when unknown
         self.record = record                          # also write every event to this JSONL trace
         self.components = components                  # `--lab`: the engine's parts replaced (None: its own)
+        self.explain = explain                        # `--lab`: exception -> (where and what, hint) for the panel
         self.description = f"{self.scenario.name} on {self.model}{self._yours()}"
         self._commands: queue.Queue[tuple[str, tuple]] = queue.Queue()
         self._pending_steps = 0                       # steps queued and not yet done (UI thread only)
@@ -405,8 +406,10 @@ class LiveSource(Source):
 
     def _lab_step_failed(self, runner: Run, exc: Exception) -> None:
         """A step failed in the student's component: one panel, with where it failed and the check's hint."""
-        from nanoserve.labs.plug import explain_failure
-        text, hint = explain_failure(exc)
+        if self.explain is not None:
+            text, hint = self.explain(exc)
+        else:
+            text, hint = f"{type(exc).__name__}: {exc}", "nanoserve lab check names the function at fault"
         self._lab_failed = f"step {runner.step_count}"
         self._to_ui(self._app.post_message, LabStepFailed(f"{self._lab_failed}{self._yours()} failed: {text}", hint))
 
