@@ -144,3 +144,52 @@ def generator_from_wire(obj: dict):
     except RuntimeError as exc:
         raise ValueError(f"a generator state that torch refuses ({exc})") from None
     return g
+
+
+def special(v, copy_generator: bool = True):
+    """Tensors, generators, dtypes and devices, without importing torch when it is not loaded."""
+    module = type(v).__module__
+    if not module.startswith("torch"):
+        return None
+    import torch
+    if isinstance(v, torch.Tensor):
+        return tensor_to_wire(v)
+    if isinstance(v, torch.Generator):
+        return generator_to_wire(v) if copy_generator else None
+    if isinstance(v, torch.dtype):
+        return {"T": "dtype", "v": str(v).removeprefix("torch.")}
+    if isinstance(v, torch.device):
+        return {"T": "device", "v": str(v)}
+    return None
+
+
+def snapshot(v):
+    """What an argument was before a call, for the ones a callee may change in place (tensors, generators)."""
+    module = type(v).__module__
+    if not module.startswith("torch"):
+        return None
+    import torch
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    if isinstance(v, torch.Generator):
+        return v.get_state()
+    return None
+
+
+def changed(before, now) -> bool:
+    import torch
+    if isinstance(now, torch.Generator):
+        return not torch.equal(before, now.get_state())
+    return before.shape != now.shape or not torch.equal(before, now)
+
+
+def copy_back(original, new) -> None:
+    """The callee changed a tensor (or advanced a generator) it was given a copy of: change ours the same way."""
+    import torch
+    if isinstance(original, torch.Tensor) and isinstance(new, torch.Tensor):
+        if original.shape != new.shape:
+            raise ValueError(f"the call changed a tensor's shape in place ({tuple(original.shape)} -> "
+                             f"{tuple(new.shape)})")
+        original.copy_(new.to(original.dtype))
+    elif isinstance(original, torch.Generator) and isinstance(new, torch.Generator):
+        original.set_state(new.get_state())
