@@ -81,8 +81,11 @@ def invariant_text(exc: AssertionError) -> str:
 class Session:
     """One student's file on the checker's side: the worker (started when needed), the channel, the module."""
 
-    def __init__(self, lab: Lab, path: Path, loopback: bool = False) -> None:
+    def __init__(self, lab: Lab, path: Path, loopback: bool = False, time_limit_s: float | None = None) -> None:
         self.lab, self.path, self.loopback = lab, path.resolve(), loopback
+        # the worker's CPU-time cap: twice every check's limit, and the imports (a last line of defence:
+        # the limits above stop a check first)
+        self.cpu_s = int(2 * sum(time_limit_s or c.time_limit_s for c in lab.checks) + 3 * STARTUP_S)
         self.process: WorkerProcess | None = None
         self.ep: Endpoint | None = None
         self.module: Proxy | None = None
@@ -97,8 +100,7 @@ class Session:
             worker.install(pair.worker)
             self.ep = pair.parent
         else:
-            self.process = WorkerProcess([self.lab.module, *self.lab.worker_imports],
-                                         cpu_s=int(10 * limit_s + 3 * STARTUP_S))
+            self.process = WorkerProcess([self.lab.module, *self.lab.worker_imports], cpu_s=self.cpu_s)
             read_fd, write_fd = self.process.start()
             self.ep = Endpoint(send=lambda m: wire.send(write_fd, m),
                                recv=lambda deadline: wire.recv(read_fd, deadline), strict=True)
@@ -172,7 +174,7 @@ _models: dict = {}     # model name -> LoadedModel: loaded once per checker proc
 def run_checks(lab: Lab, path: str | Path, time_limit_s: float | None = None, fail_fast: bool = False,
                loopback: bool = False) -> list[CheckResult]:
     """Every check of `lab` on the file at `path`; `time_limit_s` replaces every check's own limit."""
-    session = Session(lab, Path(path), loopback)
+    session = Session(lab, Path(path), loopback, time_limit_s)
     results: list[CheckResult] = []
     load_failed: LoadFailed | None = None     # an import that failed or blocked fails every check the same way
     try:
