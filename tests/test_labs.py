@@ -75,3 +75,23 @@ def test_known_bug_first_failing_row_names_its_function(name, bug, tmp_path):
     assert first.function == bug.function, (first.check, first.detail)
     assert first.status is Status.FAIL and "Traceback" not in first.detail
     assert bug.hint in first.detail + " " + first.hint, (first.detail, first.hint)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["block-pool", "paged-attention"])
+def test_a_sample_of_mutants_is_killed(name, tmp_path, capsys):
+    """Every 7th mutant of the lab's bodies (benchmarks/lab_mutation.py runs them all) fails `lab check`,
+    unless tests/lab_bugs lists it as equivalent."""
+    from nanoserve.cli import main
+    from nanoserve.labs.mutate import mutants
+
+    lab = get_lab(name)
+    equivalent = specs(name)[1]
+    survivors = []
+    for mutant in list(mutants(lab))[::7]:
+        path = tmp_path / lab.file_name
+        path.write_text(mutant.source)
+        if main(["lab", "check", name, str(path), "--fail-fast", "--json"]) == 0 and mutant.key not in equivalent:
+            survivors.append(mutant.label)
+        capsys.readouterr()
+    assert not survivors, survivors
