@@ -98,16 +98,21 @@ def guardian(argv: list[str]) -> int:
     for fd in fds:
         os.close(fd)
     try:
+        orphans_killed = False
         while True:
-            ready = select.select([0], [], [], 1.0)[0]
+            ready = select.select([0], [], [], 0.2)[0]
             if ready and not os.read(0, 64):       # EOF: the checker is done (or gone)
                 break
+            if worker.poll() is not None and not orphans_killed:
+                # The worker is gone (os._exit, a crash): what it started is an orphan holding the channel
+                # open, which would keep the checker waiting for an answer until its time limit.
+                _kill_descendants()
+                orphans_killed = True
     finally:
         if Path("/proc/self").exists():
             _kill_descendants()
         else:                                       # no /proc (not Linux): the whole session, ourselves too
             os.killpg(os.getpgrp(), signal.SIGKILL)
-    worker.wait()
     return 0
 
 
