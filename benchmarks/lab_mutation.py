@@ -81,6 +81,8 @@ def equivalents(lab_name: str) -> dict[str, str]:
     path = BUGS / f"{lab_name.replace('-', '_')}_bugs.py"
     if not path.exists():
         return {}
+    if str(BUGS) not in sys.path:
+        sys.path.insert(0, str(BUGS))            # the bug files import make.py beside them
     spec = importlib.util.spec_from_file_location(f"lab_bugs_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -72,32 +72,38 @@ def _ids(seqs) -> list[str]:
 
 
 def victim(ctx: Context) -> None:
-    for policy, cases in (("newest", (((), "d"), (("d",), "c"), (("c", "d"), "b"))),
+    for policy, cases in (("newest", (((), "e"), (("e",), "d"), (("d", "e"), "c"))),
                           ("priority", (((), "c"), (("c",), "b"), (("b", "c"), "a"))),
-                          ("shortest_remaining", (((), "b"), (("b",), "d"), (("b", "d"), "a")))):
+                          ("shortest_remaining", (((), "b"), (("b",), "e"), (("b", "e"), "d"),
+                                                  (("b", "d", "e"), "a")))):
         s = Setup(ctx, preemption_policy=policy)
         a = s.seq("a", 8, output=5, priority=2)           # remaining 15
         s.seq("b", 8, output=1, priority=0)               # remaining 19
         s.seq("c", 8, output=10, priority=0)              # remaining 10
         s.seq("d", 8, output=2, priority=3)               # remaining 18
+        s.seq("e", 8, output=2, priority=3, max_tokens=20)   # remaining 18, like d, admitted after it
         for scheduled, want in cases:
             got = s.sched._victim(a, set(scheduled))
             expect(got is not None and got.seq_id == want,
                    f"preemption_policy={policy!r}: running a (priority 2, 15 tokens to go), b (0, 19), c (0, 10), "
-                   f"d (3, 18), admitted in that order, {sorted(scheduled) or 'none'} already in this step's batch: "
+                   f"d (3, 18), e (3, 18), admitted in that order, {sorted(scheduled) or 'none'} already in this "
+                   "step's batch: "
                    f"the victim for a was {getattr(got, 'seq_id', got)}, expected {want}", VICTIM_HINT)
     s = Setup(ctx)
     a = s.seq("a", 8)
-    beam = s.seq("e.1", 9, output=2, request_id="e")
-    beam.num_computed_tokens = beam.num_tokens          # nothing left to compute: it waits for its sibling
+    stuck = []
+    for beam_id in ("e.1", "e.3"):
+        beam = s.seq(beam_id, 9, output=2, request_id="e")
+        beam.num_computed_tokens = beam.num_tokens      # nothing left to compute: it waits for its sibling
+        stuck.append(beam)
     s.seq("f", 8)
     from nanoserve.sampling_params import SamplingParams
     from nanoserve.sequence import Sequence
     s.sched.waiting.append(Sequence("e.2", None, [1, 2, 3], SamplingParams(max_tokens=4), request_id="e"))
     got = s.sched._victim(a, set())
-    expect(got is beam, f"a running beam waiting for a preempted sibling (stuck) was not the first victim: got "
-           f"{getattr(got, 'seq_id', got)}", "a stuck beam of another request is preempted first "
-                                             "(self._stuck_beams): it holds blocks and makes no progress")
+    expect(got is stuck[-1], f"two running beams (e.1, then e.3) wait for a preempted sibling (stuck): the victim "
+           f"was {getattr(got, 'seq_id', got)}, expected e.3", "a stuck beam of another request is preempted first "
+           "(self._stuck_beams), the newest of them: it holds blocks and makes no progress")
 
 
 PREEMPT_HINT = ("_preempt: remove it from running, append it to out.preempted; in swap mode (it has blocks and "
@@ -178,14 +184,15 @@ def reserve(ctx: Context) -> None:
            "until it fits) and 5", RESERVE_HINT)
 
     s = Setup(ctx, num_blocks=4)
-    s.seq("b", 8)
+    s.seq("b", 4)
     a = s.seq("a", 8)
     out = s.out()
-    got = s.sched._reserve(a, 1, {"b"}, out)
+    got = s.sched._reserve(a, 8, {"b"}, out)
     expect(got is False and _ids(out.preempted) == ["a"] and a.status is SequenceStatus.WAITING,
-           f"_reserve(a, 1) where the only victim is a itself returned {got}, preempted {_ids(out.preempted)}, "
-           f"a is {a.status.name}", "when the victim is seq itself (and it would fit in an empty pool), preempt "
-                                    "it and return False: it waits for room")
+           f"_reserve(a, 8) where the only victim is a itself (and its 16 tokens would fill the empty 4-block pool "
+           f"exactly) returned {got}, preempted {_ids(out.preempted)}, a is {a.status.name}",
+           "when the victim is seq itself and it would fit in an empty pool (exactly full counts as fitting), "
+           "preempt it and return False: it waits for room")
 
     s = Setup(ctx, num_blocks=4)
     a = s.seq("a", 16)

@@ -135,11 +135,20 @@ def schedule_running(ctx: Context) -> None:
     gone = s.seq("d2", 10, output=1, computed=10)
     gone.status = SequenceStatus.WAITING            # preempted earlier in this pass (still in the list it walks)
     s.seq("beam", 8, output=1, computed=9)          # 0 uncomputed: a beam waiting for its siblings
+    s.seq("d3", 10, output=1, computed=10)
     plan = s.plan(8)
     s.sched._schedule_running(plan)
-    expect(_chunks_of(plan) == [("d1", 1, False, [])], f"running d1, d2 (no longer RUNNING), beam (nothing to "
-           f"compute) got chunks {_chunks_of(plan)}, expected only d1's", "skip a sequence that is no longer "
-           "RUNNING (preempted earlier in this loop) and one with no uncomputed token")
+    want = [("d1", 1, False, []), ("d3", 1, False, [])]
+    expect(_chunks_of(plan) == want, f"running d1, d2 (no longer RUNNING), beam (nothing to compute), d3 got "
+           f"chunks {_chunks_of(plan)}, expected {want}", "skip (continue past) a sequence that is no longer "
+           "RUNNING (preempted earlier in this loop) and one with no uncomputed token; the others still run")
+    s = Setup(ctx)
+    s.seq("d1", 10, output=1, computed=10)
+    plan = s.plan(1, {"d1": [5, 6]})
+    s.sched._schedule_running(plan)
+    expect(_chunks_of(plan) == [("d1", 1, False, [])], f"a decode with drafts [5, 6] and budget 1 got chunks "
+           f"{_chunks_of(plan)}, expected [('d1', 1, False, [])]", "the budget left has room for the decode's own "
+           "token only: no draft fits (draft[:num_new - uncomputed] is empty)")
 
     s = Setup(ctx, num_blocks=3)
     s.seq("p1", 8)

@@ -37,4 +37,8 @@ BUGS = (
 )
 
 EQUIVALENT = {
+    'KVManager._shared_write_block:drop: return None :: return None -> pass':
+        "the function's last statement: falling off its end returns None all the same",
+    'KVManager.copy_on_write:constant: dst = self._take(1)[0] :: 0 -> -1':
+        '_take(1) returns a list of exactly one block: [0] and [-1] are the same item',
 }

@@ -26,4 +26,10 @@ BUGS = (
 )
 
 EQUIVALENT = {
+    'verify:drop: p = p.cpu() :: p = p.cpu() -> pass':
+        "the lab's channel hands verify CPU tensors (wire.py copies a tensor to the CPU): .cpu() returns the same tensor",
+    'verify:drop: q = q.cpu() if q is not None else None :: q = q.cpu() if q is not None else None -> pass':
+        'the same for q: a CPU tensor, or None',
+    'verify:compare: if u * q_x < float(p[i, x]):          # u < p(x) / q(x): accept with probability min(1, p/q) :: u * q_x < float(p[i, x]) -> u * q_x <= float(p[i, x])':
+        'differs only when u * q(x) == p(x) exactly; u is a float32 uniform, so for p(x) > 0 this is a single float value of u (probability about 2^-24 per draw, the same as the rounding of u itself) and for p(x) = 0 it needs u == 0 (2^-24): no distribution check can see it',
 }

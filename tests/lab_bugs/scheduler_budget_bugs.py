@@ -37,4 +37,8 @@ BUGS = (
 )
 
 EQUIVALENT = {
+    'Scheduler._schedule_running:return: break :: break -> continue':
+        'after `if plan.budget == 0`: the loop never raises the budget again, so skipping every remaining sequence one by one (continue) adds exactly the chunks stopping (break) adds: none',
+    'Scheduler._schedule_running:constant: draft = draft[: max(0, num_new - seq.num_uncomputed_tokens)]   # what the budget leaves room for :: 0 -> -1':
+        'drafts exist only for decoding sequences (1 uncomputed token) and num_new >= 1 while budget is left, so num_new - uncomputed >= 0 and max(-1, x) == max(0, x)',
 }
