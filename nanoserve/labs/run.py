@@ -147,10 +147,14 @@ class Session:
         if self.ep is None or self.module is None:
             return
         try:
+            self.ep.budget_s = None if self.loopback else 30.0
             self.ep.request({"op": "reset"})
         except (ChannelBroken, Deadline, Exception):   # noqa: BLE001 -- a worker that cannot reset is replaced
             self.stop()
             return
+        finally:
+            if self.ep is not None:
+                self.ep.budget_s = None
         keep = self.module._rpc_h
         self.ep.exports, self.ep.handles = {}, {}
         self.ep.proxies = {keep: self.module}
