@@ -4,6 +4,7 @@
     python benchmarks/lab_mutation.py --all --jobs 2        # every lab, two mutants at a time
     python benchmarks/lab_mutation.py block-pool --list     # the mutants, without running them
     python benchmarks/lab_mutation.py --summary             # the scores from the results so far
+    python benchmarks/lab_mutation.py --all --compact       # drop stale results from the files (no run going)
 
 Each mutant (`nanoserve/labs/mutate.py`: the engine's own module, the
 reference solution, with one small change inside one body the student
@@ -194,12 +195,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=60.0, help="seconds per check (default 60)")
     parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
     parser.add_argument("--summary", action="store_true", help="print the scores so far, run nothing")
+    parser.add_argument("--compact", action="store_true",
+                        help="rewrite the result files with current results only (while no run is going)")
     args = parser.parse_args(argv)
     names = lab_names() if args.all or (args.summary and not args.labs) else args.labs
     unknown = set(names) - set(lab_names())
     if unknown or not names:
         parser.error(f"name labs among {', '.join(lab_names())} (or --all)")
     print(cpu_line(), flush=True)
+    if args.compact:
+        for name in names:
+            lab = get_lab(name)
+            keys = {m.key for m in mutants(lab)}
+            rows = [r for k, r in load_results(name, stamp(lab)).items() if k in keys]
+            (RESULTS / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return 0
     if not args.list and not args.summary:
         for name in names:
             lab = get_lab(name)
