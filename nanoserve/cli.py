@@ -331,8 +331,11 @@ def cmd_tui(args: argparse.Namespace) -> int:
         raise FieldError("reading_path", "needs a live engine (the code that runs is the trace's or the server's)")
     components = components_from(args.lab)
     say(apply_thread_policy(args.threads).note())
+    explain = None
+    if components is not None:                 # a step that fails in the student's part: said as the checks would
+        from nanoserve.labs.plug import explain_failure as explain
     return run_app(model=args.model, replay=args.replay, scenario=args.scenario, components=components,
-                   overrides={"fast_paths": False} if args.reading_path else None)
+                   overrides={"fast_paths": False} if args.reading_path else None, explain=explain)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
