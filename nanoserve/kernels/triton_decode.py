@@ -25,6 +25,16 @@ their log-sum-exps:  out = sum_s exp(lse_s - max lse) * out_s / sum_s exp(lse_s 
 
 `decode_attention` below checks its arguments, allocates and launches; it
 matches `reference.decode_attention`.
+
+Launch shape: BLOCK_N = 32 positions a tile, 8 warps, 2 pipeline stages. The
+loop does little arithmetic per byte it loads, so two stages (tile n+1 in
+flight while tile n is used) keep the loads going; a third stage only held
+more registers and shared memory. 8 warps spread the [GROUP_PAD, D] accumulator
+and the [BLOCK_N, D] tiles over twice the threads of 4: about half the
+registers a thread, so more programs fit on an SM, and a program has twice the
+loads in flight when a small batch gives too few programs to fill the GPU.
+The measured registers and occupancy, before and after, are on the kernels
+page (docs/concepts/kernels.md, from benchmarks/kernel_resources.py).
 """
 
 from __future__ import annotations
@@ -35,6 +45,8 @@ import triton.language as tl
 
 from nanoserve.kernels.checks import check_paged_args
 from nanoserve.kernels.triton_common import load_kv_tile, online_softmax_step
+
+NUM_WARPS, NUM_STAGES = 8, 2     # the launch shape (module docstring: why)
 
 
 @triton.jit
@@ -90,7 +102,7 @@ def _paged_decode_kernel(
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + b * stride_btb, offs_n, mask_n,
                             kv_head, offs_d, mask_d, stride_kn, stride_kt, stride_kh,
                             stride_vn, stride_vt, stride_vh, BLOCK_SIZE)                 # [BLOCK_N, D] each
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale                     # [GROUP_PAD, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale      # [GROUP_PAD, BLOCK_N]
         s = tl.where(mask_n[None, :], s, float("-inf"))                        # positions past the end
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v)
 
@@ -169,6 +181,7 @@ def decode_attention(
         scale, tokens_per_split,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=bs, BLOCK_N=block_n,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     out = torch.empty_like(q)
     if num_splits == 1:          # one split: its output is already normalised

@@ -52,36 +52,12 @@ def kernels_with(student: ModuleType) -> tuple[ModuleType, ModuleType]:
     return _load_with("nanoserve.kernels.triton_decode", student), _load_with("nanoserve.kernels.triton_prefill", student)
 
 
-FOLD = """
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def fold_kernel(s_ptr, v_ptr, out_ptr, TILES: tl.constexpr, R: tl.constexpr, N: tl.constexpr, D: tl.constexpr):
-    # Fold TILES tiles of scores [R, N] and values [N, D] with online_softmax_step; store acc / l.
-    offs_r, offs_n, offs_d = tl.arange(0, R), tl.arange(0, N), tl.arange(0, D)
-    m = tl.full([R], float("-inf"), dtype=tl.float32)
-    l = tl.zeros([R], dtype=tl.float32)
-    acc = tl.zeros([R, D], dtype=tl.float32)
-    for t in range(TILES):
-        s = tl.load(s_ptr + t * R * N + offs_r[:, None] * N + offs_n[None, :])
-        v = tl.load(v_ptr + t * N * D + offs_n[:, None] * D + offs_d[None, :])
-        m, l, acc = online_softmax_step(m, l, acc, s, v)
-    tl.store(out_ptr + offs_r[:, None] * D + offs_d[None, :], acc / l[:, None])
-"""
-
-
 def _fold(student: ModuleType, s: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Run the student's step over tiles s [T, R, N], v [T, N, D] inside a one-program kernel."""
-    module = ModuleType(f"nanoserve_lab_fold{next(_count)}")
-    module.__file__ = __file__
-    sys.modules[module.__name__] = module
-    module.online_softmax_step = student.online_softmax_step
-    exec(compile(FOLD, f"<{module.__name__}>", "exec"), module.__dict__)
+    """Run the student's step over tiles s [T, R, N], v [T, N, D] inside triton_fold's one-program kernel."""
+    fold = _load_with("nanoserve.labs.triton_fold", student)
     out = torch.empty(s.shape[1], v.shape[2])
-    module.fold_kernel[(1,)](s.contiguous(), v.contiguous(), out, TILES=s.shape[0], R=s.shape[1], N=s.shape[2],
-                             D=v.shape[2])
+    fold.fold_kernel[(1,)](s.contiguous(), v.contiguous(), out, TILES=s.shape[0], R=s.shape[1], N=s.shape[2],
+                           D=v.shape[2])
     return out
 
 
