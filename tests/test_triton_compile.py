@@ -81,3 +81,27 @@ def test_occupancy_arithmetic():
     assert Resources(32, 0, 0, 0, 8).occupancy(h100) == 1.0
     assert Resources(32, 0, 0, 100 * 1024, 4).blocks_per_sm(h100) == 2     # shared memory decides
     assert Resources(16, 0, 0, 0, 1).blocks_per_sm(h100) == 32             # the block limit decides
+
+
+def test_the_kernels_page_shows_this_compile(compiled):
+    """docs/concepts/kernels.md's resource table is what this compile measured (made by
+    `python benchmarks/kernel_resources.py --write-docs`); another Triton version compiles other code."""
+    from importlib.metadata import version
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "benchmarks"))
+    sys.path.insert(0, str(root / "docs"))
+    import kernel_resources
+
+    from docgen import regions
+
+    held = regions.regions((root / "docs" / "concepts" / "kernels.md").read_text())
+    if not held["kernels.triton"].startswith(version("triton") + ";"):
+        pytest.skip(f"the page was made with Triton {held['kernels.triton']}, this is {version('triton')}")
+    fresh = {"kernels.resources": "\n" + kernel_resources.summary_table(compiled) + "\n",
+             "kernels.cubins": str(sum("error" not in r for r in compiled))}
+    for name, body in fresh.items():
+        assert not regions.diff(held[name], body, name), \
+            "kernels.md is stale: run `python benchmarks/kernel_resources.py --write-docs`\n" \
+            + regions.diff(held[name], body, name)

@@ -31,7 +31,7 @@ import multiprocessing
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 DTYPES = ("float16", "bfloat16", "float32")
 HEAD_DIMS = (64, 80, 128)
@@ -159,13 +159,22 @@ def _compile_one(i: int) -> dict:
             "shared_limit": target.shared_per_block}
 
 
-def compile_all(rows: list[Row], targets: list[str], workers: int | None = None, alignments: bool = False):
-    """Yield one result dict per (distinct launch, target), compiling in a pool of forked processes."""
+def compile_all(rows: list[Row], targets: list[str], workers: int | None = None, alignments: bool = False,
+                kernels: tuple[str, ...] | None = None, launch: tuple[int, int] | None = None):
+    """Yield one result dict per (distinct launch, target), compiling in a pool of forked processes.
+
+    `kernels` keeps only those kernels; `launch` = (num_warps, num_stages) replaces the
+    wrappers' choice (benchmarks/kernel_resources.py compiles the old launch shape that way).
+    """
     from nanoserve.kernels.triton_targets import TARGETS
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("TRITON_INTERPRET=1 is set: the interpreter's kernels cannot be compiled for a GPU")
-    _JOBS[:] = [(launch, row, where, TARGETS[t]) for launch, row, where in collect(rows, alignments) for t in targets]
+    found = [(launch_, row, where) for launch_, row, where in collect(rows, alignments)
+             if kernels is None or launch_.name in kernels]
+    if launch is not None:
+        found = [(replace(l, num_warps=launch[0], num_stages=launch[1]), row, where) for l, row, where in found]
+    _JOBS[:] = [(launch_, row, where, TARGETS[t]) for launch_, row, where in found for t in targets]
     workers = workers or min(len(os.sched_getaffinity(0)), 8)
     with multiprocessing.get_context("fork").Pool(workers) as pool:
         yield from pool.imap(_compile_one, range(len(_JOBS)))

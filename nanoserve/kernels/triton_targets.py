@@ -171,3 +171,11 @@ def compile_for(launch: Launch, target: Target):
     source = ASTSource(launch.kernel, launch.signature, launch.constants, launch.attrs)
     return triton.compile(source, target=GPUTarget("cuda", target.capability, 32),
                           options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+
+
+def ptxas_version() -> str:
+    """The bundled ptxas releases, e.g. "12.9 (sm_80), 13.4 (sm_90, sm_100)": Triton picks one per target."""
+    def release(tool: str) -> str:
+        out = subprocess.run([_tool(tool), "--version"], check=True, capture_output=True, text=True).stdout
+        return re.search(r"release (\d+\.\d+)", out)[1]
+    return f"{release('ptxas')} (sm_80), {release('ptxas_blackwell')} (sm_90, sm_100)"
