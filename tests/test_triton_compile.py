@@ -5,7 +5,7 @@ an unsupported dot shape, a register file too small, shared memory past the targ
 limit. Triton's wheel ships ptxas, so `python -m nanoserve.kernels.triton_shapes`
 compiles every kernel the engine launches, at the shapes its wrappers are really
 called with (head_dim 64/80/128, GQA 1/3/4/8, fp16/bf16/fp32, block sizes 1/16/32,
-every split count), down to a cubin, and reads each one's registers, spills and
+one split and many), down to a cubin, and reads each one's registers, spills and
 shared memory. It runs in a child process: this one has TRITON_INTERPRET=1 (conftest),
 under which @triton.jit makes functions that cannot be compiled.
 """
@@ -53,7 +53,7 @@ def test_compiles_without_spills_within_shared_memory(compiled, kernel, target):
 
 
 def test_every_axis_value_is_compiled(compiled):
-    """The shape grid reaches every head_dim, GQA ratio, dtype and block size of the issue, and every split count."""
+    """The shape grid reaches every head_dim, GQA ratio, dtype and block size of the issue."""
     decode = [r for r in compiled if r["kernel"] == "_paged_decode_kernel" and r["where"] == "engine"]
     assert {r["row"]["head_dim"] for r in decode} == {64, 80, 128}
     assert {r["constexprs"]["GROUP"] for r in decode} == {1, 3, 4, 8}
@@ -61,8 +61,8 @@ def test_every_axis_value_is_compiled(compiled):
     assert {r["constexprs"]["BLOCK_SIZE"] for r in decode} == {1, 16, 32}
     assert {(r["dtype"], r["row"]["head_dim"]) for r in decode} == {(t, d) for t in ("fp16", "bf16", "fp32")
                                                                    for d in (64, 80, 128)}
-    combine = {r["constexprs"]["SPLITS_PAD"] for r in compiled if r["kernel"] == "_combine_splits_kernel"}
-    assert combine == {2, 4, 8, 16}
+    combine = {(r["dtype"], r["constexprs"]["HEAD_DIM"]) for r in compiled if r["kernel"] == "_combine_splits_kernel"}
+    assert len(combine) == 9
 
 
 def test_decode_and_prefill_keep_three_eighths_of_the_warp_slots(compiled):

@@ -55,6 +55,18 @@ def test_decode_matches_reference(bs, hq, hkv, splits):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_decode_bits_do_not_depend_on_the_table_width():
+    """A CUDA graph's batch pads every block table to max_model_len (cuda_graphs.py); the splits are a
+    fixed 256 positions, so a sequence's output has the same bits however wide its table is padded."""
+    lens = [300, 40, 1]
+    kc, vc = caches(16, 2)
+    bt = shuffled_tables(lens, 16)                                    # 19 blocks wide
+    q = torch.randn(len(lens), 4, D)
+    narrow = decode_attention(q, kc, vc, bt, torch.tensor(lens), 0.3)
+    wide = torch.cat([bt, torch.zeros(len(lens), 45, dtype=bt.dtype)], dim=1)    # 64 blocks: 4 splits, not 2
+    assert torch.equal(decode_attention(q, kc, vc, wide, torch.tensor(lens), 0.3), narrow)
+
+
 @pytest.mark.parametrize("bs", [1, 16])
 @pytest.mark.parametrize("hq, hkv", [(2, 2), (3, 1)])
 def test_prefill_matches_reference(bs, hq, hkv):

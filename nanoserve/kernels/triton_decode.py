@@ -19,9 +19,13 @@ together, so each K/V tile is read once for all of them.
 
 Split-K (flash decoding): with one program per (sequence, head), a batch of
 a few long sequences keeps only a few GPU cores busy while each walks a long
-loop. Cutting the positions into NUM_SPLITS slices gives NUM_SPLITS times
-more programs; `_combine_splits_kernel` then merges the partial results with
-their log-sum-exps:  out = sum_s exp(lse_s - max lse) * out_s / sum_s exp(lse_s - max lse).
+loop. Cutting the positions into slices of SPLIT_TOKENS gives a program per
+slice; `_combine_splits_kernel` then merges the partial results with their
+log-sum-exps:  out = sum_s exp(lse_s - max lse) * out_s / sum_s exp(lse_s - max lse).
+The slice length is a constant, not a share of the table's width, so a
+sequence's slices (and its output's bits) are the same in any batch: a CUDA
+graph's batch, whose tables are padded to max_model_len (cuda_graphs.py), gives
+the tokens an eager step gives.
 
 `decode_attention` below checks its arguments, allocates and launches; it
 matches `reference.decode_attention`.
@@ -47,6 +51,7 @@ from nanoserve.kernels.checks import check_paged_args
 from nanoserve.kernels.triton_common import load_kv_tile, online_softmax_step
 
 NUM_WARPS, NUM_STAGES = 8, 2     # the launch shape (module docstring: why)
+SPLIT_TOKENS = 256               # positions per split (module docstring: why a constant)
 
 
 @triton.jit
@@ -124,23 +129,29 @@ def _combine_splits_kernel(
     stride_lb, stride_lh,
     stride_ob, stride_oh,
     num_splits,
-    SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    mask_s = offs_s < num_splits
     mask_d = offs_d < HEAD_DIM
-    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
-    weight = tl.exp(lse - tl.max(lse, axis=0))        # empty splits (lse = -inf) get weight 0
-    weight = weight / tl.sum(weight, axis=0)
-    parts = tl.load(part_out_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-                    mask=mask_s[:, None] & mask_d[None, :], other=0.0)             # [SPLITS_PAD, D]
-    out = tl.sum(parts * weight[:, None], axis=0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
+    lse_row = lse_ptr + b * stride_lb + h * stride_lh
+    part_row = part_out_ptr + b * stride_pb + h * stride_ph
+    # Two passes over the splits in order: the largest lse, then the weighted sum. Summed one split
+    # after the other, the result has the same bits however many empty splits (lse = -inf, weight 0,
+    # output 0) follow the real ones, so it does not depend on how wide the block table was padded.
+    lse_max = float("-inf")
+    for s in range(num_splits):
+        lse_max = tl.maximum(lse_max, tl.load(lse_row + s))
+    acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
+    total = 0.0
+    for s in range(num_splits):
+        weight = tl.exp(tl.load(lse_row + s) - lse_max)
+        acc += weight * tl.load(part_row + s * stride_ps + offs_d, mask=mask_d, other=0.0)
+        total += weight
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, (acc / total).to(out_ptr.dtype.element_ty),
+             mask=mask_d)
 
 
 def decode_attention(
@@ -151,7 +162,7 @@ def decode_attention(
     seq_lens: torch.Tensor,      # [B] int
     scale: float,
     mask: torch.Tensor | None = None,   # unused: the kernel masks by seq_lens itself (same signature as reference)
-    num_splits: int | None = None,      # None: choose from the longest sequence
+    num_splits: int | None = None,      # None: one split per SPLIT_TOKENS positions of the table
     block_n: int = 32,
 ) -> torch.Tensor:
     """Paged decode attention with Triton; same contract as `reference.decode_attention`."""
@@ -162,9 +173,11 @@ def decode_attention(
                          f"must have one row per query ({B})")
     Hkv, bs = k_cache.shape[2], k_cache.shape[1]
     max_len = block_tables.shape[1] * bs
-    if num_splits is None:   # about 256 positions per split, at most 16 splits
-        num_splits = max(1, min(16, triton.cdiv(max_len, 256)))
-    tokens_per_split = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
+    if num_splits is None:
+        tokens_per_split = triton.cdiv(SPLIT_TOKENS, block_n) * block_n
+        num_splits = max(1, triton.cdiv(max_len, tokens_per_split))
+    else:
+        tokens_per_split = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
     part = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
     q = q.contiguous()
@@ -191,6 +204,6 @@ def decode_attention(
         part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
-        num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=D, HEAD_DIM_PAD=d_pad,
+        num_splits, HEAD_DIM=D, HEAD_DIM_PAD=d_pad,
     )
     return out

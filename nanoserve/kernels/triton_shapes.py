@@ -14,8 +14,8 @@ value of every other axis (12 rows, not 108). `--full` compiles the whole produc
 For each row the real wrappers are called on small CPU tensors inside
 `capture_launches` (triton_targets.py): whatever tile sizes, warp counts and split
 counts the wrappers choose for that shape is what gets compiled. Decode is called
-with contexts long enough for 1, 2, 4, 8 and 16 splits, so every combine-kernel
-size appears. The lab's fold kernel and the lab's kernels (built around
+with a context of one split and one of 16, so the split-combine kernel runs too,
+and with both specialisations Triton makes of a one-split launch. The lab's fold kernel and the lab's kernels (built around
 triton_common's step, as `nanoserve lab triton-decode` builds them) are compiled too.
 
 This module imports Triton for real: it runs in its own process, never under
@@ -38,7 +38,7 @@ HEAD_DIMS = (64, 80, 128)
 GROUPS = (1, 3, 4, 8)          # query heads per KV head
 BLOCK_SIZES = (1, 16, 32)
 KV_HEADS = (2, 8)              # KV heads per layer: tiny-llama's 2, Llama-3's 8 (store_kv loads them all)
-SPLIT_CONTEXTS = (200, 400, 900, 2000, 4000)   # decode contexts giving 1, 2, 4, 8 and 16 splits
+SPLIT_CONTEXTS = (200, 4000)   # decode contexts of 1 split and of 16 (one split per 256 positions)
 
 
 @dataclass(frozen=True, slots=True)
