@@ -39,6 +39,8 @@ class EngineConfig:
     cpu_kernel: bool = True             # fast paths on a CPU: decode attention in C (kernels/cpu_decode.c) and a
                                         # float32 Llama's layers with their small steps in C (models/cpu_llama.py),
                                         # compiled with the system's C compiler on first use; False: torch only
+    enforce_eager: bool | None = None   # CUDA graphs for pure-decode steps (cuda_graphs.py): None = on for CUDA,
+                                        # True = off; False = on, and on a CPU the same padded path runs uncaptured
     seed: int = 0                       # seeds random weights of tiny models and unseeded requests
     # Speculative decoding (spec_decode.py): off unless a method is named.
     speculative_method: str | None = None   # None, "ngram" (prompt lookup) or "draft" (a draft model)
@@ -71,6 +73,8 @@ class EngineConfig:
         v.boolean("fast_paths", self.fast_paths)
         v.boolean("cpu_kernel", self.cpu_kernel)
         v.choice("attention_backend", self.attention_backend, ("torch", "triton", "auto"))
+        if self.enforce_eager is not None:
+            v.boolean("enforce_eager", self.enforce_eager)
         self.seed = v.integer("seed", self.seed, minimum=0, maximum=2**64 - 1)
 
         v.choice("speculative_method", self.speculative_method, (None, "ngram", "draft"))

@@ -57,6 +57,7 @@ from nanoserve.choose import Choice, choose
 from nanoserve.commit import commit
 from nanoserve.components import Components
 from nanoserve.config import EngineConfig
+from nanoserve.cuda_graphs import GraphSettings
 from nanoserve.detokenizer import IncrementalDetokenizer
 from nanoserve.display import Displayable
 from nanoserve.errors import SubscriberError
@@ -121,7 +122,7 @@ class LLMEngine(Displayable):
         else:
             self.runner = ModelRunner(model, config.num_blocks, config.block_size, dtype, torch.device(config.device),
                                       self.backend, fast_paths=config.fast_paths, cpu_kernel=config.cpu_kernel,
-                                      make_attention=parts.attention_backend)
+                                      make_attention=parts.attention_backend, graphs=GraphSettings.from_config(config))
         if self.cpu_pool is not None:
             self.runner.allocate_swap(config.num_cpu_blocks)
         self.sampler = Sampler()
@@ -336,6 +337,7 @@ class LLMEngine(Displayable):
             num_free_blocks=self.pool.num_free_blocks, num_blocks=self.pool.num_blocks,
             duration_s=time.perf_counter() - t0, num_drafted=counts[0], num_accepted=counts[1],
             num_swapped=len(self.scheduler.swapped),
+            graph_bucket=getattr(self.runner, "replayed_bucket", 0) if chunks else 0,
         )
         self._emit(ev.StepFinished(self.step_count, stats.num_seqs, prefill, stats.num_decode_tokens,
                                    stats.num_free_blocks, stats.duration_s))

@@ -47,6 +47,11 @@ and the tests check both give the same tokens):
   the model; the loaded model is not changed;
 * on a CPU, glibc keeps a step's freed memory for the next one, and the KV
   cache asks Linux for 2 MB pages (cpu_memory.py).
+
+CUDA graphs (`graphs`, on for CUDA unless `enforce_eager`): a pure-decode step
+is padded to a batch-size bucket and replays that bucket's graph; the
+bookkeeping is cuda_graphs.py's, and the cache gets one scratch block for the
+padding rows.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ import torch
 from torch import nn
 
 from nanoserve.attention import AttentionBackend, AttentionMetadata, BatchLayout, PrefillChunk
+from nanoserve.cuda_graphs import DecodeGraphs, GraphBatch, GraphSettings
 from nanoserve.kernels.backends import make_backend
 
 
@@ -95,7 +101,8 @@ def half_matmuls_need_fp32(dtype: torch.dtype, device: torch.device) -> bool:
 class ModelRunner:
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, backend: str = "torch", fast_paths: bool = True, cpu_kernel: bool = True,
-                 make_attention: Callable[[str, bool], AttentionBackend] = make_backend) -> None:
+                 make_attention: Callable[[str, bool], AttentionBackend] = make_backend,
+                 graphs: GraphSettings | None = None) -> None:
         self.block_size = block_size
         self.device = device
         self.backend = backend          # attention kernels: "torch" or "triton"
@@ -119,7 +126,8 @@ class ModelRunner:
                 from nanoserve.kernels import cpu_decode
                 self.attn.decode_kernel = cpu_decode.load(dtype)     # None (with a warning) if it cannot be built
                 self.attn.store_kernel = cpu_decode.load_store(dtype)    # the same library's store_kv
-        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        # With graphs, one scratch block past the pool's last: padding rows write their K/V there.
+        shape = (num_blocks + (graphs is not None), block_size, model.num_kv_heads, model.head_dim)
         if cpu_fast:             # freed memory kept, 2 MB pages for the cache (cpu_memory.py)
             from nanoserve.cpu_memory import huge_page_zeros, keep_freed_memory
             keep_freed_memory()
@@ -130,6 +138,10 @@ class ModelRunner:
         self.kv_caches = [(zeros(), zeros()) for _ in range(model.num_layers)]
 
         self.cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] = []   # swap space, see allocate_swap
+        self.graphs = DecodeGraphs(self, graphs, pad_block=num_blocks) if graphs is not None else None
+        self.replayed_bucket = 0        # the bucket the last forward ran padded to (0: it ran eagerly)
+        if graphs is not None and graphs.capture:
+            self.graphs.capture_all()
 
     def allocate_swap(self, num_cpu_blocks: int) -> None:
         """A CPU copy of the cache layout with `num_cpu_blocks` blocks per layer (swap preemption)."""
@@ -171,10 +183,12 @@ class ModelRunner:
             for src_cache, dst_cache in zip(src_kv, dst_kv):
                 dst_cache[dst] = src_cache[src].to(dst_device, non_blocking=non_blocking)
 
-    def prepare(self, inputs: list[RunInput]) -> Batch:
+    def prepare(self, inputs: list[RunInput]) -> Batch | GraphBatch:
         bs = self.block_size
         if any(not x.token_ids for x in inputs):
             raise ValueError("every RunInput needs at least one token")
+        if self.graphs is not None and (padded := self.graphs.prepare(inputs)) is not None:
+            return padded                   # a pure-decode step: padded to a bucket, run by its graph
         # Single-token inputs (decodes) go first, longest first, so a backend can attend them in
         # groups of similar length; then the prefill chunks in input order.
         order = sorted(range(len(inputs)),
@@ -210,8 +224,11 @@ class ModelRunner:
                      self._tensor(logits_indices))
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> torch.Tensor:
+    def run(self, batch: Batch | GraphBatch) -> torch.Tensor:
         """One forward pass; returns float32 logits [S, vocab] for the requested rows."""
+        self.replayed_bucket = batch.bucket if isinstance(batch, GraphBatch) else 0
+        if isinstance(batch, GraphBatch):
+            return self.graphs.run(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)   # [T, hidden]
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
 
