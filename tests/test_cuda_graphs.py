@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import make_engine, run_to_end
+from conftest import DEVICE, make_engine, run_to_end
 
 from nanoserve import SamplingParams
 from nanoserve.cuda_graphs import GraphSettings, bucket_for, buckets
@@ -80,10 +80,13 @@ def test_padded_path_gives_the_eager_tokens_and_cache(kind, tiny_llama, tiny_gpt
             assert s.graph_bucket == 0
         elif s.num_seqs:
             assert s.graph_bucket == bucket_for(s.num_seqs, buckets(18))
-    # The pool's K/V are the same bits: padding rows wrote only to the scratch block past the pool.
+    # The pool's K/V are the same: padding rows wrote only to the scratch block past the pool. On a CPU
+    # the same bits (a row's matmul does not depend on the rows beside it); cuBLAS may pick another
+    # kernel for another row count, so on a GPU (benchmarks/gpu_check.py) the same to rounding.
+    same = torch.equal if DEVICE == "cpu" else lambda a, b: torch.allclose(a, b, atol=1e-5, rtol=1e-5)
     n = settings["num_blocks"]
     for (k0, v0), (k1, v1) in zip(eager.runner.kv_caches, padded.runner.kv_caches):
-        assert k1.shape[0] == n + 1 and torch.equal(k0[:n], k1[:n]) and torch.equal(v0[:n], v1[:n])
+        assert k1.shape[0] == n + 1 and same(k0[:n], k1[:n]) and same(v0[:n], v1[:n])
 
 
 def test_static_buffers_keep_their_addresses(tiny_llama):
