@@ -51,17 +51,17 @@ class Check:
 
 
 CHECKS = [
-    Check("kernels", "Triton kernel tests on cuda (tests/test_triton_kernels.py)",
+    Check("kernels", "the Triton kernel tests on cuda",
           [*PYTEST, "tests/test_triton_kernels.py"], 90),
-    Check("shapes", "every kernel against the reference at the engine's real shapes",
+    Check("shapes", "every kernel against torch at the real shapes",
           [sys.executable, __file__, "--shapes"], 90),
-    Check("parity", "greedy parity with HF on cuda: chunking, preemption, prefix cache (tests/test_parity.py)",
+    Check("parity", "greedy parity with HF: chunks, preemption, prefix hits",
           [*PYTEST, "tests/test_parity.py"], 90),
-    Check("graphs", "CUDA graphs on/off: same tokens and KV (tests/test_cuda_graphs.py)",
+    Check("graphs", "CUDA graphs on and off: the same tokens and KV",
           [*PYTEST, "tests/test_cuda_graphs.py"], 45),
-    Check("bandwidth", "decode vs D2D copy and SDPA, contexts 256..32k, batch 1..64; prefill over a prefix",
+    Check("bandwidth", "decode against a D2D copy and SDPA; prefill",
           [*BENCH, "--only", "decode", "prefill", "--repeats", "10"], 75),
-    Check("end-to-end", "tokens/s against HF generate, 64 requests, graphs on and off",
+    Check("end-to-end", "tokens/s against HF generate, graphs on and off",
           [*BENCH, "--only", "e2e"], 75),
 ]
 

@@ -59,6 +59,8 @@ JOBS = [
     Job("life", "life", about="life-of-a-request.md: one request through the modules"),
     Job("serving", "serving", about="serve.md: the architecture picture (docs/img/make_serving_pictures.py)"),
     Job("labs", "labs", about="labs/: `nanoserve lab list`, a starter's check, rejection sampling's laws"),
+    Job("kernels", "kernels", about="concepts/kernels.md: `gpu_check.py --dry-run` (the resource tables: "
+                                     "benchmarks/kernel_resources.py --write-docs)"),
     Job("whatif", "whatif", about="whatif.md: rewind, branch and compare; `nanoserve compare`; two plots"),
     Job("distributed", "distributed", slow=True, about="tp-split.svg and tui-disaggregated.svg: a tensor-parallel "
                                              "engine's shards, a disaggregated run's decode side"),
