@@ -90,7 +90,8 @@ def run_wrappers(row: Row) -> None:
 
 
 def run_lab_kernels(row: Row) -> None:
-    """The triton-decode lab's fold kernel on its own tile shapes, and its kernels built around triton_common."""
+    """The triton-decode lab's fold kernel on its own tile shapes, and its kernels built around triton_common
+    (with the engine's tiles, and with the 16-position tiles and 4 splits its checks ask for)."""
     import torch
 
     from nanoserve.kernels import triton_common
@@ -104,6 +105,7 @@ def run_lab_kernels(row: Row) -> None:
     tables = torch.zeros(2, -(-40 // bs), dtype=torch.int64)
     q = torch.zeros(2, row.kv_heads * row.group, d, dtype=dt)
     decode.decode_attention(q, k_cache, k_cache, tables, torch.tensor([40, 3]), 0.1)
+    decode.decode_attention(q, k_cache, k_cache, tables, torch.tensor([40, 3]), 0.1, num_splits=4, block_n=16)
     prefill.prefill_attention(q, k_cache, k_cache, tables, torch.tensor([0, 1]), torch.tensor([1, 1]),
                               torch.tensor([40, 3]), 0.1)
 
