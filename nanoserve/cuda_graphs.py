@@ -16,8 +16,9 @@ like the step that was captured:
     static buffers  input ids, positions and every tensor of the attention metadata, one set per
                     bucket; a step's values are copied into them, then the graph replays
 
-Only pure-decode steps take this path (every input one token, its logits
-wanted); a step with a prefill chunk, or drafts to verify, runs eagerly.
+Only pure-decode steps take this path: every input one token with its logits
+wanted (a prompt's last one-token chunk is no different); a step with a longer
+prefill chunk, or drafts to verify, runs eagerly.
 `EngineConfig(enforce_eager=True)` turns graphs off. A CPU has no graphs, but
 `enforce_eager=False` runs this same padded static-buffer path there without
 capturing it, so the CPU tests check all of the bookkeeping and a GPU only

@@ -14,9 +14,9 @@ value of every other axis (12 rows, not 108). `--full` compiles the whole produc
 For each row the real wrappers are called on small CPU tensors inside
 `capture_launches` (triton_targets.py): whatever tile sizes, warp counts and split
 counts the wrappers choose for that shape is what gets compiled. Decode is called
-with a context of one split and one of 16, so the split-combine kernel runs too,
-and with both specialisations Triton makes of a one-split launch. The lab's fold kernel and the lab's kernels (built around
-triton_common's step, as `nanoserve lab triton-decode` builds them) are compiled too.
+with a context of one split and one of 16, so the split-combine kernel runs too.
+The lab's fold kernel and the lab's kernels (built around triton_common's step,
+as `nanoserve lab triton-decode` builds them) are compiled too.
 
 This module imports Triton for real: it runs in its own process, never under
 TRITON_INTERPRET=1 (the tests start it with `python -m`, without that variable).
@@ -157,7 +157,8 @@ def _compile_one(i: int) -> dict:
         res = read_resources(compile_for(launch, target))
     except Exception as e:                  # a compile error is a result: the tests fail on it by name
         return {**result, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"}
-    return {**result, **asdict(res), "compile_s": round(time.perf_counter() - t0, 2), "blocks_per_sm": res.blocks_per_sm(target), "occupancy": res.occupancy(target),
+    return {**result, **asdict(res), "compile_s": round(time.perf_counter() - t0, 2),
+            "blocks_per_sm": res.blocks_per_sm(target), "occupancy": res.occupancy(target),
             "shared_limit": target.shared_per_block}
 
 
@@ -175,9 +176,10 @@ def compile_all(rows: list[Row], targets: list[str], workers: int | None = None,
     found = [(launch_, row, where) for launch_, row, where in collect(rows, alignments)
              if kernels is None or launch_.name in kernels]
     if launch is not None:
-        found = [(replace(l, num_warps=launch[0], num_stages=launch[1]), row, where) for l, row, where in found]
+        found = [(replace(x, num_warps=launch[0], num_stages=launch[1]), row, where) for x, row, where in found]
     _JOBS[:] = [(launch_, row, where, TARGETS[t]) for launch_, row, where in found for t in targets]
-    workers = workers or min(len(os.sched_getaffinity(0)), 8)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = workers or min(cores, 8)
     with multiprocessing.get_context("fork").Pool(workers) as pool:
         yield from pool.imap(_compile_one, range(len(_JOBS)))
 
