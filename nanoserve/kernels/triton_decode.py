@@ -34,9 +34,10 @@ Launch shape: BLOCK_N = 32 positions a tile, 8 warps, 2 pipeline stages. The
 loop does little arithmetic per byte it loads, so two stages (tile n+1 in
 flight while tile n is used) keep the loads going; a third stage only held
 more registers and shared memory. 8 warps spread the [GROUP_PAD, D] accumulator
-and the [BLOCK_N, D] tiles over twice the threads of 4: about half the
-registers a thread, so more programs fit on an SM, and a program has twice the
-loads in flight when a small batch gives too few programs to fill the GPU.
+and the [BLOCK_N, D] tiles over twice the threads of 4, so a thread holds less
+of them: at least as many warps stay resident on an SM (registers decide), and
+a program has twice the loads in flight when a small batch gives too few
+programs to fill the GPU.
 The measured registers and occupancy, before and after, are on the kernels
 page (docs/concepts/kernels.md, from benchmarks/kernel_resources.py).
 """
