@@ -37,7 +37,10 @@ more registers and shared memory. 8 warps spread the [GROUP_PAD, D] accumulator
 and the [BLOCK_N, D] tiles over twice the threads of 4, so a thread holds less
 of them: at least as many warps stay resident on an SM (registers decide), and
 a program has twice the loads in flight when a small batch gives too few
-programs to fill the GPU.
+programs to fill the GPU. A float32 cache keeps 3 stages: with 2, ptxas keeps
+two float32 shapes at 64 registers on sm_90 by spilling 4 bytes (to fit a
+fourth program on the SM); with 3, no shape of the full grid spills
+(`python -m nanoserve.kernels.triton_shapes --full`).
 The measured registers and occupancy, before and after, are on the kernels
 page (docs/concepts/kernels.md, from benchmarks/kernel_resources.py).
 """
@@ -51,7 +54,8 @@ import triton.language as tl
 from nanoserve.kernels.checks import check_paged_args
 from nanoserve.kernels.triton_common import load_kv_tile, online_softmax_step
 
-NUM_WARPS, NUM_STAGES = 8, 2     # the launch shape (module docstring: why)
+NUM_WARPS = 8                    # the launch shape (module docstring: why)
+NUM_STAGES = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 3}   # by cache dtype
 SPLIT_TOKENS = 256               # positions per split (module docstring: why a constant)
 
 
@@ -195,7 +199,7 @@ def decode_attention(
         scale, tokens_per_split,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=bs, BLOCK_N=block_n,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES[k_cache.dtype],
     )
     out = torch.empty_like(q)
     if num_splits == 1:          # one split: its output is already normalised
