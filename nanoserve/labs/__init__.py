@@ -25,6 +25,7 @@ answers calls (run.py says how). Modules:
     *_lab.py      one module per lab: block_pool, radix_cache, cow_fork, scheduler (budget),
                   preemption, rejection (sampling), paged_attention, triton (decode)
     triton_kernels.py  the triton-decode lab's kernels around a student's step (built in the worker)
+    triton_fold.py     its probe kernels: one step, and a fold over a few tiles (a file: GPU targets compile it)
 """
 
 from __future__ import annotations
