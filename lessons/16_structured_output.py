@@ -13,7 +13,7 @@ and renormalised; then the matcher advances over the token. This lesson uses
 noise has to parse.
 """
 
-from lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
+from nanoserve.lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
 
 BROKEN = breaks({
     "no-renormalise": "in the by-hand distribution, mask the probabilities without renormalising them",
