@@ -30,6 +30,7 @@ Plan: who runs this step, how many tokens each, in which blocks
 
 Compute: one forward pass over the step's tokens, then the token choice
     runner.py           the KV cache tensors, the flat token row and its block tables, the forward
+    cuda_graphs.py      pure-decode steps padded to batch-size buckets, replayed as CUDA graphs
     attention.py        the attention backend interface and `paged_attention`
     models/             GPT-2 and Llama reading K/V through block tables, and their loader
     kernels/            attention kernels: the torch reference, the torch and Triton backends
@@ -37,6 +38,7 @@ Compute: one forward pass over the step's tokens, then the token choice
     token_choice.py     logits -> each sequence's next token(s), changing no bookkeeping
     prompt_logprobs.py  log-probabilities of the prompt's own tokens, from the prefill's logits
     sampler.py          logits processors, then greedy or sampled tokens
+    structured_output.py  structured output: each sequence's grammar (xgrammar), its token mask, its matcher
     beam_search.py      beam search's scores and decisions
     step_rollback.py    undoing a step whose compute phase failed
 

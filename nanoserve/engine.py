@@ -57,6 +57,7 @@ from nanoserve import validation as v
 from nanoserve.commit import commit
 from nanoserve.components import Components
 from nanoserve.config import EngineConfig
+from nanoserve.cuda_graphs import GraphSettings
 from nanoserve.detokenizer import IncrementalDetokenizer
 from nanoserve.display import Displayable
 from nanoserve.errors import SubscriberError
@@ -123,7 +124,7 @@ class LLMEngine(Displayable):
         else:
             self.runner = ModelRunner(model, config.num_blocks, config.block_size, dtype, torch.device(config.device),
                                       backend, fast_paths=config.fast_paths, c_kernels=config.c_kernels,
-                                      make_attention=parts.attention_backend)
+                                      make_attention=parts.attention_backend, graphs=GraphSettings.from_config(config))
         # What computes a step, as it actually runs: the model class, attention backend and matmul, and why
         # a faster part did not run (runner.Implementation; the snapshot, the TUI header and --stats say it).
         self.implementation = self.runner.implementation
@@ -335,6 +336,7 @@ class LLMEngine(Displayable):
             num_free_blocks=self.pool.num_free_blocks, num_blocks=self.pool.num_blocks,
             duration_s=time.perf_counter() - t0, num_drafted=counts[0], num_accepted=counts[1],
             num_swapped=len(self.scheduler.swapped),
+            graph_bucket=getattr(self.runner, "replayed_bucket", 0) if chunks else 0,
         )
         self.emit(ev.StepFinished(self.step_count, stats.num_seqs, prefill, stats.num_decode_tokens,
                                   stats.num_free_blocks, stats.duration_s))

@@ -38,6 +38,7 @@ def snapshot(engine: LLMEngine) -> dict:
             "block_table": list(seq.block_table), "max_tokens": seq.params.max_tokens,
             "cache_node": seq.cache_node.node_id if seq.cache_node is not None else 0,
             "cpu_block_table": list(seq.cpu_block_table),
+            "grammar": seq.grammar.kind if seq.grammar is not None else "",   # structured output's kind
         }
     return {
         "step": engine.step_count,

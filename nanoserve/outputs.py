@@ -80,6 +80,8 @@ class StepStats:
     num_drafted: int = 0            # speculative decoding: draft tokens verified this step
     num_accepted: int = 0           # ... and accepted
     num_swapped: int = 0            # sequences waiting in the CPU pool after the step
+    graph_bucket: int = 0           # CUDA graphs: the batch size this step's forward was padded to and
+                                    # replayed at (cuda_graphs.py); 0: it ran eagerly
 
 
 @dataclass(slots=True, repr=False)

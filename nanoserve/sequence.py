@@ -106,7 +106,9 @@ class Sequence:
     cache_node: object | None = None     # radix_cache.RadixNode: the deepest cached node it holds locked
     cpu_block_table: list[int] = field(default_factory=list)   # swap: where its KV waits in the CPU pool
     beam_logprobs: torch.Tensor | None = None   # beam search: next-token log-probs waiting for the other beams
+    beam_mask: object | None = None      # ... and what the grammar's mask did to them (structured_output.MaskInfo)
     pruned: bool = False                 # beam search dropped this beam
+    grammar: object | None = None        # structured output: structured_output.SequenceGrammar (its matcher)
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -169,8 +171,9 @@ class Sequence:
             self.finish_time = time.monotonic()
 
     def fork(self, child_id: str, generator: torch.Generator) -> Sequence:
-        """A running copy at the same position: same tokens, text and log-probs, its own id and RNG.
-        (Blocks are shared by the KV manager; the copy starts with none.)"""
+        """A running copy at the same position: same tokens, text and log-probs, its own id and RNG,
+        and its own copy of the grammar's matcher. (Blocks are shared by the KV manager; the copy
+        starts with none.)"""
         return Sequence(
             child_id, self.prompt, self.prompt_token_ids, self.params, arrival_time=self.arrival_time,
             generator=generator, status=SequenceStatus.RUNNING, output_token_ids=list(self.output_token_ids),
@@ -179,4 +182,5 @@ class Sequence:
             prompt_logprobs=self.prompt_logprobs,   # complete by now, never changed again: shared
             first_token_time=self.first_token_time, request_id=self.request_id,
             index=int(child_id.rsplit(".", 1)[1]), priority=self.priority,
+            grammar=self.grammar.fork() if self.grammar is not None else None,
         )

@@ -3,8 +3,9 @@
 This module owns the plain data types a viewer reads: `ViewState` (block
 pool, block tables, queues, the radix tree, the CPU swap space, cache hit
 counters, and across processes the ranks of tensor parallelism and the KV
-handoffs of disaggregation), `SequenceView`, `RadixNodeView`, `RankView` and
-`TransferView`, and the questions viewers ask
+handoffs of disaggregation), `SequenceView` (with its structured output's
+`GrammarView`), `RadixNodeView`, `RankView` and `TransferView`, and the
+questions viewers ask
 of them (who holds a block, a node's lock count, which blocks are cached and
 evictable). `fold.py` builds a ViewState from events; the TUI, the Graphviz
 exporter and the lessons draw it, never the engine, so a recorded trace
@@ -34,6 +35,26 @@ ROOT = 0            # the radix tree's root: no blocks, never drawn as a span
 
 
 @dataclass(slots=True)
+class GrammarView:
+    """A structured-output sequence's grammar, as its TokenConstrained events tell it."""
+
+    kind: str = "?"                   # "json", "regex", "choice", "grammar", "json_object" ("?": not seen)
+    vocab_size: int = 0
+    num_allowed: int = 0              # tokens the mask allowed at the last position
+    num_tokens: int = 0               # tokens sampled under the grammar
+    num_forced: int = 0               # ... of which the mask allowed exactly one
+    num_top_masked: int = 0           # ... of which the model's own top choice was forbidden
+    allowed: list[int] = field(default_factory=list)   # num_allowed per token, the last HISTORY_LEN
+
+    def summary(self) -> str:
+        """"grammar json: 3 of 49,152 allowed · forced 5 of 12" (before any token: the kind only)."""
+        if not self.num_tokens:
+            return f"grammar {self.kind}: no token yet"
+        return (f"grammar {self.kind}: {self.num_allowed:,} of {self.vocab_size:,} allowed · "
+                f"forced {self.num_forced} of {self.num_tokens}")
+
+
+@dataclass(slots=True)
 class SequenceView:
     """One sequence as a viewer sees it."""
 
@@ -49,6 +70,7 @@ class SequenceView:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "pruned" once finished
     cache_node: int = ROOT            # the deepest radix node this sequence holds (0: none)
     cpu_block_table: list[int] = field(default_factory=list)   # CPU pool blocks while swapped out
+    grammar: GrammarView | None = None   # structured output (None: free text)
 
 
 @dataclass(slots=True)

@@ -298,10 +298,9 @@ BAD_CHATS = [
     (dict(chat_template="{{ messages }}"), "chat_template", ["model's own"]),
     (dict(echo="yes"), "echo", []),
     (dict(add_generation_prompt=1), "add_generation_prompt", []),
-    (dict(response_format={"type": "json_object"}), "response_format", ["structured output"]),
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), "response_format",
-     []),
-    (dict(guided_choice=["yes", "no"]), "guided_choice", []),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format.json_schema.schema",
+     ["required"]),
+    (dict(guided_choice=["yes", 3]), "guided_choice.1", []),
     (dict(functions=[{"name": "f"}]), "functions", []),
     (dict(prompt_logprobs=2, stream=True), "prompt_logprobs", ["stream"]),
 ]

@@ -39,6 +39,7 @@ from nanoserve_tui.source import (
     CONTROLS,
     Frame,
     FrameReady,
+    LabStepFailed,
     LiveSource,
     ReplaySource,
     Source,
@@ -134,6 +135,7 @@ class NanoserveApp(App[None]):
                 yield EventLog(id="events", classes="panel")
                 yield Metrics(id="metrics", classes="panel")
         yield Static(id="error-message")
+        yield Static(id="lab-error")          # `--lab`: the step that failed in the student's code
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
@@ -174,6 +176,14 @@ class NanoserveApp(App[None]):
             self.query_one("#body").display = False
         self._update_status()
 
+    @on(LabStepFailed)
+    def _lab_step_failed(self, message: LabStepFailed) -> None:
+        """Pause on the failing step; one panel says where and what (the panels show the state it left)."""
+        self.playing = False
+        panel = self.query_one("#lab-error", Static)
+        panel.update(f"{message.text}\nhint: {message.hint}\n(fix your file, then p to start again or b to step back)")
+        panel.display = True
+
     def watch_frame(self, frame: Frame | None) -> None:
         if frame is None:
             return
@@ -186,6 +196,7 @@ class NanoserveApp(App[None]):
         self.query_one("#body").set_class(state.prefix_caching, "-radix")   # the tree panel gets room
         self.query_one(EventLog).show_events(frame.events)
         self.query_one(Metrics).frame = frame
+        self.query_one("#lab-error").display = bool(getattr(self.source, "lab_failed", None))
         if frame.at_end and self.playing and self.source.mode == "replay":
             self.playing = False
         self._update_status()
@@ -383,15 +394,16 @@ class NanoserveApp(App[None]):
 
 
 def make_source(model: str | None = None, replay: str | None = None, scenario: str | None = None,
-                components=None, overrides: dict | None = None) -> Source:
+                components=None, overrides: dict | None = None, explain=None) -> Source:
     """The source for the command line's choice; ValueError / OSError on bad input.
-    `overrides`: engine settings over the scenario's (`--reading-path`: {"fast_paths": False})."""
+    `overrides`: engine settings over the scenario's (`--reading-path`: {"fast_paths": False}); `explain`: for
+    `--lab`, a failed step's exception -> (where and what, hint), shown in one panel."""
     if replay is not None:
         if model is not None or scenario is not None or components is not None or overrides:
             raise ValueError("--replay plays a recorded trace; it takes no --model, --scenario, --lab or "
                              "--reading-path")
         return replay_source(replay)
-    return LiveSource(model=model, scenario=scenario, components=components, overrides=overrides)
+    return LiveSource(model=model, scenario=scenario, components=components, overrides=overrides, explain=explain)
 
 
 def replay_source(path: str | Path) -> ReplaySource:
@@ -408,11 +420,11 @@ def replay_source(path: str | Path) -> ReplaySource:
 
 
 def run_app(model: str | None = None, replay: str | None = None, scenario: str | None = None,
-            components=None, overrides: dict | None = None) -> int:
+            components=None, overrides: dict | None = None, explain=None) -> int:
     """Run the TUI; returns the exit code (2 on a bad trace, scenario or model).
     `components` (from `--lab`) runs the live engine with a student's parts; `overrides`, other settings."""
     try:
-        source = make_source(model, replay, scenario, components, overrides)
+        source = make_source(model, replay, scenario, components, overrides, explain)
     except (OSError, ValueError) as exc:
         print(f"nanoserve: error: {exc}", file=sys.stderr)
         return 2

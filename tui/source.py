@@ -93,6 +93,15 @@ class FrameReady(Message):
         self.frame = frame
 
 
+class LabStepFailed(Message):
+    """`--lab`: a step failed in the student's component. The run pauses on it (the frame shows the pool,
+    tables and queue as the failure left them); `text` says where and what, `hint` what to look at."""
+
+    def __init__(self, text: str, hint: str) -> None:
+        super().__init__()
+        self.text, self.hint = text, hint
+
+
 def acceptance_rate(events: Sequence[Event]) -> float | None:
     """Accepted / drafted over one step's DraftVerified events; None when nothing was drafted."""
     drafted = accepted = 0
@@ -240,12 +249,14 @@ class LiveSource(Source):
     controls = CONTROLS
 
     def __init__(self, model: str | None = None, scenario: str | None = None,
-                 record: str | Path | None = None, components=None, overrides: dict | None = None) -> None:
+                 record: str | Path | None = None, components=None, overrides: dict | None = None,
+                 explain=None) -> None:
         self.model = model or DEFAULT_MODEL
         self.overrides = dict(overrides or {})       # settings over the scenario's, e.g. {"fast_paths": False}
         self.scenario = get_scenario(scenario) if scenario else PLAYGROUND   # ValueError when unknown
         self.record = record                          # also write every event to this JSONL trace
         self.components = components                  # `--lab`: the engine's parts replaced (None: its own)
+        self.explain = explain                        # `--lab`: exception -> (where and what, hint) for the panel
         self.description = f"{self.scenario.name} on {self.model}{self._yours()}"
         self._commands: queue.Queue[tuple[str, tuple]] = queue.Queue()
         self._pending_steps = 0                       # steps queued and not yet done (UI thread only)
@@ -258,6 +269,7 @@ class LiveSource(Source):
         self._base_settings: dict = {}                # ... as the scenario started it (a branch changes _settings)
         self._busy: list[str] = []                    # rewinds and branches queued, not yet delivered (UI thread)
         self._frame: Frame | None = None              # the last frame posted
+        self._lab_failed: str | None = None           # `--lab`: the step that failed in the student's code
 
     def _yours(self) -> str:
         """The title's ending when `--lab` replaced a part, e.g. " with your block_pool" (whose code runs)."""
@@ -280,6 +292,9 @@ class LiveSource(Source):
             return
         if self._done and not self._pending_steps:
             raise Unsupported("all requests are done: add one with a, or pick a preset with p")
+        if self._lab_failed:
+            raise Unsupported(f"{self._lab_failed} failed in your code: fix the file, then pick a scenario (p) to "
+                              "start again, or step back (b)")
         self._pending_steps += 1
         self._commands.put(("step", ()))
 
@@ -374,6 +389,11 @@ class LiveSource(Source):
         elif command in ("back", "branch") and self._frame is not None:   # it failed (a notice says why):
             self._app.post_message(FrameReady(self._frame))              # the same frame, without "rewinding"
 
+    @property
+    def lab_failed(self) -> str | None:
+        """`--lab`: the step that failed in the student's code ("step 12"), until a restart or a step back."""
+        return self._lab_failed
+
     # -- worker thread -----------------------------------------------------------------
 
     def _serve(self) -> None:
@@ -414,16 +434,32 @@ class LiveSource(Source):
                     self._to_ui(self._app.notify, str(exc.args[0] if exc.args else exc), title=command,
                                 severity="error")
                 except Exception as exc:                    # noqa: BLE001 -- an engine bug: show it, stay up
-                    self._to_ui(self._app.notify, f"{type(exc).__name__}: {exc}", title=f"engine {command} failed",
-                                severity="error", timeout=30)
+                    if command == "step" and self.components is not None and self.components.replaced():
+                        self._lab_step_failed(runner, exc)  # the student's part: pause there, say it once
+                    else:
+                        self._to_ui(self._app.notify, f"{type(exc).__name__}: {exc}",
+                                    title=f"engine {command} failed", severity="error", timeout=30)
                 self._flush(runner, command, description=self._description, shown_from=self._shown_from)
         finally:
             runner.engine.shutdown()                        # (a tensor-parallel engine's worker processes)
             if self._recorder:
                 self._recorder.close()
 
+    def _lab_step_failed(self, runner: Run, exc: Exception) -> None:
+        """A step failed in the student's component: one panel, with where it failed and the check's hint."""
+        if self.explain is not None:
+            text, hint = self.explain(exc)
+        else:
+            text, hint = f"{type(exc).__name__}: {exc}", "nanoserve lab check names the function at fault"
+        self._lab_failed = f"step {runner.step_count}"
+        self._to_ui(self._app.post_message, LabStepFailed(f"{self._lab_failed}{self._yours()} failed: {text}", hint))
+
     def _execute(self, runner: Run, command: str, args: tuple) -> Run:
         """Run one command on the engine; returns the runner to use from now on."""
+        if command in ("restart", "back", "branch"):
+            self._lab_failed = None                         # a fresh run (or an earlier step) may go on
+        elif command == "step" and self._lab_failed:
+            return runner                                   # (steps queued before the failure: the run is paused)
         if command == "step" and not runner.done:
             runner.step()
         elif command == "add":

@@ -1,18 +1,25 @@
-"""concepts/kernels.md: the facts about the CPU fast path's C files, read from the files themselves.
+"""concepts/kernels.md: the C files' facts, and what `benchmarks/gpu_check.py --dry-run` lists.
 
-How many functions each C file exports, its length and how much of it is
-comments, and what cpu_math.h says of its exp (lanes per vector, error in
-ulp) are stated on the page from the sources, so they cannot drift when the
-C changes.
+How many functions each C file of the CPU fast path exports, its length and
+how much of it is comments, and what cpu_math.h says of its exp (lanes per
+vector, error in ulp) are stated on the page from the sources, so they
+cannot drift when the C changes. The GPU check's list (the checks a GPU run
+makes, their budgets) is its own `--dry-run` output.
+
+The page's Triton resource tables are not made here: compiling every kernel takes minutes, so
+`python benchmarks/kernel_resources.py --write-docs` writes them and tests/test_triton_compile.py
+checks them against its own compile.
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import nanoserve
-from docgen import Result
+from docgen import ROOT, Result
 
 PAGE = "concepts/kernels.md"
 CPU = Path(nanoserve.__file__).parent / "cpu"
@@ -47,6 +54,9 @@ def make(read) -> Result:
         facts = c_file_facts(CPU / f"{name}.c")
         out.facts(PAGE, f"kernels.{name}", {k: facts[k] for k in keys})
     out.facts(PAGE, "kernels", exp_facts())
+    command = ["benchmarks/gpu_check.py", "--dry-run"]
+    text = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out.region(PAGE, "kernels.gpu-check", f"\n```console\n$ python {' '.join(command)}\n{text}```\n")
     return out
 
 # (Not named kernels.py: breakrun.py runs with docs/docgen/ on sys.path, and transformers imports any top-level

@@ -10,7 +10,8 @@ The modules, one concept each:
     vllm_routes.py    vLLM's routes beside the OpenAI API: /tokenize, /detokenize, /tokenizer_info, /version,
                       /reset_prefix_cache
     protocol.py       request bodies (pydantic) and ApiError, the OpenAI-style error
-    unsupported.py    the fields refused with a 400 rather than ignored (response_format, guided decoding, ...)
+    unsupported.py    the fields refused with a 400 rather than ignored (vLLM extras nanoserve has no use for)
+    structured.py     structured output's request fields (response_format, guided_*) -> structured_outputs
     responses.py      engine outputs as OpenAI JSON and stream chunks (echo, prompt log-probabilities)
     engine_loop.py    the thread that owns the engine; queues to and from the handlers
     event_stream.py   GET /events: the engine's events as server-sent events (trace lines)

@@ -26,6 +26,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from nanoserve.errors import FieldError
 from nanoserve.outputs import RequestOutput
 from nanoserve.serve.engine_loop import Sink, Submission
 from nanoserve.serve.protocol import ApiError, ChatRequest, CompletionRequest
@@ -90,6 +91,10 @@ async def _generate(request: Request, body, prompts: list, params: dict, chat: b
     """Submit each prompt as its own engine request (`<id>-<i>` in a batch), then answer them together."""
     server = request.app.state.server
     _check_model(server, body.model)
+    try:                                             # structured output (structured.py): checked before queueing
+        params["structured_outputs"] = body.structured_outputs_params()
+    except FieldError as exc:
+        raise ApiError(400, str(exc), exc.field) from None
     rid = server.next_request_id(chat)
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
     client = f"{request.client.host}:{request.client.port}" if request.client else "?"

@@ -30,6 +30,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from nanoserve.serve.structured import StructuredFields
 from nanoserve.serve.unsupported import unsupported_field
 
 MAX_N = 128            # OpenAI's own upper bound on `n`; the engine's max_num_seqs is usually lower
@@ -56,8 +57,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False        # a last chunk with `usage` and no choices
 
 
-class _Sampling(BaseModel):
-    """The fields both endpoints share; each maps to the SamplingParams field of the same meaning."""
+class _Sampling(StructuredFields):
+    """The fields both endpoints share; each maps to the SamplingParams field of the same meaning
+    (and structured output's: response_format, vLLM's structured_outputs and guided_*: structured.py)."""
 
     model_config = ConfigDict(strict=True, extra="allow")   # extras: refused (unsupported.py) or ignored
 

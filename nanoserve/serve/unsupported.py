@@ -9,24 +9,17 @@ a 400 that names it and says why. Fields in neither place are ignored, as
 OpenAI's server ignores what it does not know.
 
 The table holds OpenAI's fields that need a mechanism nanoserve does not have
-yet (structured output: `response_format` other than `{"type": "text"}`) and
-vLLM's extensions that change what is generated. `protocol.py` owns the
-fields nanoserve honours; this module only says no.
+(function calling) and vLLM's extensions that change what is generated.
+`protocol.py` owns the fields nanoserve honours (structured output's
+`response_format`, `structured_outputs` and `guided_*` among them:
+structured.py); this module only says no.
 """
 
 from __future__ import annotations
 
-STRUCTURED = "structured output (a grammar mask on the sampler) is not implemented in nanoserve yet"
-
 REFUSED = {   # field -> why not
-    "response_format": f"only {{\"type\": \"text\"}}: {STRUCTURED}",
-    "structured_outputs": STRUCTURED,
-    "guided_json": STRUCTURED,
-    "guided_regex": STRUCTURED,
-    "guided_choice": STRUCTURED,
-    "guided_grammar": STRUCTURED,
-    "guided_decoding_backend": STRUCTURED,
-    "guided_whitespace_pattern": STRUCTURED,
+    "guided_decoding_backend": "structured output always runs on xgrammar (structured_output.py)",
+    "guided_whitespace_pattern": "structured output's JSON is one line with no free whitespace",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "use_beam_search": "beam search runs offline (SamplingParams(beam_width=...)), not over HTTP",
@@ -41,9 +34,7 @@ REFUSED = {   # field -> why not
 
 
 def is_off(name: str, value) -> bool:
-    """The value a client sends to mean "not used" (null, false, empty, or a plain-text response_format)."""
-    if name == "response_format":
-        return value is None or value == {"type": "text"}
+    """The value a client sends to mean "not used" (null, false, empty)."""
     return value is None or value is False or value == [] or value == {} or value == ""
 
 

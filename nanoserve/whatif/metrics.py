@@ -59,6 +59,8 @@ class RequestRow:
     finish_step: int | None = None
     finish_reason: str | None = None
     token_steps: list[int] = field(default_factory=list)   # the step of each output token
+    # structured output: per constrained token, (tokens the mask allowed, forced, the model's top choice masked)
+    masks: list[tuple[int, bool, bool]] = field(default_factory=list)
     phases: dict[int, str] = field(default_factory=dict)   # step -> one of PHASES
 
     @property
@@ -123,6 +125,8 @@ def measure(events) -> RunMetrics:
             requests[event.seq_id] = RequestRow(event.seq_id, event.step)
         elif isinstance(event, ev.ChunkScheduled):
             scheduled[event.seq_id] = scheduled.get(event.seq_id, False) or event.is_prefill
+        elif isinstance(event, ev.TokenConstrained):
+            requests[event.seq_id].masks.append((event.num_allowed, event.forced, event.top_masked))
         elif isinstance(event, ev.TokenSampled):
             row = requests[event.seq_id]
             row.token_steps.append(event.step)
