@@ -211,6 +211,8 @@ class LLMEngine(Displayable):
             state = "is still computing its prompt" if seq.status is SequenceStatus.RUNNING else f"is {seq.status.value}"
             raise ValueError(f"{seq_id!r} {state}: only a running request that has started generating "
                              "can be forked")
+        if seq.seats > 1:   # (its first token comes with its n - 1 forks: forking it now would double them)
+            raise ValueError(f"{seq_id!r} has not forked its n={seq.params.n} completions yet")
         if self.scheduler.seats_used + 1 > self.config.max_num_seqs:
             raise ValueError(f"no free seat for a fork: max_num_seqs={self.config.max_num_seqs} sequences "
                              "already run")

@@ -1,9 +1,11 @@
 """A Hypothesis state machine driving a real LLMEngine (tiny random Llama) through random
 add / step / abort / fork / evict / drain sequences, and through the hostile ones: beam
 searches preempted by recompute or swap, single beams and forks aborted, draft-model and
-n-gram speculation with token budgets of 1 and 2, stop strings and stop ids with
-min_tokens, request ids reused after they finished, and injected failures (a forward that
-raises, Ctrl-C, a row of NaN logits, a subscriber that raises once).
+n-gram speculation with token budgets of 1 and 2, n > 1 with prompts longer than the
+budget under speculation (and forks of a sequence whose n completions are not forked
+yet), stop strings and stop ids with min_tokens, request ids reused after they finished,
+and injected failures (a forward that raises, Ctrl-C, a row of NaN logits, a subscriber
+that raises once).
 
 After every rule `engine.check_invariants()` must hold, a viewer's fold of the events
 must equal `engine.snapshot()`, and the engine's requests must match a model of the live
@@ -60,7 +62,7 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
         caching=st.booleans(),
         swap=st.sampled_from([None, None, 0, 6, 40]),     # None: recompute; else swap with this many CPU blocks
         policy=st.sampled_from(["newest", "priority", "shortest_remaining"]),
-        spec=st.sampled_from([None, None, None, ("ngram", 3), ("draft", 2), ("draft", 4)]),
+        spec=st.sampled_from([None, None, None, ("ngram", 3), ("ngram", 1), ("draft", 2), ("draft", 4)]),
     )
     def setup(self, pool, budget, max_num_seqs, chunked, max_model_len, caching, swap, policy, spec):
         if not chunked:
@@ -212,6 +214,40 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
         self.tokens_seen.pop(rid, None)
 
     @rule(
+        period=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4),
+        chunks=st.integers(1, 3),
+        extra=st.sampled_from([1, 1, 0, 2]),
+        n=st.integers(2, 3),
+        seed=st.one_of(st.none(), st.integers(0, 2**31)),
+        max_tokens=st.integers(1, 8),
+    )
+    def add_parallel_long(self, period, chunks, extra, n, seed, max_tokens):
+        """n > 1 with a prompt longer than the budget, made of a repeated pattern: its last chunk is
+        often one token, which speculation would draft for (the n-gram proposer finds the pattern).
+        The n first tokens must still be drawn together, and the request forks at once."""
+        if len(self.live) >= MAX_LIVE:
+            return
+        budget = self.engine.config.max_num_batched_tokens
+        length = budget * chunks + extra
+        prompt = (period * length)[:length]
+        params = SamplingParams(n=min(n, self.engine.config.max_num_seqs), temperature=1.0, seed=seed,
+                                max_tokens=max_tokens, logprobs=0)   # seeded: compared with the engine off
+        self._add(self._new_id(-1), prompt, params)
+        STATS["n > 1 requests with a prompt longer than the budget"] += 1
+
+    @rule(data=st.data())
+    def fork_pending(self, data):
+        """Fork a sequence whose request has not forked its n completions yet: refused, nothing changes."""
+        pending = sorted(r for r, s in self.engine.sequences.items() if s.seats > 1 and not s.params.use_beam_search)
+        if not pending:
+            return
+        before = self.engine.snapshot()
+        with pytest.raises(ValueError):
+            self.engine.fork(data.draw(st.sampled_from(pending)))
+        assert self.engine.snapshot() == before
+        STATS["forks of a pending n-fork refused"] += 1
+
+    @rule(
         prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=16),
         width=st.integers(1, 3),
         n=st.integers(1, 3),
@@ -325,7 +361,7 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
             with pytest.raises(KeyError):
                 self.engine.fork(target)
         elif (seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens == 0
-              or seq.params.use_beam_search
+              or seq.params.use_beam_search or seq.seats > 1
               or self.engine.scheduler.seats_used >= self.engine.config.max_num_seqs):
             with pytest.raises(ValueError):
                 self.engine.fork(target)
