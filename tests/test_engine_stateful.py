@@ -15,7 +15,8 @@ ids. Finished outputs are checked for their finish reason and token counts, and 
 off (no prefix cache, no chunking, no preemption, no speculation): preemption, chunking,
 block size, batch neighbours, the prefix cache, forks, swapping, speculation and undone
 failed steps must not change outputs. Draining must leave only cached blocks in use, and
-clearing the cache must return every block to the pool.
+clearing the cache must return every block to the pool. At the end, the example's events
+must pass the trace check every viewer runs (`trace_check.check_trace`).
 
 CI runs a few dozen examples; `benchmarks/fuzz_engine.py` runs the same machine for
 20,000+ operations and prints what happened (`STATS`, `CONFIGS`). The reference engine,
@@ -48,6 +49,7 @@ from nanoserve import SamplingParams
 from nanoserve import events as ev
 from nanoserve.errors import FieldError, StepFailed, SubscriberError
 from nanoserve.sequence import SequenceStatus
+from nanoserve.trace_check import check_trace
 
 # -- the state machine --------------------------------------------------------------------------
 
@@ -445,6 +447,7 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
             self._drain()
             self.engine.check_invariants()
             self.watcher.check(self.engine)
+            check_trace(self.events, "the machine's events")   # every trace the engine writes passes the check
 
 
 EngineMachine.TestCase.settings = settings(
