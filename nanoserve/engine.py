@@ -98,6 +98,9 @@ class LLMEngine(Displayable):
         self.eos_token_id = self.loaded.eos_token_id
         model = self.loaded.model
         # (With tensor parallelism each rank's pool holds 1/N of every block: the budget is per rank.)
+        if config.tensor_parallel_size > 1:   # N must split the heads before a block is split by N
+            from nanoserve.distributed.sharding import check_shardable
+            check_shardable(model, config.tensor_parallel_size)
         block_bytes = kv_bytes_per_block(model, config.block_size, dtype) // config.tensor_parallel_size
         draft_bytes = 0   # the draft model's pool: as many blocks (a truncated target: fewer layers)
         if config.speculative_method == "draft":

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import itertools
+import logging
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -41,6 +42,8 @@ from nanoserve.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from nanoserve.serve.openai_routes import router as openai_router
 from nanoserve.serve.protocol import ApiError
 from nanoserve.trace import JsonlRecorder
+
+log = logging.getLogger("nanoserve.serve")
 
 
 class Server:
@@ -64,7 +67,10 @@ class Server:
     def start(self) -> None:
         if self.record:                             # before the thread starts: no step can be missed
             self._recorder = JsonlRecorder(self.record)
-            self.engine.subscribe(self._recorder)
+            try:
+                self.engine.subscribe(self._recorder)
+            except OSError as exc:                  # (a full disk at once: serve anyway; /health says so)
+                log.warning("%s", exc)
         self.engine_loop.start()
 
     def stop(self) -> None:

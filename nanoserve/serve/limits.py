@@ -34,8 +34,10 @@ HEADER_TIMEOUT_S = 10.0            # to send a request's headers after connectin
 class BodyLimit:
     """ASGI middleware: 413 past `max_bytes`, 408 past `timeout_s`; an OpenAI-shaped error body either way."""
 
-    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES, timeout_s: float = BODY_TIMEOUT_S) -> None:
-        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+    timeout_s = BODY_TIMEOUT_S
+
+    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES) -> None:
+        self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
