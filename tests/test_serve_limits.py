@@ -179,6 +179,21 @@ def test_framework_errors_are_openai_shaped(server, loaded):
     ok(url, loaded.name)
 
 
+def test_a_request_http_cannot_parse_gets_json_too(server, loaded):
+    url, srv = server
+    port = int(url.rsplit(":", 1)[1])
+    for raw in (b"GARBAGE\r\n\r\n", b"GET /health HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(raw)
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+        head, body = answer.decode().split("\r\n\r\n", 1)
+        assert head.startswith("HTTP/1.1 400") and "application/json" in head
+        assert json.loads(body)["error"]["code"] == "invalid_http_request"
+    ok(url, loaded.name)
+
+
 def test_deep_json_under_the_default_limit(loaded):
     """100,000 levels (200 kB): the body limit's default lets it through, the parser refuses it in one line."""
     with running_server(loaded, CONFIG) as (url, srv):

@@ -7,9 +7,10 @@ able to hold it or every connection:
   413 before it is read further (at once when Content-Length says so), and a
   body that does not arrive whole within `timeout_s` gets 408. The body is
   read here, then handed to the app as it came.
-* `HeaderTimeoutH11` (uvicorn's h11 protocol, one line more): a connection
+* `HeaderTimeoutH11` (uvicorn's h11 protocol, a few lines more): a connection
   that has not sent a request's headers within `HEADER_TIMEOUT_S` of opening,
-  or of its last response, is closed. uvicorn closes idle keep-alive
+  or of its last response, is closed; a request h11 cannot parse gets an
+  OpenAI-shaped 400, not uvicorn's plain text. uvicorn closes idle keep-alive
   connections (`timeout_keep_alive`) but waits forever for headers that
   trickle in byte by byte (slowloris): 150 such connections stayed open, and
   with 256 open files allowed, 400 made `accept` fail for everyone.
@@ -20,8 +21,10 @@ The socket itself (TCP_NODELAY, the open-file limit) is `listener.py`'s.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanoserve.serve.protocol import ApiError
@@ -124,3 +127,18 @@ class HeaderTimeoutH11(H11Protocol):
     def connection_lost(self, exc) -> None:
         self._cancel_header_timer()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (bad request line, headers too large): the OpenAI error shape
+        too, not uvicorn's plain text."""
+        body = json.dumps(ApiError(400, f"the HTTP request could not be parsed ({msg})",
+                                   code="invalid_http_request").body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        try:
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                          h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+        except h11.LocalProtocolError:        # (h11 cannot answer in its state: close, as uvicorn would)
+            pass
+        self.transport.close()
