@@ -25,7 +25,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-CONFIG = dict(block_size=4, num_blocks=96, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=24)
+CONFIG = dict(block_size=4, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
 
 
 def main() -> int:

@@ -14,7 +14,7 @@ from serve_helpers import running_server, save_chat_model  # noqa: E402
 from nanoserve.models.loader import load_model  # noqa: E402
 
 # A small context: any generated request (max_tokens and n included) finishes in a few steps.
-CONFIG = dict(block_size=4, num_blocks=96, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=24)
+CONFIG = dict(block_size=4, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
 
 
 def test_schemathesis_finds_no_server_error(tmp_path):
