@@ -19,6 +19,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 
@@ -50,6 +51,7 @@ def main() -> int:
                 stats = fuzz(url, loaded.name, args.examples, seed=args.seed + r, log=print)
                 check_server(url, server)
             except BaseException as exc:   # noqa: BLE001 -- print what failed, exit 1
+                traceback.print_exception(exc)
                 print(f"\nFAILED in round {r} (seed {args.seed + r}): {type(exc).__name__}: {exc}")
                 return 1
             total.update(stats)

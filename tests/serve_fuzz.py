@@ -56,14 +56,20 @@ def fuzz(url: str, model: str, examples: int, seed: int = 0, log=None) -> Counte
                 case, served_model = pair
                 if served_model and isinstance(case.body, dict):
                     case.body["model"] = model          # past the 404: into the engine
-                response = case.call(base_url=url, timeout=120)
-                stats["cases"] += 1
-                stats[f"status {response.status_code}"] += 1
-                case.validate_response(response, checks=[not_a_server_error])
-                if response.status_code >= 400:
-                    error = response.json().get("error")
-                    assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}, (
-                        f"{case.method} {case.path}: {response.status_code} {response.text[:200]}")
+                try:
+                    response = case.call(base_url=url, timeout=120)
+                    stats["cases"] += 1
+                    stats[f"status {response.status_code}"] += 1
+                    case.validate_response(response, checks=[not_a_server_error])
+                    if response.status_code >= 400:
+                        error = response.json().get("error")
+                        assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}, (
+                            f"{case.method} {case.path}: {response.status_code} {response.text[:200]}")
+                except Exception as exc:
+                    if log:                              # (Hypothesis may report it later as flaky: say it now)
+                        log(f"  failure: {case.method} {case.path} body={case.body!r:.300} -> "
+                            f"{type(exc).__name__}: {str(exc)[:500]}")
+                    raise
 
             try:
                 hypothesis_seed(seed)(run)()

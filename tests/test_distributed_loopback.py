@@ -20,9 +20,9 @@ from nanoserve.distributed.group import loopback_store
 from nanoserve.errors import FieldError
 
 
-def listening(process: psutil.Process) -> list[str]:
-    """The addresses `process` listens on (TCP)."""
-    return [c.laddr.ip for c in process.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+def listening(process: psutil.Process) -> list[tuple[str, int]]:
+    """The (address, port) pairs `process` listens on (TCP)."""
+    return [(c.laddr.ip, c.laddr.port) for c in process.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
 
 
 def test_a_tp_2_run_listens_on_loopback_only(tiny_llama):
@@ -42,7 +42,7 @@ def test_a_tp_2_run_listens_on_loopback_only(tiny_llama):
         engine.shutdown()
     seen[driver.pid] -= before                        # (whatever the test process listened on already)
     assert all(seen.values()) and len(seen) == 2, seen  # the driver (store + gloo) and rank 1 (gloo) listen
-    addresses = set().union(*seen.values())
+    addresses = {ip for ip, _ in set().union(*seen.values())}
     assert all(ipaddress.ip_address(a).is_loopback for a in addresses), addresses
 
 

@@ -246,13 +246,17 @@ def test_record_onto_dev_full_serves_anyway(loaded):
 
 
 def test_tokenizing_happens_off_the_engine_thread(server, loaded, monkeypatch):
-    """A prompt still being tokenized (a huge one) holds no one else: a short request is served meanwhile."""
+    """A huge prompt still being tokenized holds no one else: a short request is served meanwhile
+    (and the huge one is refused once counted: it does not fit the context)."""
+    from nanoserve.serve.engine_loop import LONG_PROMPT_CHARS
+
     url, srv = server
     gate = threading.Event()
     tokenizer = Tokenizer(srv.engine.tokenizer, "SLOW", gate=gate)
     monkeypatch.setattr(srv.engine, "tokenizer", tokenizer)
     slow: dict = {}
-    thread = threading.Thread(target=lambda: slow.update(resp=post(url, completion(loaded.name, prompt="SLOW"))))
+    huge = "SLOW " + "a" * LONG_PROMPT_CHARS
+    thread = threading.Thread(target=lambda: slow.update(resp=post(url, completion(loaded.name, prompt=huge))))
     thread.start()
     try:
         assert tokenizer.waiting.wait(30)
@@ -261,7 +265,7 @@ def test_tokenizing_happens_off_the_engine_thread(server, loaded, monkeypatch):
     finally:
         gate.set()
         thread.join(60)
-    assert slow["resp"].status_code == 200
+    assert_error(slow["resp"], 400, "maximum context length is 128")
     still_serving(url, srv, loaded.name)
 
 

@@ -27,11 +27,13 @@ holds fewer than `max_waiting` requests; past it the submit fails with HTTP 429
 (checked here, at admission, so the count is exact). A request that
 disconnects is aborted between two steps, which frees (or caches) its blocks.
 
-Tokenizing a text prompt happens on a small pool of its own threads (the
-tokenizers library releases the GIL): a huge prompt is counted and refused
-there, while the engine keeps stepping for everyone else. Only prompts that
-fit the context reach the engine thread (where `add_request` tokenizes them
-again, which is then bounded by the context length).
+Tokenizing a text prompt happens on a thread of its own (the tokenizers
+library releases the GIL), in the order requests came, so they are admitted
+first come, first served; a text prompt longer than LONG_PROMPT_CHARS goes to
+two more threads beside it, so a huge prompt is counted and refused there
+while everyone else is admitted and the engine keeps stepping. Only prompts
+that fit the context reach the engine thread (where `add_request` tokenizes
+them again, which is then bounded by the context length).
 
 No request and no subscriber can stop this thread. A request whose admission
 raises gets an error naming the cause; a step that fails (`StepFailed`: the
@@ -62,7 +64,8 @@ from nanoserve.serve.metrics import ServerMetrics
 from nanoserve.serve.protocol import ApiError
 
 log = logging.getLogger("nanoserve.serve")
-TOKENIZER_THREADS = 4      # prompts tokenized at once, off the engine thread
+LONG_PROMPT_CHARS = 65_536   # text prompts longer than this are tokenized beside the others, not in line
+LONG_PROMPT_THREADS = 2      # ... this many at once
 
 
 class Sink:
@@ -117,8 +120,11 @@ class EngineLoop:
         self._running.set()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
-        # Prompts are tokenized here, off the engine thread (a few threads: one huge prompt holds one).
-        self._tokenizers = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, "nanoserve-tokenize")
+        # Prompts are counted off the engine thread, in the order they came (one thread: requests are
+        # admitted first come, first served); long text prompts on threads of their own, so that one
+        # huge prompt holds nobody up.
+        self._tokenizers = concurrent.futures.ThreadPoolExecutor(1, "nanoserve-tokenize")
+        self._long_prompts = concurrent.futures.ThreadPoolExecutor(LONG_PROMPT_THREADS, "nanoserve-tokenize-long")
         self.error: str | None = None       # why the loop died, if it did
         self.failures = 0                   # errors survived: admissions, steps, subscribers, callbacks
 
@@ -132,7 +138,8 @@ class EngineLoop:
         self._running.set()
         self._commands.put(lambda: None)    # wake the thread
         self._thread.join(timeout)
-        self._tokenizers.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._tokenizers, self._long_prompts):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def alive(self) -> bool:
@@ -164,8 +171,9 @@ class EngineLoop:
         if self.error is not None or not self.alive:
             sub.admitted.set_exception(ApiError(503, f"the engine loop is not running: {self.error or 'stopped'}"))
         else:
+            long = isinstance(sub.prompt, str) and len(sub.prompt) > LONG_PROMPT_CHARS
             try:
-                self._tokenizers.submit(self._prepare, sub)
+                (self._long_prompts if long else self._tokenizers).submit(self._prepare, sub)
             except RuntimeError:            # shut down: the server is stopping
                 sub.admitted.set_exception(ApiError(503, "the server is shutting down"))
         return sub.admitted
