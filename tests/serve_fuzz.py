@@ -3,8 +3,9 @@
 schemathesis reads the server's /openapi.json (FastAPI builds it from the pydantic models of
 `protocol.py`) and generates requests for every operation: valid ones (positive mode) and
 ones that break the schema (negative mode: wrong types, missing fields, values out of range).
-Half of the generated bodies get the served model's name, so they go past the 404 and reach
-the engine. Every response must not be a server error (schemathesis' `not_a_server_error`
+Half of the generated bodies are steered towards the engine (`steer`): the served model's name,
+no field nanoserve refuses outright, a prompt and n that fit; the sampling fields stay as
+generated, so the engine samples with whatever values the schema allows. Every response must not be a server error (schemathesis' `not_a_server_error`
 check), and every error body must have the OpenAI shape. GET /events is left out: it is an
 endless stream by design (its parameters are checked by the server tests).
 
@@ -53,9 +54,9 @@ def fuzz(url: str, model: str, examples: int, seed: int = 0, log=None) -> Counte
                       suppress_health_check=list(HealthCheck))
             @given(strategy)
             def run(pair) -> None:
-                case, served_model = pair
-                if served_model and isinstance(case.body, dict):
-                    case.body["model"] = model          # past the 404: into the engine
+                case, steered = pair
+                if steered and isinstance(case.body, dict):
+                    steer(case.body, model)
                 try:
                     response = case.call(base_url=url, timeout=120)
                     stats["cases"] += 1
@@ -80,6 +81,25 @@ def fuzz(url: str, model: str, examples: int, seed: int = 0, log=None) -> Counte
             if log:
                 log(f"  {operation.label} ({mode.value}): {stats['cases']} cases so far")
     return stats
+
+
+UNSUPPORTED = ("echo", "best_of", "suffix", "logit_bias", "tools", "top_logprobs")
+
+
+def steer(body: dict, model: str) -> None:
+    """Past the 404 and the refusals that say nothing about the engine: into a step."""
+    body["model"] = model
+    for name in UNSUPPORTED:
+        body.pop(name, None)
+    if "prompt" in body and not (isinstance(body["prompt"], str) and 0 < len(body["prompt"]) < 40):
+        body["prompt"] = "Hello there"
+    if isinstance(body.get("messages"), list):
+        body["messages"] = body["messages"][:2] or [{"role": "user", "content": "Hi"}]
+    if isinstance(body.get("n"), int):
+        body["n"] = 1 + body["n"] % 4
+    for name in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        if isinstance(body.get(name), int):
+            body[name] = 1 + body[name] % 16
 
 
 def check_server(url: str, server, timeout: float = 120.0) -> None:
