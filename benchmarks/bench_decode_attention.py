@@ -7,8 +7,8 @@ A batch of B decoding sequences with random lengths, their blocks scattered
 over a pool of 1024 blocks of 16 tokens, 9 query heads over 3 KV heads of 64
 dims (SmolLM2-135M). All paths go through the backend's `prepare` and
 `forward` exactly as the runner calls them: plain (one padded gather), groups
-(the fast path without the C kernel, `cpu_kernel=False`) and C (the fast
-path's kernels/cpu_decode.c). Then single prefill chunks (no cached prefix,
+(the fast path without the C kernel, `c_kernels=False`) and C (the fast
+path's cpu/attention.c). Then single prefill chunks (no cached prefix,
 and one after 256 cached tokens): the torch path (gather, masked SDPA) against
 the C kernel given one row per query. The script checks the paths agree and
 prints the CPU time of this thread per call (median of 7).
@@ -24,8 +24,10 @@ import time
 import torch
 
 from nanoserve.attention import BatchLayout, PrefillChunk, paged_attention
-from nanoserve.kernels import cpu_decode
-from nanoserve.kernels.torch_backend import TorchBackend, cpu_has_bf16_units
+from nanoserve.cpu import attention as cpu_decode
+from nanoserve.cpu.backend import CpuBackend
+from nanoserve.cpu.linear import cpu_has_bf16_units
+from nanoserve.kernels.torch_backend import TorchBackend
 
 
 def cpu_ms(fn, repeat: int = 7) -> float:
@@ -78,8 +80,7 @@ def main() -> None:
     v_cache = torch.randn(n_blocks, bs, hkv, d, generator=gen).to(dtype)
     upcast = torch.float32 if dtype == torch.bfloat16 and not cpu_has_bf16_units() else None
     atol = 2e-2 if upcast else 1e-5
-    with_c = TorchBackend(fast=True, compute_dtype=upcast)
-    with_c.decode_kernel, with_c.store_kernel = cpu_decode.load(dtype), cpu_decode.load_store(dtype)
+    with_c = CpuBackend(cpu_decode.load(dtype), cpu_decode.load_store(dtype))   # nanoserve/cpu/'s backend
     paths = {"plain": TorchBackend(fast=False), "groups": TorchBackend(fast=True, compute_dtype=upcast), "C": with_c}
     print(f"{args.dtype}, one layer, {hq} query / {hkv} KV heads of {d}, block {bs}, CPU ms per call "
           f"(groups and C multiply in {upcast or dtype})")
@@ -97,7 +98,7 @@ def main() -> None:
         print(f"  B={batch:3d}, lengths {lo}-{hi}: plain {plain:7.2f} ms, groups {groups:7.2f} ms, "
               f"C {c:7.2f} ms ({plain / c:.1f}x plain, {groups / c:.1f}x groups)")
     # A prefill chunk: the torch paths gather its blocks and call SDPA with a causal mask; the C path gives
-    # the kernel one row per query, each over its causal prefix (TorchBackend._prepare_kernel).
+    # the kernel one row per query, each over its causal prefix (cpu/backend.py).
     print("one prefill chunk (torch paths: gather + masked SDPA; C: a row per query):")
     for cached, chunk in ((0, 64), (0, 136), (0, 256), (256, 128)):
         ctx = cached + chunk

@@ -1,4 +1,4 @@
-"""The CPU Llama path's matmul (kernels/cpu_matmul.c) against oneDNN's packed matmul, per projection.
+"""The CPU Llama path's matmul (cpu/matmul.c) against oneDNN's packed matmul, per projection.
 
     python benchmarks/bench_matmul.py                    # SmolLM2-135M's projections, 2 threads
     python benchmarks/bench_matmul.py --threads 1 --rows 1,32
@@ -6,7 +6,7 @@
 For each of SmolLM2-135M's matmul shapes (merged q/k/v, o, merged gate/up,
 down, the LM head) and each row count, both kernels multiply the same rows by
 the same weights: oneDNN through torch (`torch.ops.mkldnn`, a weight reordered
-once into its blocked layout, as models/cpu_linear.py's CpuLinear and vLLM's
+once into its blocked layout, as cpu/linear.py's CpuLinear and vLLM's
 CPU backend call it) and nanoserve's 16-column panels (PanelLinear's call).
 As in a decode step, the weights come from memory: each call takes the next
 of 30 copies (4 of the 113 MB LM head), more than the CPU's caches hold. It
@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from nanoserve.kernels import cpu_matmul
+from nanoserve.cpu import matmul as cpu_matmul
 
-SHAPES = {      # name: (out_features, in_features) of SmolLM2-135M's matmuls, merged as models/cpu_llama.py does
+SHAPES = {      # name: (out_features, in_features) of SmolLM2-135M's matmuls, merged as cpu/llama.py does
     "q/k/v": (960, 576),
     "o": (576, 576),
     "gate/up": (3072, 576),
@@ -54,7 +54,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     mm = cpu_matmul.load()
     if mm is None:
-        raise SystemExit("kernels/cpu_matmul.c could not be built here (no C compiler?)")
+        raise SystemExit("cpu/matmul.c could not be built here (no C compiler?)")
     rows_list = [int(r) for r in args.rows.split(",") if r]
     print(f"torch {torch.__version__}, {args.threads} threads; GFLOP/s, weights from memory; "
           "oneDNN packed -> nanoserve panels")

@@ -8,7 +8,7 @@ bench_throughput.py's workload once through the engine (fast paths on, the
 default) and records every linear layer call: which layer, how many rows.
 Then it calls the same layers on random rows of the same sizes, in the same
 order, with nothing else in between: the time no engine built on these
-matmuls (nanoserve's own panel matmul, kernels/cpu_matmul.c, or torch's
+matmuls (nanoserve's own panel matmul, cpu/matmul.c, or torch's
 oneDNN-packed linears where that is not built) can go below on this
 schedule. What the run takes above that floor is everything else:
 attention, norms, RoPE, sampling, scheduling, Python.
@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_throughput import nanoserve_run, workload  # noqa: E402
 
-from nanoserve.models import cpu_linear  # noqa: E402
+from nanoserve.cpu import linear as cpu_linear  # noqa: E402
 from nanoserve.models.loader import load_model  # noqa: E402
 
 DECODE_ROWS = 32     # a call of at most this many rows is decode-sized here (32 seats)

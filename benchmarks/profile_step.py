@@ -83,7 +83,7 @@ def instrument(engine: LLMEngine, timer: Timer):
     runner.attn.forward = timed_attention
     engine.sampler = timer.wrap("sample", engine.sampler)
     engine.bus.publish = timer.wrap("events", engine.bus.publish)   # the subscribers (fold, when on)
-    # GPT-2's blocks, models/cpu_llama.py's layers (a float32 Llama on a CPU), or llama.py's model.layers
+    # GPT-2's blocks, cpu/llama.py's layers (a float32 Llama on a CPU), or llama.py's model.layers
     layers = getattr(runner.model, "blocks", None) or getattr(runner.model, "layers", None) \
         or runner.model.model.layers
     per_layer: list[list[float]] = []

@@ -12,7 +12,7 @@ chunk after a prefix-cache hit, which attends to K/V it never computed, gives
 exactly the logits of a prompt computed from scratch.
 """
 
-from lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
+from nanoserve.lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
 
 BROKEN = breaks({
     "positions-from-zero": "expect a prefill chunk's positions to start at 0, whatever it follows",
@@ -30,13 +30,16 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 def make_engine(**config) -> LLMEngine:
-    # cpu_kernel=False: decodes take the torch path this lesson reads (padded tables, masks). By default a
-    # CPU runs them in kernels/cpu_decode.c instead, which reads each sequence's own tokens and needs neither.
+    # fast_paths=False: the reading path, the code this lesson reads (models/llama.py, kernels/reference.py:
+    # padded tables, masks). By default a CPU runs the fast path of nanoserve/cpu/ instead, whose attention
+    # kernel (cpu/attention.c) reads each sequence's own tokens and needs neither. engine.implementation
+    # says which one ran.
     return LLMEngine(EngineConfig(model="tiny-llama", block_size=BS, num_blocks=64, max_num_batched_tokens=64,
-                                  cpu_kernel=False, **config))
+                                  fast_paths=False, **config))
 
 
 engine = make_engine()
+assert engine.implementation.path == "reading", "this lesson reads (and runs) models/ and kernels/reference.py"
 recorded = []                                       # (the RunInputs, the Batch) of every forward pass
 prepare = engine.runner.prepare
 
@@ -134,8 +137,8 @@ for b in range(meta.num_decodes):
 short = int(group.seq_lens.argmin())
 assert group.block_tables[short, -1] == 0 and dmask[short, -BS:].sum() == 0, "padding: block 0, masked"
 say("""The decodes' tables are padded to the longest with block 0; the mask hides the padding and
-the unused slots of each last block. (This is the torch path, which this lesson's engine takes with
-cpu_kernel=False. By default a CPU runs every row in the C kernel of kernels/cpu_decode.c, which walks
+the unused slots of each last block. (This is the reading path, which this lesson's engine takes with
+fast_paths=False. By default a CPU runs every row in the C kernel of cpu/attention.c, which walks
 each row's own block table up to its length: no padding, no mask, no gathered copy. A prefill chunk's
 query at position p is a row over the first p + 1 tokens of the chunk's table: causal by construction.)""")
 

@@ -12,11 +12,13 @@ then every layer calls `paged_attention`, which hands q, k, v to the backend:
 write k, v into the cache at their slots, then attend, reading K/V back only
 through block tables.
 
-Two backends implement the interface:
+Three backends implement the interface:
 
-* `TorchBackend`  (kernels/torch_backend.py)  plain torch, any device; what a CPU runs
+* `TorchBackend`  (kernels/torch_backend.py)  kernels/reference.py's torch functions, any device
 * `TritonBackend` (kernels/triton_backend.py) Triton kernels: on a GPU, or on a CPU
                                               under the Triton interpreter (tests, lessons)
+* `CpuBackend`    (cpu/backend.py)            the CPU fast path's C kernel (what a CPU runs
+                                              by default; nanoserve/cpu/)
 
 Each builds only its own tensors: the torch backend's gathered block tables,
 the Triton backend's per-chunk arrays for its one-launch prefill kernel.
@@ -72,6 +74,11 @@ class AttentionBackend:
 
     name = "base"
 
+    @property
+    def label(self) -> str:
+        """What runs, for a reader: the backend's name and the file whose code attends."""
+        return f"{self.name} ({type(self).__module__})"
+
     def prepare(self, layout: BatchLayout) -> AttentionMetadata:
         raise NotImplementedError
 
@@ -96,6 +103,6 @@ def paged_attention(
 ) -> torch.Tensor:          # [T, Hq, D]
     """Store this step's k, v at their slots, then attend for every token of the row.
 
-    q, k and v may be views whose rows lie apart in memory (models/cpu_llama.py passes slices of one
+    q, k and v may be views whose rows lie apart in memory (cpu/llama.py passes slices of one
     merged q/k/v matmul output); each head's head_dim values are contiguous."""
     return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale)

@@ -16,7 +16,7 @@ Each field is called exactly as the engine calls its own default, so a
 replacement keeps the default's constructor (or function) signature:
 
     block_pool(num_blocks, block_size)                 -> a BlockPool-like object
-    radix_cache(pool, emit, decode, clock=clock)       -> a RadixCache-like object
+    radix_cache(pool, emit, span_text, clock=clock)    -> a RadixCache-like object
     kv_manager(pool, radix, cpu_pool, emit, clock=clock) -> a KVManager-like object
     scheduler(config, kv, emit, clock=clock)           -> a Scheduler-like object
     verify(p, draft, q, greedy, generator)             -> (tokens, num_accepted)

@@ -34,11 +34,15 @@ class EngineConfig:
     preemption_policy: str = "newest"   # victim: "newest" admitted, lowest "priority", or "shortest_remaining" keeps
                                         # the ones closest to done (the most tokens left is preempted first)
     num_cpu_blocks: int | None = None   # swap space in blocks; None: as many as num_blocks when swapping
-    attention_backend: str = "auto"     # "torch", "triton" (interpreted on CPU: slow) or "auto" (triton on CUDA)
-    fast_paths: bool = True             # runner.py's speed paths; False: the plain reference path (same tokens)
-    cpu_kernel: bool = True             # fast paths on a CPU: decode attention in C (kernels/cpu_decode.c) and a
-                                        # float32 Llama's layers with their small steps in C (models/cpu_llama.py),
-                                        # compiled with the system's C compiler on first use; False: torch only
+    attention_backend: str = "auto"     # "torch", "triton" (interpreted on CPU: slow), "cpu" (the C kernel of
+                                        # cpu/attention.c) or "auto": triton on CUDA, cpu on a CPU (else torch)
+    fast_paths: bool = True             # False: the reading path, models/ and kernels/reference.py only (same
+                                        # tokens); True: on a CPU, the fast path of nanoserve/cpu/ (the runner)
+    c_kernels: bool = True              # the CPU fast path's C files (attention, a float32 Llama's small steps and
+                                        # matmuls), compiled with the system's C compiler on first use; False:
+                                        # the fast path in torch only (oneDNN-packed weights, grouped decodes)
+    enforce_eager: bool | None = None   # CUDA graphs for pure-decode steps (cuda_graphs.py): None = on for CUDA,
+                                        # True = off; False = on, and on a CPU the same padded path runs uncaptured
     seed: int = 0                       # seeds random weights of tiny models and unseeded requests
     # Speculative decoding (spec_decode.py): off unless a method is named.
     speculative_method: str | None = None   # None, "ngram" (prompt lookup) or "draft" (a draft model)
@@ -69,8 +73,13 @@ class EngineConfig:
         v.choice("preemption_policy", self.preemption_policy, ("newest", "priority", "shortest_remaining"))
         self.num_cpu_blocks = v.optional_integer("num_cpu_blocks", self.num_cpu_blocks, minimum=0)
         v.boolean("fast_paths", self.fast_paths)
-        v.boolean("cpu_kernel", self.cpu_kernel)
-        v.choice("attention_backend", self.attention_backend, ("torch", "triton", "auto"))
+        v.boolean("c_kernels", self.c_kernels)
+        v.choice("attention_backend", self.attention_backend, ("torch", "triton", "cpu", "auto"))
+        if self.attention_backend == "cpu" and not (self.device == "cpu" and self.fast_paths and self.c_kernels):
+            raise FieldError("attention_backend", "'cpu' is the CPU fast path's C kernel: it needs device='cpu', "
+                                                  "fast_paths=True and c_kernels=True")
+        if self.enforce_eager is not None:
+            v.boolean("enforce_eager", self.enforce_eager)
         self.seed = v.integer("seed", self.seed, minimum=0, maximum=2**64 - 1)
 
         v.choice("speculative_method", self.speculative_method, (None, "ngram", "draft"))
@@ -86,13 +95,17 @@ class EngineConfig:
         self.tensor_parallel_size = v.integer("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
 
     def resolved_backend(self) -> str:
-        """The attention backend this config runs: "auto" is Triton on CUDA (when installed), else torch."""
+        """The attention backend this config asks for: "auto" is Triton on CUDA (when installed), the C kernel
+        on a CPU with the fast path and its C files on, else torch. (If the C kernel cannot be built here,
+        the runner runs torch and says so: `LLMEngine.implementation`.)"""
         if self.attention_backend != "auto":
             return self.attention_backend
         if self.device.startswith("cuda"):
             import importlib.util
             if importlib.util.find_spec("triton") is not None:
                 return "triton"
+        if self.device == "cpu" and self.fast_paths and self.c_kernels:
+            return "cpu"
         return "torch"
 
     def resolve(self, model_max_len: int, bytes_per_block: int, draft_bytes_per_block: int = 0) -> None:

@@ -11,7 +11,7 @@ One `step()` has three phases:
              plan   = scheduler.schedule()    who runs, how many tokens each, which blocks
     compute  runner: block copies and swaps, then one forward over the flat token row
              (attention reads K/V through block tables), then the token choice
-             (choose.py: sample, or verify drafts, or beam scores)
+             (token_choice.py: sample, or verify drafts, or beam scores)
     commit   append tokens, detokenize, check stops, fork, free finished, cache full blocks
 
 A step is all or nothing, by construction rather than by luck:
@@ -47,16 +47,17 @@ import dataclasses
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from typing import NoReturn
 
 import torch
 
-from nanoserve import engine_state, intake, spec_decode, step_rollback
+from nanoserve import engine_state, intake, prompt_logprobs, spec_decode, step_rollback
 from nanoserve import events as ev
 from nanoserve import validation as v
-from nanoserve.choose import Choice, choose
 from nanoserve.commit import commit
 from nanoserve.components import Components
 from nanoserve.config import EngineConfig
+from nanoserve.cuda_graphs import GraphSettings
 from nanoserve.detokenizer import IncrementalDetokenizer
 from nanoserve.display import Displayable
 from nanoserve.errors import SubscriberError
@@ -68,8 +69,10 @@ from nanoserve.request import Request
 from nanoserve.runner import ModelRunner, RunInput, kv_bytes_per_block
 from nanoserve.sampler import SampledToken, Sampler
 from nanoserve.sampling_params import SamplingParams, to_pairs
+from nanoserve.scheduler import StepPlan
 from nanoserve.sequence import Sequence, SequenceStatus
 from nanoserve.spec_decode import Drafts, build_proposer
+from nanoserve.token_choice import Choice, choose_tokens
 from nanoserve.trace import EventBus, synced_event
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -111,20 +114,23 @@ class LLMEngine(Displayable):
         self.bus = EventBus(hold_errors=True)   # a raising viewer never stops a step half way
         self.clock = ev.StepClock()             # the step number: the engine advances it, its parts read it
         # The radix prefix cache (None when off) and the CPU pool for swap preemption (None without swap space).
-        self.radix = parts.radix_cache(self.pool, self._emit, self._span_text, clock=self.clock) \
+        self.radix = parts.radix_cache(self.pool, self.emit, self._span_text, clock=self.clock) \
             if config.enable_prefix_caching else None
         self.cpu_pool = parts.block_pool(config.num_cpu_blocks, config.block_size) if config.num_cpu_blocks else None
-        self.kv = parts.kv_manager(self.pool, self.radix, self.cpu_pool, self._emit, clock=self.clock)
-        self.scheduler = parts.scheduler(config, self.kv, self._emit, clock=self.clock)
-        self.backend = prepare_backend(config)
+        self.kv = parts.kv_manager(self.pool, self.radix, self.cpu_pool, self.emit, clock=self.clock)
+        self.scheduler = parts.scheduler(config, self.kv, self.emit, clock=self.clock)
+        backend = prepare_backend(config)     # the attention backend asked for: "torch", "triton" or "cpu"
         if config.tensor_parallel_size > 1:   # the model split over processes (distributed/tensor_parallel.py)
             from nanoserve.distributed.tensor_parallel import TensorParallelRunner
-            self.runner = TensorParallelRunner(model, config, self.backend, self._emit, lambda: self.step_count,
+            self.runner = TensorParallelRunner(model, config, backend, self.emit, lambda: self.step_count,
                                                workers)
         else:
             self.runner = ModelRunner(model, config.num_blocks, config.block_size, dtype, torch.device(config.device),
-                                      self.backend, fast_paths=config.fast_paths, cpu_kernel=config.cpu_kernel,
-                                      make_attention=parts.attention_backend)
+                                      backend, fast_paths=config.fast_paths, c_kernels=config.c_kernels,
+                                      make_attention=parts.attention_backend, graphs=GraphSettings.from_config(config))
+        # What computes a step, as it actually runs: the model class, attention backend and matmul, and why
+        # a faster part did not run (runner.Implementation; the snapshot, the TUI header and --stats say it).
+        self.implementation = self.runner.implementation
         if self.cpu_pool is not None:
             self.runner.allocate_swap(config.num_cpu_blocks)
         self.sampler = Sampler()
@@ -166,8 +172,8 @@ class LLMEngine(Displayable):
         self.scheduler.add(seq)
         shown = engine_state.prompt_text(seq.prompt, seq.prompt_token_ids, self.tokenizer)   # token ids: their text
         given_ids = tuple(seq.prompt_token_ids) if seq.prompt is None else ()   # what a replay adds again
-        self._emit(ev.RequestAdded(self.step_count, rid, shown, seq.num_prompt_tokens, request.params.max_tokens,
-                                   given_ids, to_pairs(request.params, request.seed), seq.priority))
+        self.emit(ev.RequestAdded(self.step_count, rid, shown, seq.num_prompt_tokens, request.params.max_tokens,
+                                  given_ids, to_pairs(request.params, request.seed), seq.priority))
 
     def abort_request(self, request_id: str) -> RequestOutput:
         """Stop a request (all its sequences) now and free their blocks.
@@ -184,8 +190,8 @@ class LLMEngine(Displayable):
             raise KeyError(self._unknown(request_id))
         out = None
         for seq in seqs:
-            self._emit(ev.SequenceAborted(self.step_count, seq.seq_id))
-            out = self._finish(seq, SequenceStatus.FINISHED_ABORTED, delta="")
+            self.emit(ev.SequenceAborted(self.step_count, seq.seq_id))
+            out = self.finish_sequence(seq, SequenceStatus.FINISHED_ABORTED, delta="")
         self._raise_subscriber_errors(out)
         return out
 
@@ -221,24 +227,9 @@ class LLMEngine(Displayable):
                              "already run")
         if seed is None:
             seed = int(torch.randint(2**62, (1,), generator=self._rng))
-        child_id = self._fork_seq(seq, torch.Generator().manual_seed(seed), seed).seq_id
+        child_id = self.fork_sequence(seq, torch.Generator().manual_seed(seed), seed).seq_id
         self._raise_subscriber_errors(child_id)
         return child_id
-
-    def _fork_seq(self, parent: Sequence, generator: torch.Generator, seed: int = -1) -> Sequence:
-        """A new running sequence of the same request, sharing `parent`'s tokens, text and blocks.
-        (`seed`, the seed of `generator` when the caller knows it, goes into the Forked event.)"""
-        request = self.requests[parent.request_id]
-        child_id = request.fork_id()
-        while child_id in self.sequences or child_id in self.requests:   # a user's request may have this id
-            child_id = request.fork_id()
-        child = parent.fork(child_id, generator)
-        self.kv.fork(parent, child, seed)
-        self.scheduler.running.append(child)
-        request.seqs.append(child)
-        self.sequences[child_id] = child
-        self.detokenizers[child_id] = copy.copy(self.detokenizers[parent.seq_id])   # plain state: a shallow copy
-        return child
 
     def shutdown(self) -> None:
         """Stop the worker processes of a distributed engine (nothing to do for one process)."""
@@ -269,25 +260,29 @@ class LLMEngine(Displayable):
         t0 = time.perf_counter()
         self.clock.step += 1
         self._deltas, outputs = {}, {}
-        self._emit(ev.StepStarted(self.step_count, len(self.scheduler.waiting), len(self.scheduler.running)))
-        rngs = step_rollback.RngStates(self.scheduler.running)   # drafting and sampling draw from these
+        self.emit(ev.StepStarted(self.step_count, len(self.scheduler.waiting), len(self.scheduler.running)))
+        # What a failed compute phase must undo: the RNGs drafting and sampling draw from, and whether
+        # the plan's block moves were carried out (step_rollback.py).
+        rollback = step_rollback.Rollback(self.scheduler.running)
         try:
             drafts = self._propose()                  # speculative decoding only (a draft model runs its forward)
         except BaseException as exc:
-            self._fail_step(exc, t0, None, rngs, outputs)
+            self._fail_step(exc, t0, None, rollback, outputs)
         plan = self.scheduler.schedule(drafts.tokens)                           # bookkeeping only
         for seq in plan.failed:
-            outputs[seq.request_id] = self._finish(seq, seq.status, delta="")
+            outputs[seq.request_id] = self.finish_sequence(seq, seq.status, delta="")
         for seq in plan.preempted:
             if self.proposer:
                 self.proposer.release(seq.seq_id)   # its draft KV goes with its target KV
-        rngs.save(c.seq for c in plan.chunks)
+        rollback.save_rngs(c.seq for c in plan.chunks)
         try:
-            chosen = self._compute(plan, drafts)
+            chosen = self._compute(plan, drafts, rollback)
         except BaseException as exc:
-            self._fail_step(exc, t0, plan, rngs, outputs)
-        self.scheduler.update(plan)                          # the KV of every real token is written
-        counts = commit(self, chosen, drafts, outputs)      # append, fork, trim, prune, finish
+            self._fail_step(exc, t0, plan, rollback, outputs)
+        self.scheduler.mark_computed(plan)                 # the KV of every real token is written
+        if any(c.prompt_logprobs for c in plan.chunks):    # prompt log-probabilities join their sequences
+            prompt_logprobs.commit(plan.chunks)
+        counts = commit(self, chosen, drafts, outputs)     # append, fork, trim, prune, finish
         self.scheduler.cache_blocks()      # blocks that filled this step join the prefix cache
         result = self._end_step(t0, plan, outputs, counts)
         self._raise_subscriber_errors(result)
@@ -301,34 +296,39 @@ class LLMEngine(Displayable):
         drafts = spec_decode.propose(self.proposer, self.scheduler.running, c.num_speculative_tokens,
                                      c.max_model_len, self.pool.num_blocks * self.pool.block_size)
         for rid, tokens in drafts.tokens.items():
-            self._emit(ev.DraftProposed(self.step_count, rid, self.proposer.method, tuple(tokens)))
+            self.emit(ev.DraftProposed(self.step_count, rid, self.proposer.method, tuple(tokens)))
         return drafts
 
-    def _fail_step(self, exc: BaseException, t0: float, plan, rngs, outputs: dict) -> None:
+    def _fail_step(self, exc: BaseException, t0: float, plan: StepPlan | None, rollback: step_rollback.Rollback,
+                   outputs: dict) -> NoReturn:
         """The compute phase raised: undo the plan, close the step, raise StepFailed (or Ctrl-C as is)."""
-        lost = step_rollback.undo(self, plan, rngs)
+        lost = step_rollback.undo(self, plan, rollback)
         result = self._end_step(t0, plan, outputs, (0, 0), computed=False)
-        err = step_rollback.failure(self, exc, plan, lost, result)
+        err = step_rollback.failure(self, exc, plan, lost, result, rollback.blocks_moved)
         if err is exc:
-            raise
+            raise exc                     # Ctrl-C and the like, with the step's result attached
         raise err from exc
 
-    def _compute(self, plan, drafts: Drafts) -> list[Choice]:
+    def _compute(self, plan: StepPlan, drafts: Drafts, rollback: step_rollback.Rollback) -> list[Choice]:
         """Block moves, the forward, the token choice: tensors and RNGs only, no bookkeeping."""
         # Swap out first (those device blocks may be handed to someone else in this very step),
         # then swap in, then copy-on-write copies.
         self.runner.swap_out(plan.moves.swap_out)
         self.runner.swap_in(plan.moves.swap_in)
         self.runner.copy_blocks(plan.moves.copies)
-        plan.moved = True
+        rollback.blocks_moved = True
         if not plan.chunks:
             return []
         inputs = [RunInput(c.token_ids(), c.start, c.seq.block_table,
                            num_logits=1 + len(c.draft_token_ids) if c.samples else 0) for c in plan.chunks]
-        logits = self.runner.run(self.runner.prepare(inputs))   # [rows, vocab], in chunk order
-        return choose(self, plan.chunks, inputs, logits, drafts)
+        if not any(c.seq.needs_prompt_logprobs for c in plan.chunks):
+            logits = self.runner.run(self.runner.prepare(inputs))   # [rows, vocab], in chunk order
+        else:   # a request asked for its prompt's log-probabilities: more rows come back (prompt_logprobs.py)
+            wide = prompt_logprobs.widen(plan.chunks, inputs)
+            logits = prompt_logprobs.take(plan.chunks, inputs, wide, self.runner.run(self.runner.prepare(wide)))
+        return choose_tokens(self, plan.chunks, inputs, logits, drafts)
 
-    def _end_step(self, t0: float, plan, outputs: dict[str, RequestOutput], counts: tuple[int, int],
+    def _end_step(self, t0: float, plan: StepPlan | None, outputs: dict[str, RequestOutput], counts: tuple[int, int],
                   computed: bool = True) -> StepResult:
         """Stats, the StepFinished event, and the StepResult (a failed step computed no tokens)."""
         chunks = plan.chunks if plan is not None and computed else []
@@ -341,31 +341,43 @@ class LLMEngine(Displayable):
             num_free_blocks=self.pool.num_free_blocks, num_blocks=self.pool.num_blocks,
             duration_s=time.perf_counter() - t0, num_drafted=counts[0], num_accepted=counts[1],
             num_swapped=len(self.scheduler.swapped),
+            graph_bucket=getattr(self.runner, "replayed_bucket", 0) if chunks else 0,
         )
-        self._emit(ev.StepFinished(self.step_count, stats.num_seqs, prefill, stats.num_decode_tokens,
-                                   stats.num_free_blocks, stats.duration_s))
+        self.emit(ev.StepFinished(self.step_count, stats.num_seqs, prefill, stats.num_decode_tokens,
+                                  stats.num_free_blocks, stats.duration_s))
         events, self._events = self._events, []
         return StepResult(list(outputs.values()), events, stats)
 
-    def _prune(self, seq: Sequence) -> RequestOutput:
+    # -- the commit phase's verbs (commit.py and beam search call them; users call add/abort/fork) ----
+
+    def fork_sequence(self, parent: Sequence, generator: torch.Generator, seed: int = -1) -> Sequence:
+        """A new running sequence of the same request, sharing `parent`'s tokens, text and blocks.
+        (`seed`, the seed of `generator` when the caller knows it, goes into the Forked event.)"""
+        request = self.requests[parent.request_id]
+        child_id = request.fork_id()
+        while child_id in self.sequences or child_id in self.requests:   # a user's request may have this id
+            child_id = request.fork_id()
+        child = parent.fork(child_id, generator)
+        self.kv.fork(parent, child, seed)
+        self.scheduler.running.append(child)
+        request.seqs.append(child)
+        self.sequences[child_id] = child
+        self.detokenizers[child_id] = copy.copy(self.detokenizers[parent.seq_id])   # plain state: a shallow copy
+        return child
+
+    def prune_beam(self, seq: Sequence) -> RequestOutput:
         """Drop a beam: free its blocks, forget it (it is no completion of the request)."""
-        self._emit(ev.BeamPruned(self.step_count, seq.seq_id))
+        self.emit(ev.BeamPruned(self.step_count, seq.seq_id))
         seq.pruned = True
         self.requests[seq.request_id].seqs.remove(seq)
-        return self._finish(seq, SequenceStatus.FINISHED_ABORTED, delta="", quiet=True)
+        return self.finish_sequence(seq, SequenceStatus.FINISHED_ABORTED, delta="", quiet=True)
 
-    # -- speculative decoding ---------------------------------------------------------------
+    def count_verified(self, drafted: int, accepted: int) -> None:
+        """Speculative decoding: this step verified `drafted` draft tokens and accepted `accepted` (spec_stats)."""
+        self._spec_totals["drafted"] += drafted
+        self._spec_totals["accepted"] += accepted
 
-    def spec_stats(self) -> dict:
-        """Speculative decoding over the engine's life: acceptance rate and tokens per target forward."""
-        t = self._spec_totals
-        return {
-            "num_drafted": t["drafted"], "num_accepted": t["accepted"],
-            "acceptance_rate": t["accepted"] / t["drafted"] if t["drafted"] else None,
-            "tokens_per_forward": t["tokens"] / t["forwards"] if t["forwards"] else None,
-        }
-
-    def _append_tokens(self, seq: Sequence, tokens: list[SampledToken]) -> RequestOutput:
+    def append_tokens(self, seq: Sequence, tokens: list[SampledToken]) -> RequestOutput:
         """Postprocess this step's tokens (one, or several with speculation) until one finishes the sequence."""
         seq.num_sampling_steps += 1
         self._spec_totals["forwards"] += 1
@@ -375,11 +387,11 @@ class LLMEngine(Displayable):
             status, text = append_token(self, seq, token)
             delta += text
             if status is not None:
-                return self._finish(seq, status, delta)
+                return self.finish_sequence(seq, status, delta)
         self._deltas[seq.seq_id] = self._deltas.get(seq.seq_id, "") + delta
         return self.requests[seq.request_id].output(self._deltas)
 
-    def _finish(self, seq: Sequence, status: SequenceStatus, delta: str, quiet: bool = False) -> RequestOutput:
+    def finish_sequence(self, seq: Sequence, status: SequenceStatus, delta: str, quiet: bool = False) -> RequestOutput:
         """Close a sequence: free its blocks, forget it, say so; the request ends with its last sequence."""
         self._deltas[seq.seq_id] = self._deltas.get(seq.seq_id, "") + delta
         self.detokenizers.pop(seq.seq_id)
@@ -389,8 +401,8 @@ class LLMEngine(Displayable):
             self.scheduler.finish(seq, status)
         self.sequences.pop(seq.seq_id)
         if not quiet:             # (a pruned beam is no completion: BeamPruned said it all)
-            self._emit(ev.SequenceFinished(self.step_count, seq.seq_id, seq.status.finish_reason,
-                                          seq.num_output_tokens, seq.error or ""))
+            self.emit(ev.SequenceFinished(self.step_count, seq.seq_id, seq.status.finish_reason,
+                                         seq.num_output_tokens, seq.error or ""))
         request = self.requests[seq.request_id]
         # The request ends when the engine has closed its last sequence (not when the last one's
         # status says finished: the scheduler may fail two forks of a request in one step).
@@ -401,7 +413,8 @@ class LLMEngine(Displayable):
 
     # -- watching ------------------------------------------------------------------------
 
-    def _emit(self, event: ev.Event) -> None:
+    def emit(self, event: ev.Event) -> None:
+        """Publish an event: into this step's result and to every subscriber (the engine's parts call it)."""
         self._events.append(event)
         if self.bus.active:
             self.bus.publish(event)
@@ -430,6 +443,18 @@ class LLMEngine(Displayable):
     def check_invariants(self) -> None:
         """Raise AssertionError if any bookkeeping invariant is broken."""
         engine_state.check_invariants(self)
+
+    # -- statistics over the engine's life ------------------------------------------------
+
+    def spec_stats(self) -> dict:
+        """Speculative decoding over the engine's life: acceptance rate and tokens per target forward."""
+        t = self._spec_totals
+        return {
+            "num_drafted": t["drafted"], "num_accepted": t["accepted"],
+            "acceptance_rate": t["accepted"] / t["drafted"] if t["drafted"] else None,
+            "tokens_per_forward": t["tokens"] / t["forwards"] if t["forwards"] else None,
+        }
+
 
     # -- prefix cache --------------------------------------------------------------------
 

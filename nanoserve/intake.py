@@ -2,8 +2,9 @@
 
 `prepare()` does every check that can fail — types of the id, prompt,
 params and priority, tokenization, the vocabulary, `max_model_len`, seats
-and blocks for parallel sampling and beam search — and builds the request's
-first `Sequence`, its `Request` and its detokenizer. Only then does the
+and blocks for parallel sampling and beam search, compiling a structured
+output's grammar — and builds the request's first `Sequence` (with its
+grammar's matcher), its `Request` and its detokenizer. Only then does the
 engine register them (plain dict and queue insertions that cannot fail), so
 a bad request leaves the engine exactly as it was: all or nothing.
 
@@ -20,15 +21,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from nanoserve import structured_output
 from nanoserve import validation as v
 from nanoserve.detokenizer import IncrementalDetokenizer
 from nanoserve.errors import FieldError
 from nanoserve.request import Request
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.sequence import Sequence
+
+if TYPE_CHECKING:                      # (a type only: engine.py imports this module)
+    from nanoserve.engine import LLMEngine
 
 
 @dataclass(slots=True)
@@ -40,7 +46,7 @@ class PreparedRequest:
     detokenizer: IncrementalDetokenizer
 
 
-def prepare(engine, request_id, prompt, params, arrival_time=None, priority=0) -> PreparedRequest:
+def prepare(engine: LLMEngine, request_id, prompt, params, arrival_time=None, priority=0) -> PreparedRequest:
     """Check one request against the engine's model and limits; build it. Raises FieldError."""
     v.text("request_id", request_id)
     if request_id in engine.sequences or request_id in engine.requests:
@@ -60,17 +66,23 @@ def prepare(engine, request_id, prompt, params, arrival_time=None, priority=0) -
     # preparing changes nothing, not even that RNG).
     seed = params.seed
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    grammar = None
+    if params.structured_outputs is not None:   # compiled for this vocabulary: FieldError before anything changes
+        grammar = structured_output.compiler_for(engine.tokenizer, engine.vocab_size,
+                                                 engine.eos_token_id).matcher(params.structured_outputs)
     seq = Sequence(request_id, text, token_ids, params, generator=generator, priority=priority,
-                   seats=params.num_seqs)
+                   seats=params.num_seqs, grammar=grammar)
     if arrival_time is not None:
         seq.arrival_time = arrival_time
     if params.logprobs is not None:
         seq.logprobs = []
+    if params.prompt_logprobs is not None:
+        seq.prompt_logprobs = [None]   # the first prompt token has no context, so no log-probability
     return PreparedRequest(seq, Request(request_id, params, seed, [seq]),
                            IncrementalDetokenizer(engine.tokenizer, params))
 
 
-def tokenize(engine, prompt) -> tuple[str | None, list[int]]:
+def tokenize(engine: LLMEngine, prompt) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of a prompt given as text or as token ids."""
     if isinstance(prompt, str):
         if not prompt:
@@ -91,7 +103,7 @@ def tokenize(engine, prompt) -> tuple[str | None, list[int]]:
     return None, token_ids
 
 
-def _check_limits(engine, params: SamplingParams, token_ids: list[int]) -> None:
+def _check_limits(engine: LLMEngine, params: SamplingParams, token_ids: list[int]) -> None:
     """What depends on the model and the engine's settings: vocabulary, length, seats, blocks."""
     config, vocab = engine.config, engine.vocab_size
     v.token_ids("stop_token_ids", params.stop_token_ids, vocab)

@@ -47,14 +47,14 @@ class BlockMoves:
 
 
 class KVManager:
-    def __init__(self, pool: BlockPool, cache: RadixCache | None, cpu_pool: BlockPool | None,
+    def __init__(self, pool: BlockPool, radix: RadixCache | None, cpu_pool: BlockPool | None,
                  emit: Callable[[ev.Event], None], clock: ev.StepClock | None = None) -> None:
         self.pool = pool
-        self.cache = cache            # None: prefix caching is off
+        self.radix = radix            # the prefix cache (the engine's `radix`); None: prefix caching is off
         self.cpu_pool = cpu_pool      # None: no swap space (preemption by recompute only)
         self.emit = emit
-        # the engine's step number, for event stamps (built alone: the cache's, or a clock of its own)
-        self.clock = clock or (cache.clock if cache is not None else ev.StepClock())
+        # the engine's step number, for event stamps (built alone: the radix cache's, or a clock of its own)
+        self.clock = clock or (radix.clock if radix is not None else ev.StepClock())
         self.num_lookup_tokens = 0    # prefix cache: tokens looked up at admission ...
         self.num_hit_tokens = 0       # ... and tokens whose prefill a hit skipped
         self.moves = BlockMoves()     # where this step's block moves go (the plan's, from begin_step)
@@ -64,7 +64,7 @@ class KVManager:
     @property
     def num_available_blocks(self) -> int:
         """Blocks an allocation can get: free ones plus cached ones nobody is using."""
-        return self.pool.num_free_blocks + (self.cache.num_evictable_blocks if self.cache else 0)
+        return self.pool.num_free_blocks + (self.radix.num_evictable_blocks if self.radix else 0)
 
     def evictable_in_path(self, node) -> int:
         """Blocks on the path to `node` that count as evictable now (a match is about to lock them)."""
@@ -77,8 +77,8 @@ class KVManager:
 
     def _take(self, n: int) -> list[int]:
         short = n - self.pool.num_free_blocks
-        if short > 0 and self.cache is not None:
-            self.cache.evict(short)
+        if short > 0 and self.radix is not None:
+            self.radix.evict(short)
         return self.pool.allocate(n)
 
     def grow(self, seq: Sequence, num_new: int) -> None:
@@ -126,14 +126,17 @@ class KVManager:
     # -- prefix cache -------------------------------------------------------------------------
 
     def match(self, seq: Sequence):
-        """The longest cached prefix of `seq`'s tokens: (node, block ids). Changes no ref counts."""
-        if self.cache is None:
+        """The longest cached prefix of `seq`'s tokens: (node, block ids). Changes no ref counts.
+
+        A sequence that still needs prompt log-probabilities does not look: a hit would skip the
+        forward of the very positions whose logits give them (prompt_logprobs.py)."""
+        if self.radix is None or seq.needs_prompt_logprobs:
             return None, []
-        return self.cache.match_prefix(seq.all_token_ids)
+        return self.radix.match_prefix(seq.all_token_ids)
 
     def commit_match(self, seq: Sequence, node, blocks: list[int]) -> None:
         """`seq` (no blocks yet) starts from the cached blocks: share them, lock their nodes."""
-        if self.cache is None:
+        if self.radix is None or seq.needs_prompt_logprobs:   # (it did not look: no lookup to count)
             return
         assert not seq.block_table and seq.num_computed_tokens == 0
         self.num_lookup_tokens += seq.num_tokens
@@ -145,30 +148,30 @@ class KVManager:
         self.pool.share(blocks)
         seq.block_table = list(blocks)
         seq.num_computed_tokens = len(blocks) * self.pool.block_size
-        self.cache.touch(node)
+        self.radix.touch(node)
         self._relock(seq, node)
 
     def _relock(self, seq: Sequence, node) -> None:
         if node is seq.cache_node:
             return
-        if node is not None and node is not self.cache.root:
-            self.cache.lock(node)
+        if node is not None and node is not self.radix.root:
+            self.radix.lock(node)
         else:
             node = None
         if seq.cache_node is not None:
-            self.cache.unlock(seq.cache_node)
+            self.radix.unlock(seq.cache_node)
         seq.cache_node = node
         self.emit(ev.RadixLocked(self.step, seq.seq_id, node.node_id if node is not None else 0))
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Put `seq`'s filled, computed blocks in the tree (no-op when nothing new filled)."""
-        if self.cache is None:
+        if self.radix is None:
             return
         # (A request that stopped inside an accepted speculative run has KV past its last kept token.)
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.pool.block_size
         if num_full <= _depth_blocks(seq.cache_node):
             return
-        node, duplicates = self.cache.insert(seq.seq_id, seq.token_ids(0, num_full * self.pool.block_size),
+        node, duplicates = self.radix.insert(seq.seq_id, seq.token_ids(0, num_full * self.pool.block_size),
                                              seq.block_table[:num_full])
         for index, own, cached in duplicates:
             self.pool.share([cached])
@@ -191,14 +194,14 @@ class KVManager:
 
     # -- release ----------------------------------------------------------------------------
 
-    def release(self, seq: Sequence, keep_kv: bool = True) -> None:
+    def release(self, seq: Sequence, *, cache_kv: bool) -> None:
         """Drop everything `seq` holds: its cache locks, its device blocks, its CPU blocks.
 
-        Its filled blocks go into the prefix cache first (their KV is valid, whether it
-        finished, was aborted or preempted), so a later request, or its own recompute, hits
-        them; `keep_kv=False` skips that, for KV a failed step left unwritten.
+        With `cache_kv` its filled blocks go into the prefix cache first (their KV is valid,
+        whether it finished, was aborted or preempted), so a later request, or its own
+        recompute, hits them; every caller says which (False: KV a failed step left unwritten).
         """
-        if seq.block_table and keep_kv:
+        if seq.block_table and cache_kv:
             self.cache_full_blocks(seq)
         if seq.cache_node is not None:
             self._relock(seq, None)
@@ -250,10 +253,10 @@ class KVManager:
 
     def check_invariants(self, running: list[Sequence], swapped: list[Sequence]) -> None:
         tables = [s.block_table for s in running]
-        if self.cache is not None:
-            tables += self.cache.held_blocks()
+        if self.radix is not None:
+            tables += self.radix.held_blocks()
             locks = Counter(s.cache_node.node_id for s in running if s.cache_node is not None)
-            self.cache.check_invariants(dict(locks))
+            self.radix.check_invariants(dict(locks))
             for s in running:   # a sequence's table starts with the blocks of its locked path
                 path = [b for n in reversed(s.cache_node.path()) for b in n.block_ids] if s.cache_node else []
                 assert s.block_table[: len(path)] == path, f"{s.seq_id}: table does not start with its cached path"

@@ -82,11 +82,11 @@ class RadixNode:
 
 class RadixCache(Displayable):
     def __init__(self, pool: BlockPool, emit: Callable[[ev.Event], None],
-                 decode: Callable[[list[int]], str] | None = None, clock: ev.StepClock | None = None) -> None:
+                 span_text: Callable[[list[int]], str] | None = None, clock: ev.StepClock | None = None) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.emit = emit
-        self.decode = decode or (lambda tokens: " ".join(map(str, tokens)))   # span text for events
+        self.span_text = span_text or (lambda tokens: " ".join(map(str, tokens)))   # a node's tokens as text
         self.root = RadixNode(0, None, (), [])
         self.root.lock_count = 1             # the root is never evicted
         self.nodes: dict[int, RadixNode] = {0: self.root}
@@ -131,6 +131,22 @@ class RadixCache(Displayable):
             blocks += child.block_ids
             node = child
         return node, blocks
+
+    def cached_prefix_len(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` `match_prefix` would find now, changing nothing (no split,
+        no LRU touch): what `POST /tokenize` of `nanoserve serve` reports."""
+        max_blocks = (len(tokens) - 1) // self.block_size
+        node, n = self.root, 0
+        while n < max_blocks:
+            child = node.children.get(self._key(tokens, n))
+            if child is None:
+                break
+            common = self._common_blocks(child, tokens, n, max_blocks - n)
+            n += common
+            if common < len(child.block_ids):
+                break
+            node = child
+        return n * self.block_size
 
     def touch(self, node: RadixNode) -> None:
         """Mark `node` and its ancestors as used now (for LRU eviction)."""
@@ -177,7 +193,7 @@ class RadixCache(Displayable):
         parent.children[self._key(span, 0)] = node
         self.nodes[node.node_id] = node
         self.num_evictable_blocks += len(node.block_ids)   # unlocked until a sequence locks it
-        self.emit(ev.RadixInserted(self.step, seq_id, node.node_id, parent.node_id, self.decode(list(span)),
+        self.emit(ev.RadixInserted(self.step, seq_id, node.node_id, parent.node_id, self.span_text(list(span)),
                                    len(span), tuple(node.block_ids)))
         return node
 
@@ -194,7 +210,7 @@ class RadixCache(Displayable):
         head.children[self._key(node.tokens, 0)] = node
         self.nodes[head.node_id] = head
         self.emit(ev.RadixSplit(self.step, node.node_id, head.node_id, num_blocks,
-                                self.decode(list(head.tokens)), self.decode(list(node.tokens))))
+                                self.span_text(list(head.tokens)), self.span_text(list(node.tokens))))
         return head
 
     # -- locks -------------------------------------------------------------------------
@@ -286,7 +302,7 @@ class RadixCache(Displayable):
             if node is not self.root:
                 out.append({
                     "node_id": node.node_id, "parent_id": node.parent.node_id,
-                    "text": self.decode(list(node.tokens)), "num_tokens": len(node.tokens),
+                    "text": self.span_text(list(node.tokens)), "num_tokens": len(node.tokens),
                     "block_ids": list(node.block_ids), "lock_count": node.lock_count,
                     "last_access": node.last_access,
                 })

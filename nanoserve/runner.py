@@ -27,38 +27,34 @@ plans are carried out here, before the forward that needs them:
 `copy_blocks` (copy-on-write, on the device) and `swap_out`/`swap_in`
 (between the device cache and a CPU copy of it, pinned when on CUDA).
 
-Speed paths (`fast_paths`, on by default; off runs the plain reference path,
-and the tests check both give the same tokens):
+On a CPU with `fast_paths` on (the default), the model, the attention
+backend and the cache allocation come from the CPU fast path instead
+(nanoserve/cpu/: C kernels, packed weights, 2 MB pages); that is the one
+place the runner wires it in, and `implementation` says what runs.
+`fast_paths=False` is the reading path: the models in models/ and
+kernels/reference.py's attention, nothing else, the same tokens.
 
-* on a CPU, the torch backend's decodes run in a small C kernel that reads
-  K/V in place through the block tables (kernels/cpu_decode.c, compiled on
-  first use; `cpu_kernel=False` leaves it out); elsewhere, or without a C
-  compiler, it attends decodes in groups of similar length
-  (kernels/torch_backend.py);
-* on a CPU, a float32 Llama runs through models/cpu_llama.py: q/k/v and
-  gate/up merged into one matmul each, RMSNorm (with the residual add), RoPE
-  and silu(gate) * up one C call each (kernels/cpu_ops.c), its matmuls from
-  weights packed in 16-column panels (kernels/cpu_matmul.c; `cpu_kernel=False`
-  leaves all of it out);
-* on a CPU, linear layers off that path (other models, `cpu_kernel=False`)
-  run from oneDNN-packed weights, and a bf16 model on a CPU without bf16
-  units runs its matmuls and attention in float32 on the bf16 values, ~10x
-  faster there (models/cpu_linear.py). The runner then holds a view of
-  the model; the loaded model is not changed;
-* on a CPU, glibc keeps a step's freed memory for the next one, and the KV
-  cache asks Linux for 2 MB pages (cpu_memory.py).
+CUDA graphs (`graphs`, on for CUDA unless `enforce_eager`): a pure-decode step
+is padded to a batch-size bucket and replays that bucket's graph; the
+bookkeeping is cuda_graphs.py's, and the cache gets one scratch block for the
+padding rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from nanoserve import cpu
 from nanoserve.attention import AttentionBackend, AttentionMetadata, BatchLayout, PrefillChunk
+from nanoserve.cuda_graphs import DecodeGraphs, GraphBatch, GraphSettings
 from nanoserve.kernels.backends import make_backend
 
 
@@ -86,50 +82,70 @@ def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) ->
     return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
 
 
-def half_matmuls_need_fp32(dtype: torch.dtype, device: torch.device) -> bool:
-    """A bf16 model on a CPU whose bf16 matmuls would run in software (see models/cpu_linear.py)."""
-    from nanoserve.kernels.torch_backend import cpu_has_bf16_units
-    return dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_bf16_units()
+@dataclass(frozen=True, slots=True)
+class Implementation:
+    """What computes a step, as it actually ran: the engine reports it (snapshot, EngineSynced, TUI, --stats)."""
+
+    path: str          # "reading" (fast_paths=False: models/ and kernels/reference.py only) or "fast"
+    model: str         # the model class that runs, and its file
+    attention: str     # the attention backend that runs (AttentionBackend.label)
+    matmul: str        # what multiplies the linear layers
+    note: str = ""     # why a faster part did not run, e.g. "attention.c not built: no C compiler found ..."
+
+    def summary(self) -> str:
+        """One line: "fast path: CpuLlama (cpu/llama.py) · attention cpu (cpu/attention.c) · matmul ..."."""
+        line = f"{self.path} path: {self.model} · attention {self.attention} · matmul {self.matmul}"
+        return line + (f" ({self.note})" if self.note else "")
+
+    def as_dict(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+
+def where(obj: object) -> str:
+    """A class's name and its file inside nanoserve: "Llama (models/llama.py)"."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    try:
+        path = Path(inspect.getfile(cls)).resolve()
+        package = Path(__file__).resolve().parent
+        file = path.relative_to(package).as_posix() if path.is_relative_to(package) else path.name
+    except (TypeError, OSError):
+        file = cls.__module__
+    return f"{cls.__name__} ({file})"
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, backend: str = "torch", fast_paths: bool = True, cpu_kernel: bool = True,
-                 make_attention: Callable[[str, bool], AttentionBackend] = make_backend) -> None:
+                 device: torch.device, backend: str = "torch", fast_paths: bool = True, c_kernels: bool = True,
+                 make_attention: Callable[[str, bool], AttentionBackend] = make_backend,
+                 graphs: GraphSettings | None = None) -> None:
+        """`backend`: "torch", "triton" or "cpu" (the C kernel: asked of the CPU fast path, which falls back
+        to torch where it cannot build it). `make_attention` builds "torch" and "triton" (components.py).
+        `graphs`: pure-decode steps padded to batch-size buckets and replayed as CUDA graphs (cuda_graphs.py)."""
         self.block_size = block_size
         self.device = device
-        self.backend = backend          # attention kernels: "torch" or "triton"
         self.fast_paths = fast_paths
-        self.attn: AttentionBackend = make_attention(backend, fast_paths)   # (components.py can replace it)
+        self.attn: AttentionBackend = make_attention("torch" if backend == "cpu" else backend, fast_paths)
         self.model = model
-        cpu_fast = fast_paths and device.type == "cpu"
-        if cpu_fast:
-            from nanoserve.models.cpu_linear import can_pack, cpu_linear_view
-            from nanoserve.models.cpu_llama import cpu_llama_view
-            upcast = half_matmuls_need_fp32(dtype, device)      # bf16 values, float32 math
-            pack = can_pack() and (upcast or dtype == torch.float32)
-            fused = cpu_llama_view(model) if cpu_kernel and pack and not upcast else None
-            if fused is not None:                       # a float32 Llama: merged matmuls, small steps in C
-                self.model = fused
-            elif upcast or pack:
-                self.model = cpu_linear_view(model, upcast, pack)   # a view; the loaded model stays as it is
-            if upcast:
-                self.attn.compute_dtype = torch.float32
-            if cpu_kernel and hasattr(self.attn, "decode_kernel"):   # the torch backend
-                from nanoserve.kernels import cpu_decode
-                self.attn.decode_kernel = cpu_decode.load(dtype)     # None (with a warning) if it cannot be built
-                self.attn.store_kernel = cpu_decode.load_store(dtype)    # the same library's store_kv
-        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        if cpu_fast:             # freed memory kept, 2 MB pages for the cache (cpu_memory.py)
-            from nanoserve.cpu_memory import huge_page_zeros, keep_freed_memory
-            keep_freed_memory()
-            zeros = partial(huge_page_zeros, shape, dtype)
-        else:
-            zeros = partial(torch.zeros, shape, dtype=dtype, device=device)
+        zeros, matmul, note = partial(_zeros, device=device), "torch (nn.Linear)", ""
+        if fast_paths and device.type == "cpu":    # the CPU fast path, all of it in nanoserve/cpu/
+            fast = cpu.fast_path(model, self.attn, dtype, c_kernels, c_attention=backend == "cpu")
+            self.model, self.attn, zeros, matmul, note = fast.model, fast.attention, fast.zeros, fast.matmul, fast.note
+        self.implementation = Implementation("fast" if fast_paths else "reading", where(self.model),
+                                             self.attn.label, matmul, note)
+        # With graphs, one scratch block past the pool's last: padding rows write their K/V there.
+        shape = (num_blocks + (graphs is not None), block_size, model.num_kv_heads, model.head_dim)
         # One (k_cache, v_cache) pair per layer.
-        self.kv_caches = [(zeros(), zeros()) for _ in range(model.num_layers)]
+        self.kv_caches = [(zeros(shape, dtype), zeros(shape, dtype)) for _ in range(model.num_layers)]
 
         self.cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] = []   # swap space, see allocate_swap
+        self.graphs = DecodeGraphs(self, graphs, pad_block=num_blocks) if graphs is not None else None
+        self.replayed_bucket = 0        # the bucket the last forward ran padded to (0: it ran eagerly)
+        if graphs is not None and graphs.capture:
+            self.graphs.capture_all()
 
     def allocate_swap(self, num_cpu_blocks: int) -> None:
         """A CPU copy of the cache layout with `num_cpu_blocks` blocks per layer (swap preemption)."""
@@ -171,10 +187,12 @@ class ModelRunner:
             for src_cache, dst_cache in zip(src_kv, dst_kv):
                 dst_cache[dst] = src_cache[src].to(dst_device, non_blocking=non_blocking)
 
-    def prepare(self, inputs: list[RunInput]) -> Batch:
+    def prepare(self, inputs: list[RunInput]) -> Batch | GraphBatch:
         bs = self.block_size
         if any(not x.token_ids for x in inputs):
             raise ValueError("every RunInput needs at least one token")
+        if self.graphs is not None and (padded := self.graphs.prepare(inputs)) is not None:
+            return padded                   # a pure-decode step: padded to a bucket, run by its graph
         # Single-token inputs (decodes) go first, longest first, so a backend can attend them in
         # groups of similar length; then the prefill chunks in input order.
         order = sorted(range(len(inputs)),
@@ -210,8 +228,11 @@ class ModelRunner:
                      self._tensor(logits_indices))
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> torch.Tensor:
+    def run(self, batch: Batch | GraphBatch) -> torch.Tensor:
         """One forward pass; returns float32 logits [S, vocab] for the requested rows."""
+        self.replayed_bucket = batch.bucket if isinstance(batch, GraphBatch) else 0
+        if isinstance(batch, GraphBatch):
+            return self.graphs.run(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)   # [T, hidden]
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
 

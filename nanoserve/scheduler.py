@@ -67,6 +67,9 @@ class ScheduledChunk:
     num_tokens: int
     is_prefill: bool
     draft_token_ids: list[int] = field(default_factory=list)
+    # prompt log-probabilities this chunk's forward computed, for the entries after those the sequence has
+    # (filled in the compute phase, appended at commit: prompt_logprobs.py)
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
 
     @property
     def num_real_tokens(self) -> int:
@@ -83,13 +86,14 @@ class ScheduledChunk:
 
 
 @dataclass(slots=True)
-class SchedulerOutput:
+class StepPlan:
+    """What one step will do, as `schedule()` decided it: the engine's `plan` for the compute phase."""
+
     chunks: list[ScheduledChunk] = field(default_factory=list)   # decodes first, then prefill chunks
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)         # could never fit; finished with an error
     moves: BlockMoves = field(default_factory=BlockMoves)         # KV copies for the runner (the KV manager
                                                                  # records them here as it decides them)
-    moved: bool = False   # set by the engine once the runner has carried out the moves
 
     @property
     def num_tokens(self) -> int:
@@ -97,10 +101,10 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
-class StepPlan:
+class Planning:
     """A step while `schedule()` builds it: the plan so far and the token budget it has left."""
 
-    out: SchedulerOutput
+    plan: StepPlan
     budget: int                                          # tokens left of max_num_batched_tokens
     drafts: dict[str, list[int]]                         # speculative decoding: sequence id -> draft tokens
     scheduled: set[str] = field(default_factory=set)     # sequence ids in this step's batch (never preempted)
@@ -129,7 +133,7 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
         seq.set_status(status)
-        self.kv.release(seq)
+        self.kv.release(seq, cache_kv=True)
 
     @property
     def step(self) -> int:
@@ -142,20 +146,20 @@ class Scheduler:
 
     # -- the step ------------------------------------------------------------------
 
-    def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> StepPlan:
         """Plan one step. `drafts` (speculative decoding) maps a decoding sequence to its draft tokens.
 
-        The four passes of the module docstring, in order, share one `StepPlan`: the token budget
+        The four passes of the module docstring, in order, share one `Planning`: the token budget
         left and what is already in the batch (a scheduled sequence is never preempted).
         """
-        plan = StepPlan(SchedulerOutput(), self.config.max_num_batched_tokens, drafts or {})
-        self.kv.begin_step(plan.out.moves)   # copy-on-write copies and swaps go into this plan
-        self._schedule_running(plan)      # passes 1 and 2: decodes, then unfinished prefills
-        self._swap_in(plan)               # pass 3
-        self._admit(plan)                 # pass 4
-        return plan.out
+        planning = Planning(StepPlan(), self.config.max_num_batched_tokens, drafts or {})
+        self.kv.begin_step(planning.plan.moves)   # copy-on-write copies and swaps go into the plan
+        self._schedule_running(planning)      # passes 1 and 2: decodes, then unfinished prefills
+        self._swap_in(planning)               # pass 3
+        self._admit(planning)                 # pass 4
+        return planning.plan
 
-    def _schedule_running(self, plan: StepPlan) -> None:
+    def _schedule_running(self, planning: Planning) -> None:
         """Passes 1 and 2: every running sequence's next chunk, decodes before unfinished prefills.
 
         A decode is 1 token (plus its drafts, as far as the budget goes); a prefill chunk is what the
@@ -165,18 +169,18 @@ class Scheduler:
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.is_prefilling]
         for seq in decodes + prefills:
-            if plan.budget == 0:
+            if planning.budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:   # preempted earlier in this loop
                 continue
-            draft = plan.drafts.get(seq.seq_id, [])
-            num_new = min(seq.num_uncomputed_tokens + len(draft), plan.budget)
+            draft = planning.drafts.get(seq.seq_id, [])
+            num_new = min(seq.num_uncomputed_tokens + len(draft), planning.budget)
             draft = draft[: max(0, num_new - seq.num_uncomputed_tokens)]   # what the budget leaves room for
-            if self._reserve(seq, num_new, plan.scheduled, plan.out):
-                self._add_chunk(plan.out, seq, num_new, plan.scheduled, draft)
-                plan.budget -= num_new
+            if self._reserve(seq, num_new, planning.scheduled, planning.plan):
+                self._add_chunk(planning.plan, seq, num_new, planning.scheduled, draft)
+                planning.budget -= num_new
 
-    def _swap_in(self, plan: StepPlan) -> None:
+    def _swap_in(self, planning: Planning) -> None:
         """Pass 3: swapped sequences come back, oldest first, while their blocks fit.
 
         They were running before anyone waiting, so they come first; but not in a step that just
@@ -185,18 +189,18 @@ class Scheduler:
         is failed: it was swapped out at the pool's size (sharing its blocks with a fork), and
         waiting for it would stop every admission for good.
         """
-        while self.swapped and plan.budget > 0 and not plan.out.preempted:
+        while self.swapped and planning.budget > 0 and not planning.plan.preempted:
             seq = self.swapped[0]
             if self.pool.blocks_needed(0, seq.num_computed_tokens + min(1, seq.num_uncomputed_tokens)) \
                     > self.pool.num_blocks:
                 self.swapped.popleft()
-                self._fail(seq, plan.out, f"needs more than the {self.pool.num_blocks} blocks of the pool")
+                self._fail(seq, planning.plan, f"needs more than the {self.pool.num_blocks} blocks of the pool")
                 continue
-            num_new = self._chunk_size(seq, plan.budget)
+            num_new = self._chunk_size(seq, planning.budget)
             need = len(seq.cpu_block_table) + self.pool.blocks_needed(len(seq.cpu_block_table),
                                                                        seq.num_computed_tokens + num_new)
-            if (not num_new and seq.num_uncomputed_tokens) or not self._make_room(seq, need, None, plan.scheduled,
-                                                                                   plan.out):
+            if (not num_new and seq.num_uncomputed_tokens) or \
+                    not self._make_room(seq, need, None, planning.scheduled, planning.plan):
                 break
             self.swapped.remove(seq)      # (idle beams _make_room swapped out joined the queue's end)
             self.kv.swap_in(seq)
@@ -204,45 +208,45 @@ class Scheduler:
             self.running.append(seq)
             if num_new:   # (a beam waiting for its siblings has nothing to compute)
                 self.kv.grow(seq, num_new)
-                self._add_chunk(plan.out, seq, num_new, plan.scheduled)
-                plan.budget -= num_new
+                self._add_chunk(planning.plan, seq, num_new, planning.scheduled)
+                planning.budget -= num_new
 
-    def _admit(self, plan: StepPlan) -> None:
+    def _admit(self, planning: Planning) -> None:
         """Pass 4: admit waiting sequences, first come first served, while budget, seats and blocks last.
 
         Nobody is admitted while a sequence is swapped out (it was running first). A waiting
         sequence starts from its longest cached prefix, so only the rest is computed; one that
         could not fit even in an empty pool is failed instead of retried forever.
         """
-        out = plan.out
-        while self.waiting and plan.budget > 0 and not self.swapped:
+        plan = planning.plan
+        while self.waiting and planning.budget > 0 and not self.swapped:
             seq = self.waiting[0]
             if self.pool.blocks_needed(0, seq.num_tokens) > self.pool.num_blocks:
                 self.waiting.popleft()
-                self._fail(seq, out, f"needs {seq.num_tokens} tokens of KV but the whole pool holds "
+                self._fail(seq, plan, f"needs {seq.num_tokens} tokens of KV but the whole pool holds "
                                      f"{self.pool.num_blocks * self.pool.block_size}")
                 continue
-            if not self._make_room(seq, 0, None, plan.scheduled, out):
+            if not self._make_room(seq, 0, None, planning.scheduled, plan):
                 break                                  # no seat
             node, cached = self.kv.match(seq)          # the longest cached prefix (no blocks change yet)
             num_cached = len(cached) * self.pool.block_size
-            num_new = self._chunk_size(seq, plan.budget, num_cached)
+            num_new = self._chunk_size(seq, planning.budget, num_cached)
             if not num_new:
                 break                                  # the whole prompt must wait for a step with room
             need = self.pool.blocks_needed(len(cached), num_cached + num_new)
-            if not self._make_room(seq, need, node, plan.scheduled, out):
+            if not self._make_room(seq, need, node, planning.scheduled, plan):
                 break                                  # admission only when the blocks are there
-            if out.preempted and self.kv.cache is not None:   # preempted beams' blocks joined the cache:
+            if plan.preempted and self.kv.radix is not None:   # preempted beams' blocks joined the cache:
                 node, cached = self.kv.match(seq)            # match again (same or longer prefix)
-                num_new = self._chunk_size(seq, plan.budget, len(cached) * self.pool.block_size)
+                num_new = self._chunk_size(seq, planning.budget, len(cached) * self.pool.block_size)
             self.waiting.remove(seq)   # not popleft(): beams _make_room preempted went to the front
             seq.set_status(SequenceStatus.RUNNING)
             self.running.append(seq)
             self.emit(ev.SequenceAdmitted(self.step, seq.seq_id))
             self.kv.commit_match(seq, node, cached)
             self.kv.grow(seq, num_new)
-            self._add_chunk(out, seq, num_new, plan.scheduled)
-            plan.budget -= num_new
+            self._add_chunk(plan, seq, num_new, planning.scheduled)
+            planning.budget -= num_new
 
     def _chunk_size(self, seq: Sequence, budget: int, num_cached: int = 0) -> int:
         """Tokens of `seq` to compute this step (0: it must wait for a step with more budget)."""
@@ -251,7 +255,7 @@ class Scheduler:
             return budget if self.config.enable_chunked_prefill else 0
         return num_new
 
-    def _make_room(self, seq: Sequence, need: int, node, scheduled: set[str], out: SchedulerOutput) -> bool:
+    def _make_room(self, seq: Sequence, need: int, node, scheduled: set[str], plan: StepPlan) -> bool:
         """Are there seats for `seq` and `need` blocks (beyond what admitting `node`'s path frees)?
 
         If not, preempt *stuck* beams, newest first: running beams that computed their scores and
@@ -267,7 +271,7 @@ class Scheduler:
             return True
         stuck = self._stuck_beams(scheduled, seq.request_id)
         while stuck and short():
-            self._preempt(stuck.pop(), out)
+            self._preempt(stuck.pop(), plan)
         return not short()
 
     def _stuck_beams(self, scheduled: set[str], other_than: str) -> list[Sequence]:
@@ -277,7 +281,7 @@ class Scheduler:
         return [s for s in self.running if s.num_uncomputed_tokens == 0 and s.request_id in waiting_for
                 and s.seq_id not in scheduled]
 
-    def _reserve(self, seq: Sequence, num_new: int, scheduled: set[str], out: SchedulerOutput) -> bool:
+    def _reserve(self, seq: Sequence, num_new: int, scheduled: set[str], plan: StepPlan) -> bool:
         """Get blocks for `num_new` more tokens of a running `seq`, preempting others if needed.
 
         Returns False when `seq` itself had to be preempted (or failed).
@@ -288,9 +292,9 @@ class Scheduler:
                 # It would not fit even alone in the pool: it never will. (Otherwise it waits
                 # for room like any victim; blocks it shares with a fork do not count against it.)
                 self.running.remove(seq)
-                self._fail(seq, out, f"needs more than the {self.pool.num_blocks} blocks of the pool")
+                self._fail(seq, plan, f"needs more than the {self.pool.num_blocks} blocks of the pool")
                 return False
-            self._preempt(victim, out)
+            self._preempt(victim, plan)
             if victim is seq:
                 return False
         self.kv.grow(seq, num_new)
@@ -312,21 +316,21 @@ class Scheduler:
             key = lambda c: c[0]                                                          # noqa: E731
         return max(candidates, key=key)[1]
 
-    def _add_chunk(self, out: SchedulerOutput, seq: Sequence, num_new: int, scheduled: set[str],
+    def _add_chunk(self, plan: StepPlan, seq: Sequence, num_new: int, scheduled: set[str],
                    draft: list[int] | None = None) -> None:
         start, draft = seq.num_computed_tokens, draft or []
         # A decode computes KV for the token sampled last step (plus any drafts after it);
         # anything else is (re)filling the prompt.
         is_decode = num_new - len(draft) == 1 and start == seq.num_tokens - 1 and seq.num_output_tokens > 0
         chunk = ScheduledChunk(seq, start, num_new, is_prefill=not is_decode, draft_token_ids=draft)
-        out.chunks.append(chunk)
+        plan.chunks.append(chunk)
         scheduled.add(seq.seq_id)
         self.emit(ev.ChunkScheduled(self.step, seq.seq_id, chunk.start, num_new, chunk.is_prefill))
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Make room: swap `seq`'s KV to the CPU pool, or drop it to be recomputed later."""
         self.running.remove(seq)
-        out.preempted.append(seq)
+        plan.preempted.append(seq)
         if self.config.preemption_mode == "swap" and seq.block_table and self.kv.can_swap_out(seq):
             seq.set_status(SequenceStatus.SWAPPED)
             self.emit(ev.Preempted(self.step, seq.seq_id, "swap", 0))
@@ -336,7 +340,7 @@ class Scheduler:
         lost = seq.num_computed_tokens
         seq.set_status(SequenceStatus.WAITING)
         self.emit(ev.Preempted(self.step, seq.seq_id, "recompute", lost))
-        self.kv.release(seq)
+        self.kv.release(seq, cache_kv=True)
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
 
@@ -347,21 +351,21 @@ class Scheduler:
         (self.running if seq.status is SequenceStatus.RUNNING else self.swapped).remove(seq)
         seq.set_status(SequenceStatus.WAITING)
         self.emit(ev.Preempted(self.step, seq.seq_id, "recompute", lost))
-        self.kv.release(seq, keep_kv=False)
+        self.kv.release(seq, cache_kv=False)   # (its KV was never written)
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
 
-    def _fail(self, seq: Sequence, out: SchedulerOutput, reason: str) -> None:
+    def _fail(self, seq: Sequence, plan: StepPlan, reason: str) -> None:
         seq.error = reason
         seq.set_status(SequenceStatus.FINISHED_ABORTED)
-        self.kv.release(seq)
-        out.failed.append(seq)
+        self.kv.release(seq, cache_kv=True)
+        plan.failed.append(seq)
 
     # -- after the forward pass ----------------------------------------------------
 
-    def update(self, out: SchedulerOutput) -> None:
+    def mark_computed(self, plan: StepPlan) -> None:
         """The forward pass wrote KV for every scheduled chunk (drafts count once accepted)."""
-        for chunk in out.chunks:
+        for chunk in plan.chunks:
             chunk.seq.num_computed_tokens += chunk.num_real_tokens
 
     def cache_blocks(self) -> None:

@@ -13,7 +13,10 @@ sampling from the target:
     if all k were accepted: emit a bonus token from p_k
 
 p and q are the *full* distributions after identical processing (penalties,
-temperature, top-k, top-p, min-p: `sampler.probs`). For an n-gram draft q is
+temperature, top-k, top-p, min-p: `sampler.probs`). With structured output, p
+at each position is masked by the grammar as it stands after the drafts before
+it (`structured_output.SequenceGrammar.draft_masks`), so the output is exactly
+masked sampling's; q may ignore the grammar (the rule is exact for any q). For an n-gram draft q is
 one-hot at x, so the residual is p with x removed. Greedy requests accept
 while the draft equals the target's argmax and then emit the argmax.
 This is the rule of Leviathan et al. (2023, arXiv:2211.17192) and Chen et
@@ -63,9 +66,12 @@ class Drafts:
                                                                # (filled by `propose` below, not by proposers)
 
 
-def sampling_rows(seq: Sequence, draft: list[int], eos: int | None, n: int) -> list[SamplingRow]:
-    """Rows for positions 0..n-1 of a speculative step: position i has seen draft[:i]."""
-    return [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids + draft[:i], seq.generator, eos)
+def sampling_rows(seq: Sequence, draft: list[int], eos: int | None, n: int,
+                  masks: torch.Tensor | None = None) -> list[SamplingRow]:
+    """Rows for positions 0..n-1 of a speculative step: position i has seen draft[:i] (and with
+    structured output, masks[i] is its grammar's mask after draft[:i])."""
+    return [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids + draft[:i], seq.generator, eos,
+                        masks[i] if masks is not None else None)
             for i in range(n)]
 
 
@@ -162,13 +168,13 @@ class DraftModelProposer:
 
     def __init__(self, model: nn.Module, k: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, eos_token_id: int | None, backend: str = "torch",
-                 fast_paths: bool = True, cpu_kernel: bool = True) -> None:
+                 fast_paths: bool = True, c_kernels: bool = True) -> None:
         self.k = k
         self.eos = eos_token_id
         self.pool = BlockPool(num_blocks, block_size)
         # The draft model runs with the engine's speed switches, so switching one off switches it off here too.
         self.runner = ModelRunner(model, num_blocks, block_size, dtype, device, backend,
-                                  fast_paths=fast_paths, cpu_kernel=cpu_kernel)
+                                  fast_paths=fast_paths, c_kernels=c_kernels)
         self.states: dict[str, _DraftState] = {}
 
     def propose(self, seqs: list[Sequence], limits: dict[str, int]) -> Drafts:
@@ -269,7 +275,7 @@ def build_proposer(config, loaded, dtype: torch.dtype):
                              f"tokens, the target {target.config.vocab_size}: they must share a tokenizer")
     return DraftModelProposer(draft, k, config.num_blocks, config.block_size, dtype,
                               torch.device(config.device), loaded.eos_token_id, config.resolved_backend(),
-                              fast_paths=config.fast_paths, cpu_kernel=config.cpu_kernel)
+                              fast_paths=config.fast_paths, c_kernels=config.c_kernels)
 
 
 # -- the engine's side: propose before scheduling, decide after the forward ----------------
@@ -282,7 +288,7 @@ def propose(proposer, running: list[Sequence], num_speculative_tokens: int, max_
     """
     # Beams are scored together, one token per step. A sequence that still holds the seats of its
     # forks-to-be (n > 1, first token not drawn yet) gets no drafts either: its first token must come
-    # from plain sampling, which draws the n first tokens together (choose.py) and forks at commit;
+    # from plain sampling, which draws the n first tokens together (token_choice.py) and forks at commit;
     # a verified draft would give the request one first token, shared by every completion.
     seqs = [s for s in running
             if s.num_uncomputed_tokens == 1 and not s.params.use_beam_search and s.seats == 1]
@@ -303,15 +309,18 @@ class Verdict:
     num_accepted: int
 
 
-def decide(chunk, logits: torch.Tensor, q: torch.Tensor | None, sampler, rule, eos_token_id: int | None) -> Verdict:
+def decide(chunk, logits: torch.Tensor, q: torch.Tensor | None, sampler, rule, eos_token_id: int | None,
+           masks: torch.Tensor | None = None) -> Verdict:
     """After the forward: exact acceptance of a chunk's drafts against its logits [len(drafts) + 1, V].
 
     `rule` is the acceptance rule (`verify` above, or a lab's); `q` the draft's distributions
-    (None for n-gram drafts). Changes no bookkeeping (only the sequence's RNG advances).
+    (None for n-gram drafts); `masks` [len(drafts) + 1, W] the grammar's mask at each position
+    (structured output), so that p is the masked distribution and a draft the grammar forbids has
+    p(x) = 0: rejected for sure. Changes no bookkeeping (only the sequence's RNG advances).
     """
     seq, draft = chunk.seq, chunk.draft_token_ids
     n = len(draft)
-    rows = sampling_rows(seq, draft, eos_token_id, n + 1)
+    rows = sampling_rows(seq, draft, eos_token_id, n + 1, masks)
     tokens, accepted = rule(sampler.probs(logits, rows), draft, q[:n] if q is not None else None,
                               seq.params.greedy, seq.generator)
     return Verdict(sampler.report(logits[: len(tokens)], tokens, rows[: len(tokens)]), accepted)

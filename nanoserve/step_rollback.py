@@ -24,40 +24,47 @@ ones stay failed. Those are states the scheduler produces every step, so
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from nanoserve import events as ev
 from nanoserve.errors import EngineBroken, StepFailed
-from nanoserve.scheduler import SchedulerOutput
+from nanoserve.scheduler import StepPlan
 from nanoserve.sequence import Sequence, SequenceStatus
 
+if TYPE_CHECKING:                      # (a type only: engine.py imports this module)
+    from nanoserve.engine import LLMEngine
 
-class RngStates:
-    """The saved state of every per-request RNG a step may draw from."""
+
+class Rollback:
+    """What a step's compute phase has done so far that a failure must undo: the saved state of every
+    per-request RNG it may draw from, and whether the plan's block moves were carried out."""
 
     def __init__(self, seqs: list[Sequence]) -> None:
         self._saved: dict[int, tuple] = {}
-        self.save(seqs)
+        self.blocks_moved = False     # the engine sets it once the runner has done the copies and swaps
+        self.save_rngs(seqs)
 
-    def save(self, seqs) -> None:
+    def save_rngs(self, seqs) -> None:
         for seq in seqs:
             if seq.generator is not None and id(seq) not in self._saved:
                 self._saved[id(seq)] = (seq.generator, seq.generator.get_state())
 
-    def restore(self) -> None:
+    def restore_rngs(self) -> None:
         for generator, state in self._saved.values():
             generator.set_state(state)
 
 
-def undo(engine, plan: SchedulerOutput | None, rngs: RngStates) -> list[str]:
+def undo(engine: LLMEngine, plan: StepPlan | None, rollback: Rollback) -> list[str]:
     """Undo a failed compute phase (`plan` is None when proposing drafts failed); returns the
     ids of the sequences whose work was lost."""
-    rngs.restore()
+    rollback.restore_rngs()
     if engine.proposer:
         for seq in engine.scheduler.running:
             engine.proposer.release(seq.seq_id)
     if plan is None:
         return [s.seq_id for s in engine.scheduler.running]
     scheduler = engine.scheduler
-    if not plan.moved:
+    if not rollback.blocks_moved:
         device_dst = {dst for _, dst in plan.moves.copies} | {dst for _, dst in plan.moves.swap_in}
         cpu_dst = {dst for _, dst in plan.moves.swap_out}
         for seq in [s for s in scheduler.running if device_dst.intersection(s.block_table)] + \
@@ -67,12 +74,13 @@ def undo(engine, plan: SchedulerOutput | None, rngs: RngStates) -> list[str]:
         seq = chunk.seq
         if seq.status is SequenceStatus.RUNNING:
             freed = engine.kv.trim(seq)   # blocks past num_computed_tokens, which did not move
-            engine._emit(ev.KVTrimmed(engine.step_count, seq.seq_id, seq.num_computed_tokens,
+            engine.emit(ev.KVTrimmed(engine.step_count, seq.seq_id, seq.num_computed_tokens,
                                       chunk.num_tokens, freed))
     return [c.seq.seq_id for c in plan.chunks]
 
 
-def failure(engine, exc: BaseException, plan: SchedulerOutput | None, request_ids: list[str], result):
+def failure(engine: LLMEngine, exc: BaseException, plan: StepPlan | None, request_ids: list[str], result,
+            blocks_moved: bool = True) -> BaseException:
     """The exception `step()` raises: a StepFailed naming the requests and the cause, or, for
     Ctrl-C and the like and for an `EngineBroken` (no next step will run), the original exception
     with the step's result attached."""
@@ -80,7 +88,7 @@ def failure(engine, exc: BaseException, plan: SchedulerOutput | None, request_id
         exc.step_result = result
         return exc
     where = ("proposing drafts" if plan is None else
-             "the block copies" if not plan.moved else "the forward pass or the token choice")
+             "the block copies" if not blocks_moved else "the forward pass or the token choice")
     ids = ", ".join(request_ids) or "no request"
     return StepFailed(f"step {engine.step_count}: {where} failed for {ids} ({type(exc).__name__}: {exc}); "
                       "nothing was computed: those requests keep their tokens and run again next step",

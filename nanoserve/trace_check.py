@@ -15,7 +15,9 @@ and the field instead of a traceback from deep inside `fold` or matplotlib:
 4. block ids inside the pool the trace's EngineSynced announced;
 5. the pool's books (`PoolBooks`): no ref count below zero, a freed block was
    held, the released blocks are exactly those that reached zero, once each;
-6. the fold: the viewers' own `fold` applies every event (an event about a
+6. fields that must agree with each other (`FIELD_CHECKS`: a structured-output
+   mask allows between 0 and V tokens, forced meaning exactly one);
+7. the fold: the viewers' own `fold` applies every event (an event about a
    sequence the trace never added is refused here, not in a viewer).
 
     events = load_trace("pressure.jsonl")   # ValueError("pressure.jsonl: line 12 (BlocksFreed, step 3): ...")
@@ -175,6 +177,22 @@ def check_synced(event: ev.EngineSynced) -> None:
                              f"with blocks of the pool")
 
 
+def check_token_constrained(event: ev.TokenConstrained) -> None:
+    """Structured output's event: a mask of 0..V tokens of a V-token vocabulary, forced meaning exactly one,
+    and the token inside the vocabulary."""
+    if event.vocab_size < 1 or not 0 <= event.num_allowed <= event.vocab_size:
+        raise ValueError(f"num_allowed {event.num_allowed} is not a count of tokens of a vocabulary of "
+                         f"{event.vocab_size}")
+    if event.forced != (event.num_allowed == 1):
+        raise ValueError(f"forced is {event.forced} but the mask allowed {event.num_allowed} tokens")
+    if not 0 <= event.token_id < event.vocab_size:
+        raise ValueError(f"token_id {event.token_id} is outside the vocabulary of {event.vocab_size}")
+
+
+# Checks of one event type's fields beyond their types (the block ids are checked for every event).
+FIELD_CHECKS = {ev.TokenConstrained: check_token_constrained}
+
+
 class PoolBooks:
     """The device pool's ref counts and free blocks, kept from the events the way `block_pool.py`
     keeps them: a block is taken (one more holder; a free one leaves the free queue) or dropped
@@ -282,6 +300,8 @@ def check_trace(events: Iterable[ev.Event], path: str | Path = "trace", lines: S
                 order.apply(event)
                 check_block_ids(event, len(books.refs), state.num_cpu_blocks)
                 check_values(event)
+                if type(event) in FIELD_CHECKS:
+                    FIELD_CHECKS[type(event)](event)
                 books.apply(event)
             state = fold(state, event)
         except (ValueError, KeyError, IndexError, TypeError, AttributeError, AssertionError) as exc:

@@ -21,7 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoserve.attention import BatchLayout, PrefillChunk, paged_attention
-from nanoserve.kernels import cpu_decode
+from nanoserve.cpu import attention as cpu_attention
+from nanoserve.cpu.backend import CpuBackend
 from nanoserve.kernels.reference import (
     decode_attention,
     decode_mask,
@@ -263,10 +264,8 @@ def run_mixed_batch(block_size, hq, hkv, decode_lens, prefill_specs, seed):
                          [seqs[i][0] for i in range(len(decode_lens))], prefills)
     q, k, v = torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows)
     backends = [TorchBackend(fast=False), TorchBackend(fast=True, group_size=2)]
-    if cpu_decode.load(torch.float32) is not None:    # the CPU's C path: store and every row in C
-        with_c = TorchBackend(fast=True)
-        with_c.decode_kernel, with_c.store_kernel = cpu_decode.load(torch.float32), cpu_decode.load_store(torch.float32)
-        backends.append(with_c)
+    if cpu_attention.load(torch.float32) is not None:    # the CPU backend: store and every row in C
+        backends.append(CpuBackend(cpu_attention.load(torch.float32), cpu_attention.load_store(torch.float32)))
     outs, caches = [], []
     for backend in backends:          # each path writes this step's K/V into its own copy of the cache
         caches.append((cache.k.clone(), cache.v.clone()))

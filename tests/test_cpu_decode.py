@@ -1,4 +1,4 @@
-"""The C decode kernel (kernels/cpu_decode.c) against the torch reference it must match.
+"""The C attention kernel (cpu/attention.c) against the torch reference it must match.
 
 It reads K/V in place through block tables, so the cases are the ones where
 an address computation can go wrong: shuffled block tables, a sequence that
@@ -19,7 +19,9 @@ import torch
 from conftest import make_engine, run_to_end, without_c_compiler
 
 from nanoserve import SamplingParams
-from nanoserve.kernels import cpu_decode, reference
+from nanoserve.cpu import attention as cpu_decode
+from nanoserve.cpu.backend import CpuBackend
+from nanoserve.kernels import reference
 from nanoserve.kernels.torch_backend import TorchBackend
 
 kernel_f32 = cpu_decode.load(torch.float32)
@@ -91,7 +93,7 @@ def test_bad_arguments_are_refused_before_the_c_code_runs():
 
 
 def test_queries_may_be_rows_of_a_wider_tensor():
-    # What models/cpu_llama.py passes: q as the first Hq * D columns of the merged q/k/v matmul output.
+    # What cpu/llama.py passes: q as the first Hq * D columns of the merged q/k/v matmul output.
     q, k_cache, v_cache, tables, seq_lens = paged_case([3, 40, 17, 64], 16, 9, 3, 64)
     qkv = torch.cat([q.flatten(1), torch.randn(4, 2 * 3 * 64)], dim=1)
     rows = qkv[:, : 9 * 64].view(4, 9, 64)
@@ -133,9 +135,9 @@ def test_store_refuses_a_slot_outside_the_pool_and_writes_nothing():
 
 def test_engine_tokens_equal_with_the_kernel_on_and_off(tiny_llama):
     on = make_engine(tiny_llama, block_size=4, num_blocks=64)
-    off = make_engine(tiny_llama, block_size=4, num_blocks=64, cpu_kernel=False)
-    assert on.runner.attn.decode_kernel is not None and off.runner.attn.decode_kernel is None
-    assert on.runner.attn.store_kernel is not None and off.runner.attn.store_kernel is None
+    off = make_engine(tiny_llama, block_size=4, num_blocks=64, c_kernels=False)
+    assert isinstance(on.runner.attn, CpuBackend) and on.implementation.attention.startswith("cpu")
+    assert isinstance(off.runner.attn, TorchBackend) and off.implementation.attention.startswith("torch")
     prompts = [[5, 9, 200, 31, 7, 7, 100], [3, 1, 4, 1, 5], [42], list(range(30, 53))]
     for engine in (on, off):
         for i, p in enumerate(prompts):
@@ -148,7 +150,10 @@ def test_a_failed_build_falls_back_to_torch(tiny_llama, monkeypatch):
     with without_c_compiler(monkeypatch, cpu_decode.library, cpu_decode.load, cpu_decode.load_store):
         with pytest.warns(UserWarning, match="torch path"):
             engine = make_engine(tiny_llama, block_size=4, num_blocks=64)
-        assert engine.runner.attn.decode_kernel is None and engine.runner.attn.store_kernel is None
         assert isinstance(engine.runner.attn, TorchBackend) and engine.runner.attn.fast
+        # ... and says so: what ran, and why not the C kernel
+        assert engine.implementation.attention.startswith("torch")
+        assert "attention.c not built: no C compiler found" in engine.implementation.note
+        assert "attention.c not built" in engine.snapshot()["implementation"]["note"]
         engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
         assert len(run_to_end(engine)["r"].outputs[0].token_ids) == 3

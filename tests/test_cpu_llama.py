@@ -1,14 +1,14 @@
-"""The CPU Llama path (models/cpu_llama.py, kernels/cpu_ops.c) against models/llama.py and torch.
+"""The CPU Llama path (cpu/llama.py, cpu/ops.c) against models/llama.py and torch.
 
 * each C op against the torch code it replaces: RMSNorm with the residual add,
   RoPE (bit-equal) and silu(gate) * up, on one row up to a multi-threaded
   batch, widths that are not a multiple of the vector width, extreme inputs;
 * bad arguments are refused with a ValueError naming them, before the C code runs;
 * the whole model: the same logits as llama.py through the packed view, and the
-  same greedy tokens with the CPU path on, off (`cpu_kernel=False`) and plain;
+  same greedy tokens with the CPU path on, off (`c_kernels=False`) and plain;
 * where it does not apply (GPT-2, bf16, a tensor-parallel shard) or cannot be
   built, the runner keeps the torch path;
-* the memory hints of cpu_memory.py change nothing but speed.
+* the memory hints of cpu/memory.py change nothing but speed.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from conftest import make_engine, run_to_end, without_c_compiler
 
 from nanoserve import SamplingParams
-from nanoserve.cpu_memory import huge_page_zeros, keep_freed_memory
-from nanoserve.kernels import cpu_ops
-from nanoserve.models.cpu_llama import CpuLlama, supports
+from nanoserve.cpu import ops as cpu_ops
+from nanoserve.cpu.llama import CpuLlama, supports
+from nanoserve.cpu.memory import huge_page_zeros, keep_freed_memory
 from nanoserve.models.llama import Llama, RMSNorm, apply_rotary
 from nanoserve.runner import ModelRunner, RunInput
 
@@ -106,7 +106,7 @@ def prompts_inputs():
 @needs_ops
 def test_cpu_llama_logits_match_the_packed_view(tiny_llama):
     fast = make_engine(tiny_llama, block_size=4, num_blocks=64)
-    torch_only = make_engine(tiny_llama, block_size=4, num_blocks=64, cpu_kernel=False)
+    torch_only = make_engine(tiny_llama, block_size=4, num_blocks=64, c_kernels=False)
     plain = make_engine(tiny_llama, block_size=4, num_blocks=64, fast_paths=False)
     assert isinstance(fast.runner.model, CpuLlama)
     assert not isinstance(torch_only.runner.model, CpuLlama) and not isinstance(plain.runner.model, CpuLlama)
@@ -118,7 +118,7 @@ def test_cpu_llama_logits_match_the_packed_view(tiny_llama):
 @needs_ops
 def test_greedy_tokens_equal_with_the_cpu_path_on_and_off(tiny_llama):
     outs = []
-    for config in ({}, {"cpu_kernel": False}, {"fast_paths": False}):
+    for config in ({}, {"c_kernels": False}, {"fast_paths": False}):
         engine = make_engine(tiny_llama, block_size=4, num_blocks=64, max_num_batched_tokens=16, **config)
         for i in range(5):     # mixed prefill chunks and decodes in one step
             engine.add_request(str(i), list(range(3 + 7 * i, 20 + 9 * i)),
@@ -157,7 +157,7 @@ def test_cpu_llama_matches_llama_on_other_shapes(overrides):
     """Prefill then a decode step through both runners: the same logits to float32 rounding."""
     model = random_llama(**overrides)
     assert supports(model)
-    runners = [ModelRunner(model, 16, 4, torch.float32, torch.device("cpu"), cpu_kernel=c) for c in (True, False)]
+    runners = [ModelRunner(model, 16, 4, torch.float32, torch.device("cpu"), c_kernels=c) for c in (True, False)]
     assert isinstance(runners[0].model, CpuLlama) and not isinstance(runners[1].model, CpuLlama)
     prompts = [[5, 9, 20, 31, 7, 7, 60], [3, 1, 4, 1, 5], [42]]
     prefill = [RunInput(p, 0, [2 * i, 2 * i + 1]) for i, p in enumerate(prompts)]
@@ -186,12 +186,12 @@ def test_where_it_does_not_apply(tiny_llama, tiny_gpt2, tiny_llama_dir):
 
 @needs_ops
 def test_a_draft_model_follows_the_engines_switch(tiny_llama):
-    """Speculative decoding's draft runner takes cpu_kernel from the engine, as the target's runner does."""
-    for cpu_kernel in (True, False):
+    """Speculative decoding's draft runner takes c_kernels from the engine, as the target's runner does."""
+    for c_kernels in (True, False):
         engine = make_engine(tiny_llama, block_size=4, num_blocks=64, speculative_method="draft",
-                             draft_num_layers=1, cpu_kernel=cpu_kernel)
-        assert isinstance(engine.runner.model, CpuLlama) == cpu_kernel
-        assert isinstance(engine.proposer.runner.model, CpuLlama) == cpu_kernel
+                             draft_num_layers=1, c_kernels=c_kernels)
+        assert isinstance(engine.runner.model, CpuLlama) == c_kernels
+        assert isinstance(engine.proposer.runner.model, CpuLlama) == c_kernels
 
 
 def test_a_failed_build_keeps_the_torch_path(tiny_llama, monkeypatch):

@@ -1,4 +1,4 @@
-"""kernels/cpu_matmul.c: the CPU Llama path's matmul from 16-column panels, against torch.
+"""cpu/matmul.c: the CPU Llama path's matmul from 16-column panels, against torch.
 
 * equal to x @ W.T + b in float64 to float32 rounding, for row counts of a decode step and of prefill
   chunks (past one row block), widths that end inside a panel, rows of any stride;
@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 from nanoserve import SamplingParams
-from nanoserve.kernels import cpu_matmul, cpu_ops
-from nanoserve.models.cpu_linear import CpuLinear, PanelLinear
-from nanoserve.models.cpu_llama import CpuLlama
+from nanoserve.cpu import matmul as cpu_matmul
+from nanoserve.cpu import ops as cpu_ops
+from nanoserve.cpu.linear import CpuLinear, PanelLinear
+from nanoserve.cpu.llama import CpuLlama
 
 mm = cpu_matmul.load()
 needs_matmul = pytest.mark.skipif(mm is None, reason="no C compiler: cpu_matmul.c cannot be built")

@@ -15,7 +15,8 @@ PACKAGES = {"nanoserve": ROOT / "nanoserve", "nanoserve_tui": ROOT / "tui"}
 # What the viewers (nanoserve/viz, tui/) may read of the engine: its events, the folded view state,
 # snapshots and traces, scenarios and the public request API. Not its internals.
 VIEWER_MAY_IMPORT = {"nanoserve", "nanoserve.events", "nanoserve.trace", "nanoserve.view", "nanoserve.trace_check",
-                     "nanoserve.scenarios", "nanoserve.sampling_params", "nanoserve.errors", "nanoserve.display"}
+                     "nanoserve.scenarios", "nanoserve.sampling_params", "nanoserve.errors", "nanoserve.display",
+                     "nanoserve.kv_usage"}   # the words and arithmetic of "used" and "hit rate", shared with /metrics
 # viz/repl.py draws the engine's Displayable objects, so it names their classes to register its renderers.
 DISPLAYABLE = {"nanoserve.engine", "nanoserve.block_pool", "nanoserve.radix_cache", "nanoserve.outputs"}
 FRONT_ENDS = ("nanoserve.cli", "nanoserve.serve")   # programs people run; they may start any viewer
@@ -34,10 +35,20 @@ def modules() -> dict[str, Path]:
     return {module_name(pkg, p): p for pkg, root in PACKAGES.items() for p in root.rglob("*.py")}
 
 
+def runtime_nodes(tree: ast.AST):
+    """Every node of `tree` except those under `if TYPE_CHECKING:` (imports for annotations only: the helper
+    modules of the step name `LLMEngine` in their signatures, and engine.py imports them)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            continue
+        yield node
+        yield from runtime_nodes(node)
+
+
 def imports(path: Path, known: dict[str, Path]) -> set[str]:
     """The project's modules that `path` imports (a name imported from a package counts as its submodule)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for alias in node.names:
                 sub = f"{node.module}.{alias.name}"
@@ -101,3 +112,43 @@ def test_every_displayable_class_has_a_renderer():
         assert issubclass(cls, Displayable)
         probe = cls.__new__(cls)                 # no engine needed: the lookup is by class
         assert renderer_for(probe) is not None, cls.__name__
+
+
+def test_only_the_runner_imports_the_cpu_fast_path():
+    """nanoserve/cpu/ is wired in at one place (ModelRunner.__init__), so the code a student reads elsewhere is
+    the code that runs, and the engine can say which parts the fast path replaced."""
+    for name, deps in graph().items():
+        if name.startswith("nanoserve.cpu") or name == "nanoserve.runner":
+            continue
+        cpu = sorted(d for d in deps if d == "nanoserve.cpu" or d.startswith("nanoserve.cpu."))
+        assert not cpu, f"{name} imports {cpu}: only nanoserve.runner may import the CPU fast path"
+
+
+def test_only_the_engine_touches_its_private_state():
+    """The step's helper modules (intake, token_choice, commit, postprocess, step_rollback, ...) use the engine
+    through its public verbs (`emit`, `append_tokens`, `finish_sequence`, ...), never `engine._something`."""
+    offenders = []
+    for name, path in modules().items():
+        if name == "nanoserve.engine":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                owner = node.value
+                owner_name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+                if owner_name == "engine":
+                    offenders.append(f"{name}:{node.lineno} engine.{node.attr}")
+    assert not offenders, "private engine state used outside engine.py: " + ", ".join(offenders)
+
+
+def test_the_steps_helpers_name_the_engine_type():
+    """Every function of the step's helper modules that takes the engine says it is an LLMEngine, so a reader (or
+    an IDE) can follow `engine.something` to its definition."""
+    untyped = []
+    for name in ("intake", "token_choice", "commit", "postprocess", "step_rollback", "engine_state"):
+        tree = ast.parse(modules()[f"nanoserve.{name}"].read_text())
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef):
+                for arg in fn.args.args:
+                    if arg.arg == "engine" and not (isinstance(arg.annotation, ast.Name) and arg.annotation.id == "LLMEngine"):
+                        untyped.append(f"{name}.{fn.name}")
+    assert not untyped, f"engine argument without `: LLMEngine`: {untyped}"

@@ -2,7 +2,7 @@
 
 A request with n > 1 computes its prompt once and forks when the first token is drawn: plain
 sampling draws the n first tokens from the same logits row, each with its own RNG
-(`choose.py`). With chunked prefill a prompt's last chunk can be a single token, the case
+(`token_choice.py`). With chunked prefill a prompt's last chunk can be a single token, the case
 where a proposer may draft: if the first token came from draft verification, the forks'
 first tokens were never drawn and all n completions began with the same token.
 

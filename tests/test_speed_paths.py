@@ -3,7 +3,7 @@
 Greedy parity with Hugging Face for both settings is in test_parity.py; here:
 
 * each attention backend builds only the tensors its own kernels read;
-* the CPU linear view (models/cpu_linear.py): oneDNN-packed weights give
+* the CPU linear view (cpu/linear.py): oneDNN-packed weights give
   float32 results equal to nn.Linear's up to summation order; bf16 on a CPU
   without bf16 units multiplies in float32 on the bf16 values; the shared
   loaded model stays as it was, and the logits agree with the plain path;
@@ -19,9 +19,9 @@ from torch import nn
 
 from nanoserve import EngineConfig
 from nanoserve.attention import BatchLayout, PrefillChunk
-from nanoserve.kernels import torch_backend
+from nanoserve.cpu import linear as cpu_linear
+from nanoserve.cpu.linear import CpuLinear, can_pack, cpu_linear_view
 from nanoserve.kernels.torch_backend import TorchBackend, TorchMetadata
-from nanoserve.models.cpu_linear import CpuLinear, can_pack, cpu_linear_view
 from nanoserve.runner import RunInput
 
 
@@ -89,9 +89,10 @@ def test_packed_linear_matches_nn_linear_in_float32():
 def test_bf16_engine_on_a_cpu_without_bf16_units(tiny_llama_dir, monkeypatch, has_units):
     from nanoserve.models.loader import load_model
 
-    monkeypatch.setattr(torch_backend, "cpu_has_bf16_units", lambda: has_units)
+    monkeypatch.setattr(cpu_linear, "cpu_has_bf16_units", lambda: has_units)
     loaded = load_model(tiny_llama_dir, torch.bfloat16)
-    fast = make_engine(loaded, dtype="bfloat16", block_size=4, num_blocks=64)
+    # (torch attention: the C kernel, the default, reads a bf16 cache with float32 math itself)
+    fast = make_engine(loaded, dtype="bfloat16", block_size=4, num_blocks=64, attention_backend="torch")
     plain = make_engine(loaded, dtype="bfloat16", block_size=4, num_blocks=64, fast_paths=False)
     # Only a CPU without bf16 units gets the float32 view; the loaded model stays bf16 either way.
     upcast = [m.upcast for m in fast.runner.model.modules() if isinstance(m, CpuLinear)]

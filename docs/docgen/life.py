@@ -10,13 +10,14 @@ Graphviz, and the page's walkthrough states its numbers from the same events.
 from __future__ import annotations
 
 import html
+import re
 import sys
 from pathlib import Path
 
 from graphviz import Digraph
 
 import nanoserve
-from docgen import Result, regions
+from docgen import Result, regions, sizes
 from docgen.home import _ranges
 from docgen.pictures import graphviz_svg
 from docgen.scenarios import words
@@ -72,19 +73,21 @@ ROLES = {
     "sequence.py": "the sequence's token counts and status changes",
     "block_pool.py": "ref counts and the free queue",
     "radix_cache.py": "the prefix lookup at admission; after the commit, newly full blocks join the tree",
+    "prompt_logprobs.py": "more logits rows for prompt log-probabilities, when a request asks (none here)",
     "runner.py": "`prepare` and `run`: the flat row of tokens, their slots, one forward",
     "kernels/backends.py": "which attention backend runs",
-    "kernels/torch_backend.py": "the attention metadata of the step (on a CPU: every row's block table and length for the C kernel)",
-    "kernels/cpu_decode.py": "paged attention in C, one query per row, reading K/V in place through the block tables",
+    "kernels/torch_backend.py": "the torch backend's metadata: block tables and masks for the reference functions",
     "attention.py": "`paged_attention`: K/V written at their slots, attention through the block tables",
-    "kernels/reference.py": "K/V stored at their slots; prefill K/V gathered through a block table",
-    "models/llama.py": "the model: its layers, or (under cpu_llama.py) its RoPE tables",
-    "models/cpu_llama.py": "the same layers on a CPU: merged matmuls, the small steps in C",
-    "kernels/cpu_ops.py": "RMSNorm with the residual add, RoPE, silu(gate) * up: one C call each",
+    "kernels/reference.py": "K/V stored at their slots; decode and prefill attention over gathered blocks",
+    "models/llama.py": "the model: its layers, or (under cpu/llama.py) its RoPE tables",
+    "cpu/backend.py": "the CPU attention backend: every row's block table and length for the C kernel",
+    "cpu/attention.py": "paged attention in C (cpu/attention.c), one query per row, K/V read in place",
+    "cpu/llama.py": "the same layers on a CPU: merged matmuls, the small steps in C",
+    "cpu/ops.py": "RMSNorm with the residual add, RoPE, silu(gate) * up: one C call each (cpu/ops.c)",
     "kernels/checks.py": "each C call's arguments checked first (shape, dtype, layout)",
-    "models/cpu_linear.py": "the linear layers' CPU path",
-    "kernels/cpu_matmul.py": "the linear layers' matmul in C, from weights packed in 16-column panels",
-    "choose.py": "a `Choice` per chunk that reached its sequence's end (no bookkeeping changes)",
+    "cpu/linear.py": "the linear layers' CPU path",
+    "cpu/matmul.py": "the linear layers' matmul in C (cpu/matmul.c), from weights packed in 16-column panels",
+    "token_choice.py": "a `Choice` per chunk that reached its sequence's end (no bookkeeping changes)",
     "sampling_params.py": "the request's sampling settings",
     "request.py": "the request the sequence belongs to (with n > 1, its forks-to-be)",
     "sampler.py": "penalties, temperature, top-k/top-p/min-p, the draw",
@@ -96,9 +99,10 @@ ROLES = {
 }
 
 
-def route(step: int) -> list[str]:
-    """The engine's modules in the order step `step` of CODE first enters them (a profile hook)."""
-    engine = LLMEngine(EngineConfig(**CONFIG))
+def route(step: int, **settings) -> tuple[list[str], list[str]]:
+    """The engine's modules in the order step `step` of CODE first enters them (a profile hook), and the
+    C files that step runs (named by `engine.implementation`: ctypes calls are invisible to the hook)."""
+    engine = LLMEngine(EngineConfig(**CONFIG, **settings))
     greedy = dict(temperature=0, ignore_eos=True)
     engine.add_request("warm", WARM, SamplingParams(max_tokens=2, **greedy))
     engine.add_request("other", "Hi", SamplingParams(max_tokens=12, **greedy))
@@ -123,7 +127,23 @@ def route(step: int) -> list[str]:
         sys.setprofile(None)
     missing = [m for m in seen if m not in ROLES]
     assert not missing, f"the route page has no role for {missing}: add them to ROLES"
-    return seen
+    impl = engine.implementation
+    c_files = [f for part in (impl.attention, impl.model, impl.matmul) for f in re.findall(r"cpu/\w+\.c", part)]
+    if impl.model.startswith("CpuLlama"):
+        c_files.append("cpu/ops.c")
+    return seen, sorted(set(c_files))
+
+
+def lines_of(modules: list[str]) -> int:
+    """Non-blank lines of these files of the package (what a reader of the route reads)."""
+    root = Path(nanoserve.__file__).parent
+    return sum(1 for m in modules for line in (root / m).read_text().splitlines() if line.strip())
+
+
+def route_list(modules: list[str], c_files: list[str]) -> str:
+    items = [f"{i}. `{m}`: {ROLES[m]}" for i, m in enumerate(modules, 1)]
+    items += [f"{i}. `{c}`: C, called through ctypes" for i, c in enumerate(c_files, len(modules) + 1)]
+    return "\n" + "\n".join(items) + "\n"
 
 
 def cell(e) -> tuple[int, str]:
@@ -217,7 +237,15 @@ def make(read) -> Result:
         "kept": len(freed.block_ids) - len(freed.released),
     })
     out.region(PAGE, "life.code", regions.block(CODE, "python"))
-    steps = route(prefill[-1].step)
-    out.facts(PAGE, "life", {"route_step": prefill[-1].step, "route_count": len(steps)})
-    out.region(PAGE, "life.route", "\n" + "\n".join(f"{i}. `{m}`: {ROLES[m]}" for i, m in enumerate(steps, 1)) + "\n")
+    reading, _ = route(prefill[-1].step, fast_paths=False)
+    default, c_files = route(prefill[-1].step)
+    assert len(reading) <= 20, f"the reading path's route has {len(reading)} modules (the page promises at most 20)"
+    out.facts(PAGE, "life", {
+        "route_step": prefill[-1].step, "route_count": len(reading), "route_lines": lines_of(reading),
+        "fast_count": len(default), "fast_c": len(c_files), "fast_lines": lines_of(default),
+        "fast_only": words([f"`{m}`" for m in default if m not in reading]),
+    })
+    out.region(PAGE, "life.route", route_list(reading, []))
+    out.region(PAGE, "life.fast_route", route_list(default, c_files))
+    out.facts(PAGE, "life", {"longest": sizes.module_facts()["longest"]})   # the reading order's sizes
     return out

@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import hashlib
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from nanoserve import events as ev
 from nanoserve.sequence import SequenceStatus
+
+if TYPE_CHECKING:                      # (a type only: engine.py imports this module)
+    from nanoserve.engine import LLMEngine
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]   # per layer (k_cache, v_cache) [N, bs, Hkv, D]
 
@@ -57,7 +61,7 @@ def digest(payload: torch.Tensor) -> str:
     return hashlib.sha256(payload.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
-def adopt(engine, request_id: str, prompt, params, payload: torch.Tensor | None, num_tokens: int,
+def adopt(engine: LLMEngine, request_id: str, prompt, params, payload: torch.Tensor | None, num_tokens: int,
           src_block_ids: list[int], src: str = "prefill", dst: str = "decode", seconds: float = 0.0) -> list[int]:
     """Add a request to `engine` with the KV of its first `num_tokens` tokens already in `payload`.
 
@@ -69,7 +73,7 @@ def adopt(engine, request_id: str, prompt, params, payload: torch.Tensor | None,
     engine.add_request(request_id, prompt, params)      # validation, the sequence, RequestAdded
     step = engine.step_count
     if not num_tokens:   # a one-token prompt: nothing came, it waits and computes its token here
-        engine._emit(ev.KVTransferred(step, request_id, src, dst, (), (), 0, 0, seconds))
+        engine.emit(ev.KVTransferred(step, request_id, src, dst, (), (), 0, 0, seconds))
         return []
     seq = engine.sequences[request_id]
     scheduler = engine.scheduler
@@ -79,8 +83,8 @@ def adopt(engine, request_id: str, prompt, params, payload: torch.Tensor | None,
     seq.block_table, seq.num_computed_tokens = list(blocks), num_tokens
     seq.set_status(SequenceStatus.RUNNING)
     scheduler.running.append(seq)
-    engine._emit(ev.SequenceAdmitted(step, request_id))
-    engine._emit(ev.BlocksAllocated(step, request_id, tuple(blocks)))
-    engine._emit(ev.KVTransferred(step, request_id, src, dst, tuple(src_block_ids), tuple(blocks), num_tokens,
+    engine.emit(ev.SequenceAdmitted(step, request_id))
+    engine.emit(ev.BlocksAllocated(step, request_id, tuple(blocks)))
+    engine.emit(ev.KVTransferred(step, request_id, src, dst, tuple(src_block_ids), tuple(blocks), num_tokens,
                                   payload.numel() * payload.element_size(), seconds + time.perf_counter() - t0))
     return blocks

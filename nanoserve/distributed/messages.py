@@ -40,7 +40,7 @@ class PoolSpec:
     backend: str                  # attention backend: "torch" or "triton"
     fast_paths: bool
     num_cpu_blocks: int = 0
-    cpu_kernel: bool = True       # EngineConfig.cpu_kernel
+    c_kernels: bool = True       # EngineConfig.c_kernels
 
 
 @dataclass(slots=True)

@@ -33,7 +33,7 @@ class RankRunner:
         self.rank = comm.rank
         self.kv_heads: tuple[int, ...] = shard.kv_heads
         self.runner = ModelRunner(shard, spec.num_blocks, spec.block_size, dtype, torch.device(spec.device),
-                                  spec.backend, fast_paths=spec.fast_paths, cpu_kernel=spec.cpu_kernel)
+                                  spec.backend, fast_paths=spec.fast_paths, c_kernels=spec.c_kernels)
         self.ledger = SlotLedger(spec.num_blocks, spec.block_size)
         self.bytes_per_block = kv_bytes_per_block(shard, spec.block_size, dtype)
         self.allocate_swap(spec.num_cpu_blocks)

@@ -90,7 +90,7 @@ def _chunk(width: int, rank: int, n: int) -> torch.Tensor:
 
 
 def _clone_tree(module: nn.Module) -> nn.Module:
-    """A new module tree with the same tensors (like models/cpu_linear.py's view), to replace layers in."""
+    """A new module tree with the same tensors (like cpu/linear.py's view), to replace layers in."""
     clone = copy.copy(module)
     clone.__dict__.update({k: copy.copy(v) for k, v in vars(module).items() if isinstance(v, dict)})
     for name, child in module._modules.items():

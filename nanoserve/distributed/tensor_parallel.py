@@ -72,7 +72,7 @@ class TensorParallelRunner:
         self.group = workers
         self.group.owner = self
         self.spec = PoolSpec(config.num_blocks, config.block_size, config.dtype, config.device, backend,
-                             config.fast_paths, cpu_kernel=config.cpu_kernel)
+                             config.fast_paths, c_kernels=config.c_kernels)
         shards = [shard_model(model, r, n) for r in range(n)]
         self.kv_heads = [s.kv_heads for s in shards]     # which of the model's KV heads each rank holds
         try:
@@ -94,6 +94,11 @@ class TensorParallelRunner:
         self.reports: list[RankReport] = []              # every rank's report after the last forward
 
     # -- the ModelRunner interface the engine uses ---------------------------------------------
+
+    @property
+    def implementation(self):
+        """What computes rank 0's share of a step (every rank runs the same code on its own shard)."""
+        return self.local.runner.implementation
 
     @property
     def kv_caches(self):

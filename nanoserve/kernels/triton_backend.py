@@ -41,6 +41,12 @@ class TritonBackend(AttentionBackend):
         # `nanoserve lab triton-decode` passes the same kernels built around a student's softmax step).
         self.decode, self.prefill = decode, prefill
 
+    @property
+    def label(self) -> str:
+        if self.decode is None and self.prefill is None:
+            return "triton (kernels/triton_decode.py, triton_prefill.py)"
+        return "triton (" + ", ".join(getattr(m, "__name__", "kernels") for m in (self.decode, self.prefill) if m) + ")"
+
     def prepare(self, layout: BatchLayout) -> TritonMetadata:
         dev = layout.device
         meta = TritonMetadata(self, layout.slot_mapping, layout.num_decodes)

@@ -1,5 +1,7 @@
 """Model implementations (GPT-2, Llama) over the paged KV cache, and their loader.
 
+gpt2.py     GPT-2: learned positions, fused q/k/v, attention through paged_attention
+llama.py    Llama: RMSNorm, RoPE, grouped-query attention, SwiGLU (SmolLM2 is one)
 resolve.py  model names to directories (no torch import: the CLI's errors stay fast)
 loader.py   load_model: our GPT2 / Llama with the weights of a transformers model
 """

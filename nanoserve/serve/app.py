@@ -1,6 +1,7 @@
 """The ASGI app of `nanoserve serve`: FastAPI routes in front of one engine loop.
 
     POST /v1/completions, /v1/chat/completions, GET /v1/models    openai_routes.py
+    POST /tokenize, /detokenize, /reset_prefix_cache, GET /tokenizer_info, /version   vllm_routes.py
     GET  /events        the engine's events as SSE, in the trace's JSONL schema   event_stream.py
     GET  /snapshot      engine.snapshot(), taken between two steps
     GET  /clients       who is connected (the TUI's clients panel)                clients.py
@@ -40,7 +41,8 @@ from nanoserve.serve.event_stream import EventHub, event_stream
 from nanoserve.serve.limits import MAX_BODY_BYTES, BodyLimit
 from nanoserve.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from nanoserve.serve.openai_routes import router as openai_router
-from nanoserve.serve.protocol import ApiError
+from nanoserve.serve.protocol import ApiError, ChatTemplateOptions, template_variables
+from nanoserve.serve.vllm_routes import router as vllm_router
 from nanoserve.trace import JsonlRecorder
 
 log = logging.getLogger("nanoserve.serve")
@@ -53,9 +55,10 @@ class Server:
                  step_delay: float = 0.0, record: str | Path | None = None) -> None:
         self.engine = engine                        # touched only by the engine thread once started
         self.model_name = model_name or engine.config.model
+        self.implementation = engine.implementation.as_dict()   # fixed once the engine is built
         self.tokenizer = engine.tokenizer           # for chat templates and token texts (read-only here)
         self.max_model_len = engine.config.max_model_len
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(self.model_name)
         self.engine_loop = EngineLoop(engine, self.metrics, max_waiting, step_delay)
         self.hub = EventHub(self.engine_loop)
         self.book = ClientBook()
@@ -81,12 +84,17 @@ class Server:
     def next_request_id(self, chat: bool) -> str:
         return f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}"
 
-    def chat_prompt(self, dialog: list[dict]) -> str:
-        """The messages through the tokenizer's chat template, ending where the assistant speaks."""
+    def chat_prompt(self, dialog: list[dict], options: ChatTemplateOptions | None = None) -> str:
+        """The messages through the tokenizer's chat template, ending where the assistant speaks
+        (or, with `options`, going on with the last message; with more template variables)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, f"model {self.model_name!r} has no chat template: use /v1/completions", "messages")
+        options = options or ChatTemplateOptions()
+        variables = template_variables(self.tokenizer, options.chat_template_kwargs)
         try:
-            return self.tokenizer.apply_chat_template(dialog, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(
+                dialog, tokenize=False, add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message, **variables)
         except Exception as exc:  # noqa: BLE001 -- a template's own error (e.g. roles it refuses)
             raise ApiError(400, f"the chat template refused these messages: {exc}", "messages") from None
 
@@ -126,13 +134,16 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
     app = FastAPI(title="nanoserve", summary="An OpenAI-compatible server you can watch", lifespan=lifespan)
     app.state.server = server
     app.include_router(openai_router)
+    app.include_router(vllm_router)
 
     install_error_handlers(app)       # every error, the framework's included, as an OpenAI-shaped body
 
     @app.get("/health")
     async def health() -> JSONResponse:
         if server.engine_loop.alive:
-            body = {"status": "ok", "model": server.model_name}
+            body = {"status": "ok", "model": server.model_name,
+                    # what computes the steps, as it runs (LLMEngine.implementation)
+                    "implementation": server.implementation}
             if server._recorder is not None and server._recorder.error:   # serving goes on; recording stopped
                 body["record"] = f"stopped: {server._recorder.error}"
             return JSONResponse(body)

@@ -61,6 +61,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                      help="speculative decoding: n-gram prompt lookup, or a draft model (default: off)")
     eng.add_argument("--num-speculative-tokens", type=int, default=4, help="(default: %(default)s)")
     eng.add_argument("--seed", type=int, default=0, help="seeds unseeded requests (default: %(default)s)")
+    eng.add_argument("--reading-path", dest="fast_paths", action="store_false",
+                     help="run the reading path: models/ and kernels/reference.py only, none of nanoserve/cpu/ "
+                          "(EngineConfig fast_paths=False; the same tokens, slower on a CPU)")
     return p
 
 
@@ -102,7 +105,7 @@ def run_serve(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         preemption_mode=args.preemption_mode, speculative_method=args.speculative_method,
-        num_speculative_tokens=args.num_speculative_tokens, seed=args.seed,
+        num_speculative_tokens=args.num_speculative_tokens, seed=args.seed, fast_paths=args.fast_paths,
     )
     try:   # bind first: a port in use should not cost a model load
         sock = listen(args.host, args.port)

@@ -6,4 +6,5 @@ repl.py      rich panels for the REPL (`print(engine)`, a StepResult, `engine.po
 graphviz.py  DOT pictures of block tables and the pool, from a trace or a live engine (`nanoserve export`)
 radix_dot.py the DOT picture of the radix prefix tree (graphviz.radix_dot)
 text.py      how a token's text is shown (newlines, special tokens, control characters)
+tp_dot.py    the DOT picture of tensor parallelism: how a layer's weights and a request's KV are split
 """

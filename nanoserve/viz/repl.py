@@ -25,6 +25,7 @@ from nanoserve.display import renders
 from nanoserve.engine import LLMEngine
 from nanoserve.outputs import RequestOutput, StepResult
 from nanoserve.radix_cache import RadixCache
+from nanoserve.view import implementation_line
 from nanoserve.viz.graphviz import engine_svg
 from nanoserve.viz.text import shown, token_text
 
@@ -106,6 +107,8 @@ def render_engine(engine):
     nodes = (s.get("radix") or {}).get("nodes") or []
     cached = {b for n in nodes for b in n["block_ids"]}
     parts = [head, render_pool(pool["ref_counts"], owners, cached=cached, holders=holders)]
+    if s.get("implementation"):   # what computes a step, as it runs (engine.implementation)
+        parts.insert(1, Text(implementation_line(s["implementation"]), style="dim"))
     if (s.get("radix") or {}).get("enabled"):
         evictable = sum(len(n["block_ids"]) for n in nodes if n["lock_count"] == 0)
         parts.append(Text(f"prefix cache: {len(nodes)} nodes, {len(cached)} blocks cached ({evictable} evictable)"

@@ -1,0 +1,106 @@
+"""The CPU fast path: everything nanoserve does differently on a CPU to be fast, in one folder.
+
+The code a student reads — models/llama.py, models/gpt2.py, kernels/reference.py
+behind kernels/torch_backend.py — computes every step on any device. On a CPU
+that is several times slower than it needs to be, so by default the runner
+swaps parts of it for the ones here. Only the runner imports this package
+(tests/test_import_graph.py checks it), in one call, `fast_path()`, and the
+engine says what ran (`LLMEngine.implementation`, the TUI header, `--stats`).
+`EngineConfig(fast_paths=False)` (`--reading-path` on the command line) runs
+none of it: the reading path, the same tokens.
+
+    build.py      compile a C file with the system's compiler on first use, cache the library
+    cpu_math.h    what the C files share: an 8-float vector type, a vectorisable exp
+    attention.c   paged attention reading K/V in place through block tables; the K/V store
+    attention.py  its Python face: argument checks, then the C call
+    backend.py    the "cpu" attention backend: every row of a step through attention.c
+    ops.c         a Llama layer's small steps: RMSNorm with the residual add, RoPE, silu(gate) * up
+    ops.py        their Python faces
+    matmul.c      matmuls from weights packed once in 16-column panels
+    matmul.py     its Python face: pack a weight, multiply from it
+    linear.py     linear layers: panels, oneDNN-packed weights, float32 math for bf16 weights
+    llama.py      CpuLlama: a float32 Llama's forward in fewer, larger steps
+    memory.py     keep freed memory for the next step; 2 MB pages for the KV cache
+
+What `fast_path()` picks (each part falls back alone, and says why):
+
+    model      CpuLlama (a float32 Llama, `c_kernels` on, ops.c built), else the loaded model
+               with its linear layers swapped (linear.py), else the loaded model itself
+    attention  the "cpu" backend (`c_kernels` on, attention.c built, a float32 or bf16 cache),
+               else the torch backend the runner made
+    KV cache   allocated with 2 MB pages (memory.py)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nanoserve.attention import AttentionBackend
+from nanoserve.cpu import attention as cpu_attention
+from nanoserve.cpu import build
+from nanoserve.cpu.backend import CpuBackend
+from nanoserve.cpu.linear import can_pack, cpu_linear_view, half_matmuls_need_fp32
+from nanoserve.cpu.llama import cpu_llama_view
+from nanoserve.cpu.memory import huge_page_zeros, keep_freed_memory
+from nanoserve.kernels import reference
+from nanoserve.kernels.torch_backend import TorchBackend
+
+
+@dataclass(slots=True)
+class FastPath:
+    """What the runner uses on a CPU, and how to say so."""
+
+    model: nn.Module                 # a view of the loaded model (which is never changed), or the model itself
+    attention: AttentionBackend      # the "cpu" backend, or the runner's own
+    zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]   # allocates the KV cache
+    matmul: str                      # what multiplies the linear layers
+    note: str = ""                   # why a part fell back ("" when everything here runs)
+
+
+def fast_path(model: nn.Module, attention: AttentionBackend, dtype: torch.dtype, c_kernels: bool,
+              c_attention: bool) -> FastPath:
+    """The CPU versions of the model, its attention and its KV cache (see the module docstring).
+
+    `c_kernels`: the C files may be used (EngineConfig.c_kernels); `c_attention`: the "cpu" attention
+    backend was asked for. `attention` is the backend the runner built; it is replaced only when it is
+    the engine's own torch backend (a lab's backend, a student's code, always runs as given)."""
+    keep_freed_memory()
+    notes, failed = [], []      # why parts fell back; the C files this tried to build
+    upcast = half_matmuls_need_fp32(dtype)          # bf16 weights on a CPU without bf16 units: float32 math
+    pack = can_pack() and (upcast or dtype == torch.float32)
+    view, matmul = model, "torch (nn.Linear)"
+    if c_kernels and pack and not upcast:
+        fused = cpu_llama_view(model)               # None: not a plain float32 Llama, or ops.c did not build
+        if fused is not None:
+            view = fused
+            matmul = "panels (cpu/matmul.c)" if fused.panels else "oneDNN packed (cpu/linear.py)"
+        failed += ["ops.c", "matmul.c"]
+    if view is model and (upcast or pack):
+        view = cpu_linear_view(model, upcast, pack)
+        matmul = ("oneDNN packed" if pack else "torch") + (", float32 math on bf16 weights" if upcast else "") \
+            + " (cpu/linear.py)"
+    own_torch = type(attention) is TorchBackend and attention.ops is reference
+    if own_torch and upcast:        # gather bf16 K/V, multiply in float32 (kernels/torch_backend.py)
+        attention = TorchBackend(fast=True, compute_dtype=torch.float32)
+    if own_torch and c_kernels and c_attention and dtype in cpu_attention.CACHE_DTYPES:
+        attend, store = cpu_attention.load(dtype), cpu_attention.load_store(dtype)
+        if attend is not None and store is not None:
+            attention = CpuBackend(attend, store)
+        failed.append("attention.c")
+    elif own_torch and c_kernels and c_attention:
+        notes.append(f"the C attention kernel reads float32 and bfloat16 caches, not {str(dtype)[6:]}")
+    return FastPath(view, attention, huge_page_zeros, matmul, "; ".join(notes + _failures(failed)))
+
+
+def _failures(files: list[str]) -> list[str]:
+    """Why these C files could not be built here (build.failures), one note per reason."""
+    by_reason: dict[str, list[str]] = {}
+    for f in dict.fromkeys(files):
+        if f in build.failures:
+            by_reason.setdefault(build.failures[f], []).append(f)
+    return [f"{', '.join(fs)} not built: {reason}" for reason, fs in by_reason.items()]
+

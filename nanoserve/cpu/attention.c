@@ -1,0 +1,256 @@
+/* Paged decode attention on the CPU, reading K/V in place through the block table.
+
+   The same contract as `reference.decode_attention` (kernels/reference.py):
+   one query token per sequence, grouped-query attention, K/V found through
+   the block table. The torch path has to *gather* each sequence's blocks
+   into a contiguous copy before torch's attention can read them; this loop
+   reads every K and V row exactly once, where it lies in the pool, and
+   writes nothing but the output. No copies, no padding.
+
+   For every sequence b (the loop OpenMP spreads over the threads torch uses),
+   with G = Hq / Hkv query heads reading each KV head:
+
+       slot[t] = block_tables[b][t / bs] * bs + t % bs       0. where token t lies
+       s[hq][t] = scale * dot(q[b][hq], K[slot[t]][hq / G])  1. scores, every query head
+       p[hq][t] = exp(s[hq][t] - max_t s[hq]) / sum_t exp(...)   2. softmax over t
+       out[b][hq] = sum_t p[hq][t] * V[slot[t]][hq / G]      3. weighted sum of V
+
+   Tokens go in order, so a block's 16 rows are read front to back with all
+   their heads: the memory system sees long runs, not scattered reads.
+
+   Prefill rows too: query i of a prefill chunk of Tq queries over ctx tokens
+   may see exactly the first ctx - Tq + i + 1 tokens (causal attention), so it
+   is this loop with that length and the chunk's block table. The CPU
+   backend (cpu/backend.py, `kernel_rows`) hands every row of a
+   step here that way: one call per layer, no causal mask, no work above the
+   diagonal. paged_store_kv at the end of the file writes the step's K/V.
+
+   How it is fast (each measured on an AMD EPYC, docs/benchmarks-notebook.md):
+   - eight tokens at a time in passes 1 and 3, in 8-float vectors (`f8`, the
+     compiler's vector extension: AVX on x86, NEON on Arm);
+   - pass 1 makes eight dot products' 8-lane sums into one vector of eight
+     scores with a few shuffles (`sum_lanes8`), not one lane-by-lane sum per
+     token: the sums were half the time of the scores;
+   - the exp of pass 2 is cpu_math.h's polynomial, eight at a time (libm's
+     expf is a call per number);
+   - the slots are found once per sequence (no division per row read).
+   A head_dim that is not a multiple of 8, and the last 0-7 tokens, take the
+   same steps one token at a time.
+
+   The cache holds float32, or bfloat16 when compiled with -DCACHE_BF16: a
+   bf16 value is the top half of a float32, so widening it is a shift. The
+   arithmetic is float32 either way. cpu/attention.py compiles this file
+   with the system's C compiler on first use and calls it through ctypes.   */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_math.h"    /* f8, load8, store8, exp_f32 */
+
+typedef int32_t i8 __attribute__((vector_size(32)));
+#if defined(__clang__)                                /* pick lanes of (a, b): 0-7 are a's, 8-15 are b's */
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (i8){__VA_ARGS__})
+#endif
+
+#ifdef CACHE_BF16
+typedef uint16_t cache_t;
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+static inline float widen(cache_t x) {           /* bf16 -> float32: put the 16 bits on top */
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+static inline f8 load8_cache(const cache_t *p) { /* eight bf16 values, widened the same way */
+    u16x8 h;
+    memcpy(&h, p, sizeof h);
+    u32x8 bits = __builtin_convertvector(h, u32x8) << 16;
+    f8 f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#else
+typedef float cache_t;
+static inline float widen(cache_t x) { return x; }
+static inline f8 load8_cache(const cache_t *p) { return load8(p); }
+#endif
+
+/* dot(a, b) over n floats, one token at a time (eight running sums: vector registers, no serial chain). */
+static inline float dot(const float *a, const cache_t *b, int64_t n) {
+    float acc[8] = {0};
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[d + j] * widen(b[d + j]);
+    float sum = 0.0f;
+    for (int j = 0; j < 8; j++) sum += acc[j];
+    for (; d < n; d++) sum += a[d] * widen(b[d]);       /* the rest, when n is not a multiple of 8 */
+    return sum;
+}
+
+/* r[j] = the sum of a[j]'s eight lanes, for j = 0..7: three rounds of "add neighbouring lanes of two
+   vectors", each round halving the vectors (8 -> 4 -> 2 -> 1), instead of eight separate 8-lane sums. */
+static inline f8 sum_lanes8(const f8 a[8]) {
+    f8 b[4], c[2];
+    for (int i = 0; i < 4; i++)      /* b[i]: lanes alternate a[2i], a[2i+1]; each the sum of a lane pair */
+        b[i] = SHUFFLE(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14)
+             + SHUFFLE(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; i++)      /* c[i]: a[4i..4i+3] twice over, each the sum of two pairs */
+        c[i] = SHUFFLE(b[2 * i], b[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13)
+             + SHUFFLE(b[2 * i], b[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return SHUFFLE(c[0], c[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(c[0], c[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* 1. s[hq * Lp + t] = scale * q[hq] . K row of token t, for t < L. */
+static void scores(const float *q, const cache_t *k_cache, const int64_t *slot, int64_t L, int64_t Lp,
+                   int64_t Hq, int64_t G, int64_t D, float scale, float *s) {
+    int64_t t = 0;
+    if (D % 8 == 0) {
+        for (; t + 8 <= L; t += 8) {                 /* eight tokens: eight dot products at once */
+            for (int64_t hq = 0; hq < Hq; hq++) {
+                const float *qh = q + hq * D;
+                const int64_t kv = (hq / G) * D;     /* this head's KV head, inside a token's row */
+                f8 acc[8] = {0};                     /* acc[j]: token t + j's products, 8 lanes */
+                for (int64_t d = 0; d < D; d += 8) {
+                    const f8 qv = load8(qh + d);
+                    for (int j = 0; j < 8; j++) acc[j] += qv * load8_cache(k_cache + slot[t + j] + kv + d);
+                }
+                store8(s + hq * Lp + t, sum_lanes8(acc) * scale);
+            }
+        }
+    }
+    for (; t < L; t++)                               /* the rest, one token at a time */
+        for (int64_t hq = 0; hq < Hq; hq++)
+            s[hq * Lp + t] = dot(q + hq * D, k_cache + slot[t] + (hq / G) * D, D) * scale;
+}
+
+/* 2. Each head's L scores become probabilities (minus the max first, so exp never overflows). */
+static void softmax(float *s, int64_t L, int64_t Lp, int64_t Hq) {
+    for (int64_t hq = 0; hq < Hq; hq++) {
+        float *sh = s + hq * Lp;
+        float mx[8], acc[8] = {0};                   /* eight running maxima, then sums: vectorised */
+        for (int j = 0; j < 8; j++) mx[j] = sh[0];
+        int64_t t = 0;
+        for (; t + 8 <= L; t += 8)
+            for (int j = 0; j < 8; j++) mx[j] = sh[t + j] > mx[j] ? sh[t + j] : mx[j];
+        float max = sh[0];
+        for (int j = 0; j < 8; j++) max = mx[j] > max ? mx[j] : max;
+        for (; t < L; t++) max = sh[t] > max ? sh[t] : max;
+
+        #pragma omp simd
+        for (t = 0; t < L; t++) sh[t] = exp_f32(sh[t] - max);
+        for (t = 0; t + 8 <= L; t += 8)
+            for (int j = 0; j < 8; j++) acc[j] += sh[t + j];
+        float sum = 0.0f;
+        for (int j = 0; j < 8; j++) sum += acc[j];
+        for (; t < L; t++) sum += sh[t];
+        const float inv = 1.0f / sum;
+        for (t = 0; t < L; t++) sh[t] *= inv;
+    }
+}
+
+/* 3. out[hq] = sum over t of p[hq * Lp + t] * V row of token t (read in the same order as K). */
+static void weighted_values(const float *p, const cache_t *v_cache, const int64_t *slot, int64_t L,
+                            int64_t Lp, int64_t Hq, int64_t G, int64_t D, float *out) {
+    memset(out, 0, sizeof(float) * Hq * D);
+    int64_t t = 0;
+    if (D % 8 == 0) {
+        for (; t + 8 <= L; t += 8) {                 /* eight V rows per read-and-write of out */
+            for (int64_t hq = 0; hq < Hq; hq++) {
+                const float *ph = p + hq * Lp + t;
+                const int64_t kv = (hq / G) * D;
+                float *oh = out + hq * D;
+                for (int64_t d = 0; d < D; d += 8) {
+                    f8 acc = load8(oh + d);
+                    for (int j = 0; j < 8; j++) acc += ph[j] * load8_cache(v_cache + slot[t + j] + kv + d);
+                    store8(oh + d, acc);
+                }
+            }
+        }
+    }
+    for (; t < L; t++)                               /* the rest, one token at a time */
+        for (int64_t hq = 0; hq < Hq; hq++) {
+            const float ph = p[hq * Lp + t];
+            const cache_t *vh = v_cache + slot[t] + (hq / G) * D;
+            float *oh = out + hq * D;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) oh[d] += ph * widen(vh[d]);
+        }
+}
+
+/* What the call returns: 0, or which argument was wrong (nothing is read before the checks). */
+enum { OK = 0, NO_MEMORY = -1, BAD_SEQ_LEN = -2, BAD_BLOCK = -3 };
+
+int paged_decode_attention(
+    /* inputs */
+    const float *q,                /* [B, Hq, D] the newest token's query, one per sequence; row b at q + b * q_stride */
+    const cache_t *k_cache,        /* [N, bs, Hkv, D] this layer's K pool */
+    const cache_t *v_cache,        /* [N, bs, Hkv, D] this layer's V pool */
+    const int64_t *block_tables,   /* [B, max_blocks] physical block of each logical block */
+    const int64_t *seq_lens,       /* [B] tokens of each sequence, the new one included */
+    /* output */
+    float *out,                    /* [B, Hq, D] */
+    /* sizes */
+    int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t max_blocks, int64_t N,
+    int64_t q_stride, float scale)
+{
+    /* The indices come from the caller: check every one this call would follow before reading any K/V
+       (a few hundred integer compares; in Python they were four tensor reductions per layer). */
+    for (int64_t b = 0; b < B; b++) {
+        if (seq_lens[b] < 1 || seq_lens[b] > max_blocks * bs)
+            return BAD_SEQ_LEN;
+        for (int64_t i = 0; i < (seq_lens[b] + bs - 1) / bs; i++)
+            if (block_tables[b * max_blocks + i] < 0 || block_tables[b * max_blocks + i] >= N)
+                return BAD_BLOCK;
+    }
+
+    const int64_t G = Hq / Hkv;                    /* query heads per KV head: head hq reads KV head hq / G */
+    const int64_t row = Hkv * D;                   /* one slot's K (or V) row: every KV head of one token */
+    int failed = 0;
+
+    /* One sequence per iteration; threads take the next sequence when they finish one. */
+    #pragma omp parallel for schedule(dynamic)
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t L = seq_lens[b];
+        const int64_t Lp = (L + 7) / 8 * 8;        /* a head's scores start 8-aligned: eight stored at once */
+        const int64_t *table = block_tables + b * max_blocks;
+        /* scratch: scores, then probabilities [Hq, Lp]; then each token's row offset in the pools [L] */
+        float *s = malloc(sizeof(float) * Hq * Lp + sizeof(int64_t) * L);
+        if (s == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        int64_t *slot = (int64_t *)(s + Hq * Lp);
+
+        /* 0. where each token lies: block by block through the table, no division per token */
+        for (int64_t t = 0, blk = 0; t < L; blk++)
+            for (int64_t i = 0; i < bs && t < L; i++, t++) slot[t] = (table[blk] * bs + i) * row;
+
+        scores(q + b * q_stride, k_cache, slot, L, Lp, Hq, G, D, scale, s);
+        softmax(s, L, Lp, Hq);
+        weighted_values(s, v_cache, slot, L, Lp, Hq, G, D, out + b * Hq * D);
+        free(s);
+    }
+    return failed ? NO_MEMORY : OK;
+}
+
+/* The step's new K/V rows to their slots: what `reference.store_kv` does with two index_copy_ calls, here
+   one pass (at a decode step's 32 rows the two torch calls cost ~25 us in dispatch, the copy ~1 us).
+   k and v are rows of the merged q/k/v matmul output, so each has its own row stride (in elements). */
+int paged_store_kv(const cache_t *k, const cache_t *v, int64_t k_stride, int64_t v_stride,
+                   cache_t *k_cache, cache_t *v_cache, const int64_t *slots, int64_t T, int64_t row,
+                   int64_t num_slots) {
+    for (int64_t t = 0; t < T; t++)                /* every slot inside the pool before writing any */
+        if (slots[t] < 0 || slots[t] >= num_slots)
+            return BAD_BLOCK;
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(k_cache + slots[t] * row, k + t * k_stride, sizeof(cache_t) * row);
+        memcpy(v_cache + slots[t] * row, v + t * v_stride, sizeof(cache_t) * row);
+    }
+    return OK;
+}
