@@ -90,6 +90,19 @@ def test_a_lone_surrogate_is_a_400_naming_its_field(server, loaded, field):
     still_serving(url, srv, loaded.name)
 
 
+@pytest.mark.parametrize("field, body", [
+    ("prompt", {"prompt": "hi \ud800"}),
+    ("messages.0.content", {"messages": [{"role": "user", "content": "a\udfff"}]}),
+])
+def test_the_tokenize_route_refuses_a_lone_surrogate(server, loaded, field, body):
+    """vLLM's POST /tokenize checks its text at the edge too (it was a 500 from the tokenizer)."""
+    url, srv = server
+    resp = post(url, json.dumps(body), "/tokenize")
+    assert_error(resp, 400, "not valid Unicode text", "lone surrogate")
+    assert resp.json()["error"]["param"] == field
+    still_serving(url, srv, loaded.name)
+
+
 def test_the_clients_stream_survives_a_bad_user_field(server, loaded):
     """The TUI's attach reads /events?clients=1: a bad `user` must not cut it."""
     url, srv = server
@@ -266,6 +279,30 @@ def test_tokenizing_happens_off_the_engine_thread(server, loaded, monkeypatch):
         gate.set()
         thread.join(60)
     assert_error(slow["resp"], 400, "maximum context length is 128")
+    still_serving(url, srv, loaded.name)
+
+
+def test_the_tokenize_route_tokenizes_off_the_engine_thread(server, loaded, monkeypatch):
+    """POST /tokenize of a huge text holds no one up: a completion is served while it is tokenized
+    (it was tokenized on the engine thread, between two steps, so every request waited for it)."""
+    from nanoserve.serve.engine_loop import LONG_PROMPT_CHARS
+
+    url, srv = server
+    gate = threading.Event()
+    tokenizer = Tokenizer(srv.engine.tokenizer, "SLOW", gate=gate)
+    monkeypatch.setattr(srv, "tokenizer", tokenizer)
+    slow: dict = {}
+    huge = "SLOW " + "a" * LONG_PROMPT_CHARS
+    thread = threading.Thread(target=lambda: slow.update(resp=post(url, {"prompt": huge}, "/tokenize")))
+    thread.start()
+    try:
+        assert tokenizer.waiting.wait(30)
+        resp = post(url, completion(loaded.name, prompt=[1, 2, 3]), timeout=15)
+        assert resp.status_code == 200 and not slow        # served while the huge text is still tokenized
+    finally:
+        gate.set()
+        thread.join(60)
+    assert slow["resp"].status_code == 200 and slow["resp"].json()["count"] > LONG_PROMPT_CHARS // 8
     still_serving(url, srv, loaded.name)
 
 

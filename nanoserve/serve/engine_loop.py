@@ -7,6 +7,7 @@
     await sink.get()  <-- call_soon_threadsafe --  after each engine.step(): the request's RequestOutput
     loop.abort(rid)   --- command queue --->  engine.abort_request (the client went away)
     loop.call(fn)     --- command queue --->  fn(engine) between two steps (/snapshot, /events subscribe)
+    loop.tokenize(...) -> a tokenizer thread: POST /tokenize's text, never on the engine thread
 
 Only this thread touches the engine, so the engine needs no locks: everything
 else reaches it through the command queue, and the queue is drained between
@@ -165,6 +166,17 @@ class EngineLoop:
 
         self._commands.put(run)
         return future
+
+    def tokenize(self, tokenizer, text: str, **kwargs) -> concurrent.futures.Future:
+        """`text`'s token ids on a tokenizer thread, in line with the prompts (a long text beside
+        them), never on the engine thread: POST /tokenize of a huge text holds no step up."""
+        pool = self._long_prompts if len(text) > LONG_PROMPT_CHARS else self._tokenizers
+        try:
+            return pool.submit(lambda: list(tokenizer(text, **kwargs).input_ids))
+        except RuntimeError:                # shut down: the server is stopping
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            future.set_exception(ApiError(503, "the server is shutting down"))
+            return future
 
     def submit(self, sub: Submission) -> concurrent.futures.Future:
         """Queue a request; the future gives its prompt token count, or raises ApiError (400, 429, 500, 503)."""

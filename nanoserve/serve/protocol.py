@@ -84,6 +84,15 @@ def first_bad_text(data) -> tuple[str, str] | None:
     return None
 
 
+def unicode_only(data):
+    """A body's `mode="before"` check: every string of it must be valid Unicode, before anything reads
+    it (the tokenizer, the chat template, the clients table, a trace): one 400 naming the field."""
+    bad = first_bad_text(data)
+    if bad is not None:
+        raise _refuse(bad[0], f"{bad[0]} {bad[1]}")
+    return data
+
+
 class _Sampling(StructuredFields):
     """The fields both endpoints share; each maps to the SamplingParams field of the same meaning
     (and structured output's: response_format, vLLM's structured_outputs and guided_*: structured.py)."""
@@ -93,12 +102,7 @@ class _Sampling(StructuredFields):
     @model_validator(mode="before")
     @classmethod
     def _text_is_unicode(cls, data):
-        """Every string of the body must be valid Unicode, before anything reads it (the tokenizer,
-        the chat template, the clients table, a trace): one 400 naming the field."""
-        bad = first_bad_text(data)
-        if bad is not None:
-            raise _refuse(bad[0], f"{bad[0]} {bad[1]}")
-        return data
+        return unicode_only(data)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
