@@ -29,7 +29,7 @@ from collections import Counter
 
 import pytest
 from engine_checks import FoldWatcher
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from machine_reference import (
@@ -52,6 +52,17 @@ from nanoserve.sequence import SequenceStatus
 from nanoserve.trace_check import check_trace
 
 # -- the state machine --------------------------------------------------------------------------
+
+
+def sampled_row(chunks, inputs) -> int | None:
+    """The logits row of the first token sampled in a step: where an injected NaN stops a request.
+    (Not simply row 0: a chunk giving prompt log-probabilities has more rows, most not sampled.)"""
+    row = 0
+    for chunk, x in zip(chunks, inputs):
+        if chunk.samples:
+            return row + x.num_logits - (1 + len(chunk.draft_token_ids))
+        row += x.num_logits
+    return None
 
 
 class EngineMachine(OutputChecks, RuleBasedStateMachine):
@@ -92,7 +103,16 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
         self.checked = 0                                              # invariants checked since setup
         self.nan_injected = 0                                         # NaN rows put in the logits ...
         self.nan_failed: set[str] = set()                             # ... and the requests they stopped
-        run = self.engine.runner.run
+        run, prepare, schedule = self.engine.runner.run, self.engine.runner.prepare, self.engine.scheduler.schedule
+        seen: dict = {}                   # this step's plan and the inputs the forward got
+
+        def schedule_seen(*args, **kwargs):
+            seen["plan"] = schedule(*args, **kwargs)
+            return seen["plan"]
+
+        def prepare_seen(inputs):
+            seen["inputs"] = inputs
+            return prepare(inputs)
 
         def run_with_faults(batch):
             fault, self.fault = self.fault, None
@@ -101,12 +121,15 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
             if fault == "ctrl-c":
                 raise KeyboardInterrupt("injected")
             logits = run(batch)
-            if fault == "nan" and len(logits):   # row 0: the first chunk that samples in this step
+            row = sampled_row(seen["plan"].chunks, seen["inputs"]) if fault == "nan" else None
+            if row is not None:
                 logits = logits.clone()
-                logits[0] = float("nan")
+                logits[row] = float("nan")
                 self.nan_injected += 1
             return logits
 
+        self.engine.scheduler.schedule = schedule_seen
+        self.engine.runner.prepare = prepare_seen
         self.engine.runner.run = run_with_faults
 
     # -- helpers ---------------------------------------------------------------------
@@ -457,3 +480,22 @@ EngineMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestEngineMachine = EngineMachine.TestCase
+
+
+@settings(max_examples=1, database=None, deadline=None)
+@given(st.none())                     # (the rules record Hypothesis events: they need a test around them)
+def test_an_injected_nan_stops_the_request_it_was_meant_to(_):
+    """Found by the long run (seed 12): a request asking for its prompt's log-probabilities gets more
+    logits rows, so the NaN put in row 0 landed in a prompt log-probability, not in the sampled row;
+    the request finished with a NaN prompt entry instead of stopping. The NaN goes to the sampled row."""
+    state = EngineMachine()
+    state.setup(pool=(4, 24), budget=16, max_num_seqs=4, chunked=True, max_model_len=None, caching=False,
+                swap=None, policy="newest", spec=None)
+    state.add_request(max_tokens=1, min_tokens=0, mode="greedy", n=1, prefix=None, priority=0, prompt=[0, 0],
+                      prompt_logprobs=0, reuse=0, seed=0, stop_ids=[], stop_strings=["a"], stops="none",
+                      temperature=0.7)
+    state.inject_failure(kind="nan")
+    state.step()
+    state.engine_invariants()
+    assert state.nan_failed == {"r0"}
+    state.teardown()
