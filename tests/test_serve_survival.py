@@ -103,6 +103,20 @@ def test_the_tokenize_route_refuses_a_lone_surrogate(server, loaded, field, body
     still_serving(url, srv, loaded.name)
 
 
+@pytest.mark.parametrize("prompt, field", [
+    ([2962664876665427, -1846, 3, 1], "prompt"),
+    ([[1, 2], [3, 10**12]], "prompt.1"),
+])
+def test_echo_of_token_ids_outside_the_vocabulary_is_a_400(server, loaded, prompt, field):
+    """Found by the server fuzz: an echoed prompt of token ids was decoded before the engine checked
+    its ids, and the tokenizer's OverflowError was a 500."""
+    url, srv = server
+    resp = post(url, completion(loaded.name, prompt=prompt, echo=True))
+    assert_error(resp, 400, "outside the vocabulary")
+    assert resp.json()["error"]["param"] == field
+    still_serving(url, srv, loaded.name)
+
+
 def test_the_clients_stream_survives_a_bad_user_field(server, loaded):
     """The TUI's attach reads /events?clients=1: a bad `user` must not cut it."""
     url, srv = server
