@@ -87,6 +87,7 @@ def tokenize(engine: LLMEngine, prompt) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str):
         if not prompt:
             raise FieldError("prompt", "is empty")
+        v.well_formed("prompt", prompt)
         if engine.tokenizer is None:
             raise FieldError("prompt", f"is text, but model {engine.config.model!r} has no tokenizer: "
                                        "pass the prompt as token ids")

@@ -7,16 +7,18 @@
 It binds 127.0.0.1 on a free port the OS picks (so parallel runs never
 collide), runs uvicorn's server loop on a thread, waits until it accepts
 connections, and on exit asks it to stop and waits (bounded) for the thread.
-`nanoserve serve` does not use it: there uvicorn runs in the main thread.
+`nanoserve serve` does not use it: there uvicorn runs in the main thread. Both
+listen the same way (`listener.py`: TCP_NODELAY, the header timeout).
 """
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import uvicorn
+
+from nanoserve.serve.listener import listen, server_config
 
 
 class Uvicorn(uvicorn.Server):
@@ -46,11 +48,9 @@ class BackgroundServer:
         return f"http://{self.host}:{self.port}"
 
     def __enter__(self) -> BackgroundServer:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
+        sock = listen(self.host, self.port)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        config = server_config(self.app, lifespan="on", timeout_graceful_shutdown=5)
         self._server = Uvicorn(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="nanoserve-uvicorn", daemon=True)
