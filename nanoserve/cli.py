@@ -7,6 +7,8 @@
     nanoserve export --trace pressure.jsonl --step 12 --what tables --format svg
     nanoserve tui --replay pressure.jsonl        (or: nanoserve tui --model smollm2)
     nanoserve serve --model smollm2              (then: nanoserve tui --attach http://127.0.0.1:8000)
+    nanoserve web --replay pressure.jsonl        (the TUI in a browser; also live, --attach, --compare)
+    nanoserve export --trace pressure.jsonl --format html -o replay.html   (a page that replays every step)
     nanoserve compare --scenario memory-pressure --set preemption_mode=swap
     nanoserve plot --trace pressure.jsonl --what blocks -o blocks.png
     nanoserve lab start block-pool               (then: nanoserve lab check block-pool)
@@ -40,6 +42,7 @@ from nanoserve.serve.command import add_serve_parser
 from nanoserve.threads import THREADS_ENV, apply_thread_policy
 from nanoserve.trace import TraceWarning
 from nanoserve.viz.text import plural
+from nanoserve_tui.web_command import add_web_parser
 
 ENGINE_GROUP, SAMPLING_GROUP = "engine", "sampling"   # `generate`'s argument groups
 
@@ -145,16 +148,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads(rec)
 
     exp = sub.add_parser(
-        "export", help="draw the block tables, the pool or the radix tree at one step of a trace",
+        "export", help="draw the block tables, the pool or the radix tree at one step of a trace, "
+                       "or the whole trace as a web page",
         description="Render the engine's state at step N of a recorded trace with Graphviz. Without the "
-                    "`dot` program the DOT source is written instead.",
+                    "`dot` program the DOT source is written instead. --format html writes one self-contained "
+                    "page that replays every step as the TUI draws it (slider, arrow keys; no network).",
     )
     exp.add_argument("--trace", "-t", required=True, help="a trace written by `nanoserve record`")
-    exp.add_argument("--step", "-n", type=int, default=None, help="state after this step (default: the last)")
-    exp.add_argument("--what", "-w", choices=["tables", "pool", "radix"], default="tables",
-                     help="what to draw (default: %(default)s)")
-    exp.add_argument("--format", "-f", choices=["svg", "png", "dot"], default="svg", help="(default: %(default)s)")
-    exp.add_argument("--output", "-o", default=None, help="file to write (default: <trace>-<what>-<step>.<format>)")
+    exp.add_argument("--step", "-n", type=int, default=None,
+                     help="state after this step (default: the last; html: the step the page opens at)")
+    exp.add_argument("--what", "-w", choices=["tables", "pool", "radix"], default=None,
+                     help="what to draw (default: tables; html shows the whole TUI)")
+    exp.add_argument("--format", "-f", choices=["svg", "png", "dot", "html"], default="svg",
+                     help="(default: %(default)s)")
+    exp.add_argument("--output", "-o", default=None,
+                     help="file to write (default: <trace>-<what>-<step>.<format>, html: <trace>-replay.html)")
 
     tui = sub.add_parser(
         "tui", help="watch a live engine (or replay a trace) in the terminal",
@@ -174,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads(tui)
 
     add_threads(add_serve_parser(sub))
+    add_web_parser(sub)
     add_whatif_parsers(sub)
     add_lab_parser(sub)
     return parser
@@ -302,12 +311,29 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from nanoserve.viz.graphviz import export_trace
-
     if args.output is not None:
         check_output(args.output, "--output")
-    path = export_trace(args.trace, args.step, args.what, args.format, args.output)
+    if args.format == "html":
+        return export_replay(args)
+    from nanoserve.viz.graphviz import export_trace
+
+    path = export_trace(args.trace, args.step, args.what or "tables", args.format, args.output)
     print(f"nanoserve: wrote {path}", file=sys.stderr)
+    return 0
+
+
+def export_replay(args: argparse.Namespace) -> int:
+    """`export --format html`: the trace as one web page of the TUI's own frames (tui/replay_html.py)."""
+    if args.what is not None:
+        raise FieldError("what", "does not apply to --format html: the page shows the whole TUI at every step")
+    from nanoserve_tui.replay_html import BUDGET_BYTES, export_html
+
+    replay = export_html(args.trace, args.output, args.step)
+    if replay.sampled:
+        print(f"nanoserve: the trace has {replay.total_steps} steps; the page shows {len(replay.steps)} of them, "
+              f"evenly spaced, to stay under {BUDGET_BYTES / 1e6:g} MB", file=sys.stderr)
+    print(f"nanoserve: wrote {replay.path} ({replay.size / 1e6:.1f} MB, {len(replay.steps)} steps; "
+          "open it in a browser: arrow keys or the slider)", file=sys.stderr)
     return 0
 
 
@@ -338,6 +364,13 @@ def cmd_tui(args: argparse.Namespace) -> int:
         from nanoserve.labs.plug import explain_failure as explain
     return run_app(model=args.model, replay=args.replay, scenario=args.scenario, components=components,
                    overrides={"fast_paths": False} if args.reading_path else None, explain=explain)
+
+
+def cmd_web(args: argparse.Namespace) -> int:
+    if args.model is not None and args.model not in TINY_MODELS:
+        resolve_model_path(args.model, convert=False)   # a bad name fails here, not in every browser tab
+    from nanoserve_tui.web_command import run_web
+    return run_web(args)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -490,7 +523,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "record": cmd_record, "export": cmd_export, "tui": cmd_tui,
-            "serve": cmd_serve, "compare": cmd_compare, "plot": cmd_plot,
+            "serve": cmd_serve, "web": cmd_web, "compare": cmd_compare, "plot": cmd_plot,
             "lab": cmd_lab}
 
 

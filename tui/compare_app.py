@@ -93,6 +93,7 @@ class CompareApp(App[None]):
         Binding("d", "divergence", "first divergence"),
         Binding("home", "goto(0)", "start"),
         Binding("end", "goto(-1)", "end"),
+        Binding("ctrl+l", "redraw", "redraw", show=False),   # the whole screen again (nanoserve web --shared)
         Binding("q", "quit", "quit"),
     ]
 
@@ -154,6 +155,9 @@ class CompareApp(App[None]):
 
     def action_goto(self, step: int) -> None:
         self.step = self.last if step < 0 else step
+
+    def action_redraw(self) -> None:
+        self.screen.refresh(repaint=True)
 
     def action_divergence(self) -> None:
         first = self.comparison.first_divergence

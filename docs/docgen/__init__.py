@@ -68,6 +68,8 @@ JOBS = [
     Job("distributed", "distributed", slow=True, about="tp-split.svg and tui-disaggregated.svg: a tensor-parallel "
                                              "engine's shards, a disaggregated run's decode side"),
     Job("cli", "cli", slow=True, about="getting-started.md: the CLI on SmolLM2"),
+    Job("web", "web", slow=True, about="replay/memory-pressure.html (the home page's replay), web-*.png: the "
+        "replay page and `nanoserve web` in Chromium"),
     Job("screens", "screens", slow=True, about="tui-*.svg: the TUI's own screenshots of each scenario"),
 ]
 
