@@ -6,7 +6,7 @@
 * bad arguments are refused with a ValueError naming them, before the C code runs;
 * the whole model: the same logits as llama.py through the packed view, and the
   same greedy tokens with the CPU path on, off (`c_kernels=False`) and plain;
-* where it does not apply (GPT-2, bf16, a tensor-parallel shard) or cannot be
+* where it does not apply (GPT-2, bf16 without bf16 units, a tensor-parallel shard) or cannot be
   built, the runner keeps the torch path;
 * the memory hints of cpu/memory.py change nothing but speed.
 """
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from conftest import make_engine, run_to_end, without_c_compiler
 
 from nanoserve import SamplingParams
+from nanoserve.cpu import linear as cpu_linear
 from nanoserve.cpu import ops as cpu_ops
 from nanoserve.cpu.llama import CpuLlama, supports
 from nanoserve.cpu.memory import huge_page_zeros, keep_freed_memory
@@ -167,17 +168,22 @@ def test_cpu_llama_matches_llama_on_other_shapes(overrides):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_where_it_does_not_apply(tiny_llama, tiny_gpt2, tiny_llama_dir):
+@pytest.mark.parametrize("bf16_units", [True, False])
+def test_where_it_does_not_apply(tiny_llama, tiny_gpt2, tiny_llama_dir, monkeypatch, bf16_units):
     from nanoserve.distributed.sharding import shard_model
     from nanoserve.models.loader import load_model
 
     assert supports(tiny_llama.model)
     assert not supports(tiny_gpt2.model)
-    assert not supports(load_model(tiny_llama_dir, torch.bfloat16).model)
     assert not supports(shard_model(tiny_llama.model, 0, 2))
     assert not isinstance(make_engine(tiny_gpt2, block_size=4, num_blocks=64).runner.model, CpuLlama)
+    # bf16 only on a CPU that multiplies bf16 in hardware (elsewhere: float32 math on the bf16 values,
+    # cpu/linear.py); the question is asked of the CPU, so pretend both kinds here.
+    monkeypatch.setattr(cpu_linear, "cpu_has_bf16_units", lambda: bf16_units)
     bf16 = load_model(tiny_llama_dir, torch.bfloat16)
-    assert not isinstance(make_engine(bf16, dtype="bfloat16", block_size=4, num_blocks=64).runner.model, CpuLlama)
+    assert supports(bf16.model) == bf16_units
+    engine = make_engine(bf16, dtype="bfloat16", block_size=4, num_blocks=64)
+    assert isinstance(engine.runner.model, CpuLlama) == (bf16_units and ops is not None)
     # A module replaced or subclassed anywhere (a student's norm, say) keeps the model's own forward.
     model = random_llama()
     model.model.layers[1].post_attention_layernorm = type("MyNorm", (RMSNorm,), {})(40, 1e-5)

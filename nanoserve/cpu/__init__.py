@@ -43,7 +43,7 @@ from nanoserve.attention import AttentionBackend
 from nanoserve.cpu import attention as cpu_attention
 from nanoserve.cpu import build
 from nanoserve.cpu.backend import CpuBackend
-from nanoserve.cpu.linear import can_pack, cpu_linear_view, half_matmuls_need_fp32
+from nanoserve.cpu.linear import can_pack, can_pack_dtype, cpu_linear_view, half_matmuls_need_fp32
 from nanoserve.cpu.llama import cpu_llama_view
 from nanoserve.cpu.memory import huge_page_zeros, keep_freed_memory
 from nanoserve.kernels import reference
@@ -71,18 +71,18 @@ def fast_path(model: nn.Module, attention: AttentionBackend, dtype: torch.dtype,
     keep_freed_memory()
     notes, failed = [], []      # why parts fell back; the C files this tried to build
     upcast = half_matmuls_need_fp32(dtype)          # bf16 weights on a CPU without bf16 units: float32 math
-    pack = can_pack() and (upcast or dtype == torch.float32)
+    pack = can_pack() and (upcast or can_pack_dtype(dtype))   # bf16 packs where the CPU has bf16 units
     view, matmul = model, "torch (nn.Linear)"
     if c_kernels and pack and not upcast:
-        fused = cpu_llama_view(model)               # None: not a plain float32 Llama, or ops.c did not build
+        fused = cpu_llama_view(model, dtype)        # None: not a plain float32/bf16 Llama, or ops.c did not build
         if fused is not None:
             view = fused
-            matmul = "panels (cpu/matmul.c)" if fused.panels else "oneDNN packed (cpu/linear.py)"
-        failed += ["ops.c", "matmul.c"]
+            matmul = "panels (cpu/matmul.c)" if fused.panels else f"oneDNN packed{_bf16(dtype)} (cpu/linear.py)"
+        failed += ["ops.c", "matmul.c"] if dtype == torch.float32 else ["ops.c"]
     if view is model and (upcast or pack):
         view = cpu_linear_view(model, upcast, pack)
-        matmul = ("oneDNN packed" if pack else "torch") + (", float32 math on bf16 weights" if upcast else "") \
-            + " (cpu/linear.py)"
+        matmul = ("oneDNN packed" + ("" if upcast else _bf16(dtype)) if pack else "torch") \
+            + (", float32 math on bf16 weights" if upcast else "") + " (cpu/linear.py)"
     own_torch = type(attention) is TorchBackend and attention.ops is reference
     if own_torch and upcast:        # gather bf16 K/V, multiply in float32 (kernels/torch_backend.py)
         attention = TorchBackend(fast=True, compute_dtype=torch.float32)
@@ -94,6 +94,11 @@ def fast_path(model: nn.Module, attention: AttentionBackend, dtype: torch.dtype,
     elif own_torch and c_kernels and c_attention:
         notes.append(f"the C attention kernel reads float32 and bfloat16 caches, not {str(dtype)[6:]}")
     return FastPath(view, attention, huge_page_zeros, matmul, "; ".join(notes + _failures(failed)))
+
+
+def _bf16(dtype: torch.dtype) -> str:
+    """" bf16" for bf16 matmuls (on the CPU's bf16 units), "" for float32."""
+    return " bf16" if dtype == torch.bfloat16 else ""
 
 
 def _failures(files: list[str]) -> list[str]:

@@ -37,7 +37,7 @@ from torch import nn
 from nanoserve.attention import AttentionMetadata, paged_attention
 from nanoserve.cpu import matmul as cpu_matmul
 from nanoserve.cpu import ops as cpu_ops
-from nanoserve.cpu.linear import CpuLinear, PanelLinear
+from nanoserve.cpu.linear import CpuLinear, PanelLinear, can_pack_dtype
 from nanoserve.cpu.matmul import CpuMatmul
 from nanoserve.cpu.ops import CpuOps
 from nanoserve.models.llama import Llama, LlamaAttention, LlamaLayer, LlamaMLP, RMSNorm
@@ -66,7 +66,7 @@ def supports(model: nn.Module) -> bool:
     this module would skip it silently otherwise."""
     if type(model) is not Llama or getattr(model, "tp_size", 1) != 1:
         return False
-    if model.lm_head.weight.dtype != torch.float32 or type(model.model.norm) is not RMSNorm:
+    if not can_pack_dtype(model.lm_head.weight.dtype) or type(model.model.norm) is not RMSNorm:
         return False
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -138,11 +138,14 @@ class CpuLlama(nn.Module):
         return self.lm_head.forward(hidden)
 
 
-def cpu_llama_view(model: nn.Module) -> CpuLlama | None:
-    """A CpuLlama of `model`, or None where it does not apply (see `supports`) or ops.c cannot be built.
+def cpu_llama_view(model: nn.Module, dtype: torch.dtype = torch.float32) -> CpuLlama | None:
+    """A CpuLlama of `model` (weights of `dtype`), or None where it does not apply (see `supports`) or ops.c
+    cannot be built.
 
-    Its matmuls are matmul.c's where that builds (it needs the same C compiler), oneDNN's otherwise."""
-    if not supports(model):
+    Float32 matmuls are matmul.c's where that builds (it needs the same C compiler), oneDNN's otherwise;
+    bf16 matmuls are oneDNN's, on the CPU's bf16 units."""
+    if not supports(model) or model.lm_head.weight.dtype != dtype:
         return None
-    ops = cpu_ops.load()                     # None (with one warning) if it cannot be built here
-    return None if ops is None else CpuLlama(model, ops, cpu_matmul.load())
+    ops = cpu_ops.load(dtype)                # None (with one warning) if it cannot be built here
+    mm = cpu_matmul.load() if dtype == torch.float32 else None
+    return None if ops is None else CpuLlama(model, ops, mm)
