@@ -45,8 +45,9 @@ static inline float LD(elem_t x) {              /* bf16 -> float32: the 16 bits 
 static inline elem_t ST(float f) {              /* float32 -> bf16, rounded to nearest even (NaN stays NaN) */
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (elem_t)((bits >> 16) | 0x40);
-    return (elem_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+    return (elem_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);   /* a select: vectorises */
 }
 static inline float RND(float f) { return LD(ST(f)); }   /* what torch stores between two bf16 ops */
 #else
