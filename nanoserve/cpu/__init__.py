@@ -10,22 +10,28 @@ engine says what ran (`LLMEngine.implementation`, the TUI header, `--stats`).
 none of it: the reading path, the same tokens.
 
     build.py      compile a C file with the system's compiler on first use, cache the library
-    cpu_math.h    what the C files share: an 8-float vector type, a vectorisable exp
+    cpu_math.h    what the C files share: vector types (8 floats, and the CPU's widest), a vectorisable exp
     attention.c   paged attention reading K/V in place through block tables; the K/V store
     attention.py  its Python face: argument checks, then the C call
     backend.py    the "cpu" attention backend: every row of a step through attention.c
     ops.c         a Llama layer's small steps: RMSNorm with the residual add, RoPE, silu(gate) * up
+                  (built twice: float32, and bf16 values rounded where torch rounds)
     ops.py        their Python faces
-    matmul.c      matmuls from weights packed once in 16-column panels
+    matmul.c      float32 matmuls from weights packed once in panels of two vectors (16 or 32 columns)
     matmul.py     its Python face: pack a weight, multiply from it
-    linear.py     linear layers: panels, oneDNN-packed weights, float32 math for bf16 weights
-    llama.py      CpuLlama: a float32 Llama's forward in fewer, larger steps
+    linear.py     linear layers: panels, oneDNN-packed weights (float32; bf16 on CPUs with bf16 units),
+                  float32 math for bf16 weights on CPUs without them
+    llama.py      CpuLlama: a float32 or bf16 Llama's forward in fewer, larger steps
     memory.py     keep freed memory for the next step; 2 MB pages for the KV cache
 
 What `fast_path()` picks (each part falls back alone, and says why):
 
-    model      CpuLlama (a float32 Llama, `c_kernels` on, ops.c built), else the loaded model
-               with its linear layers swapped (linear.py), else the loaded model itself
+    model      CpuLlama (a float32 Llama, or a bf16 one on a CPU with bf16 units; `c_kernels` on,
+               ops.c built), else the loaded model with its linear layers swapped (linear.py),
+               else the loaded model itself
+    matmul     float32: matmul.c's panels (oneDNN-packed where matmul.c is not built); bf16 on a CPU
+               with bf16 units (AVX512-BF16, AMX): oneDNN-packed bf16 weights on those units; bf16
+               without them: float32 copies of the weights, oneDNN-packed
     attention  the "cpu" backend (`c_kernels` on, attention.c built, a float32 or bf16 cache),
                else the torch backend the runner made
     KV cache   allocated with 2 MB pages (memory.py)

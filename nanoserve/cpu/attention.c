@@ -25,12 +25,18 @@
    step here that way: one call per layer, no causal mask, no work above the
    diagonal. paged_store_kv at the end of the file writes the step's K/V.
 
-   How it is fast (each measured on an AMD EPYC, docs/benchmarks.md):
-   - eight tokens at a time in passes 1 and 3, in 8-float vectors (`f8`, the
-     compiler's vector extension: AVX on x86, NEON on Arm);
-   - pass 1 makes eight dot products' 8-lane sums into one vector of eight
-     scores with a few shuffles (`sum_lanes8`), not one lane-by-lane sum per
-     token: the sums were half the time of the scores;
+   How it is fast (each measured on an AMD EPYC, docs/benchmarks.md and
+   docs/benchmarks-cpus.md):
+   - pass 1 takes eight tokens at a time in 8-float vectors (`f8`, the
+     compiler's vector extension: AVX on x86, NEON on Arm), and makes eight
+     dot products' 8-lane sums into one vector of eight scores with a few
+     shuffles (`sum_lanes8`), not one lane-by-lane sum per token: the sums
+     were half the time of the scores;
+   - pass 3 takes one query head at a time and keeps its whole output row in
+     registers, in the CPU's widest vectors (`fv`: 16 floats with AVX-512,
+     else 8), one multiply-add per vector per token and no chain through
+     memory (it read and wrote the output row for every eight tokens before:
+     10-25 % slower at a decode step's 32 sequences on a Zen 4 core);
    - the exp of pass 2 is cpu_math.h's polynomial, eight at a time (libm's
      expf is a call per number);
    - the slots are found once per sequence (no division per row read).

@@ -5,17 +5,20 @@
    so every step streams them from memory, and the question is how well the
    multiply keeps the CPU's multiply-add units busy while the weights arrive.
 
-   The weight W [n, k] is packed once (pack_weight) into panels of 16 output
-   columns: panel p holds W's rows 16p .. 16p+15 interleaved by k,
+   The weight W [n, k] is packed once (pack_weight) into panels of NR output
+   columns, NR being two of this CPU's widest float vectors (cpu_math.h's
+   VEC_LANES: 16 columns with AVX2 or NEON, 32 with AVX-512): panel p holds
+   W's rows NR p .. NR p + NR - 1 interleaved by k,
 
-       packed[p][kk][j] = W[16p + j][kk]         (16 floats = one 64-byte cache line per kk)
+       packed[p][kk][j] = W[NR p + j][kk]        (NR floats = one or two 64-byte cache lines per kk)
 
    so a panel is one contiguous stretch of memory read front to back. For one
-   panel, a tile of up to 6 rows of x keeps its 6 x 16 outputs in twelve
-   8-float vector registers; each kk loads one line of the panel (two vectors)
-   and does 12 multiply-adds with x's 6 values broadcast:
+   panel, a tile of up to MR rows of x keeps its MR x NR outputs in 2 MR
+   vector registers (MR 6 with AVX2's 16 registers, 8 with AVX-512's 32);
+   each kk loads one row of the panel (two vectors) and does 2 MR
+   multiply-adds with x's MR values broadcast:
 
-       acc[r][0..15] += x[r][kk] * panel[kk][0..15]       for r < 6, kk = 0 .. k-1
+       acc[r][0..NR-1] += x[r][kk] * panel[kk][0..NR-1]     for r < MR, kk = 0 .. k-1
 
    The panel stays in the core's caches for the remaining tiles of x's rows.
    Meanwhile the next panel is prefetched: each of the panel's tiles asks for
@@ -55,7 +58,7 @@
 #define LINE_FLOATS 16       /* floats per 64-byte cache line: a panel row is NR / 16 lines */
 
 /* The panel width this library was built with (cpu/matmul.py reads it: the packed layout depends on it). */
-int64_t panel_width(void) { return NR; }
+int panel_width(void) { return NR; }
 
 /* w [n, k] row-major -> packed [ceil(n/NR), k, NR]; columns past n (the last panel's tail) are zeros. */
 void pack_weight(const float *w, float *packed, int64_t n, int64_t k) {

@@ -41,7 +41,7 @@ class CpuMatmul:
     """Typed, checked Python faces of matmul.c's functions."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        lib.panel_width.restype, lib.panel_width.argtypes = I64, []
+        lib.panel_width.restype, lib.panel_width.argtypes = ctypes.c_int, []
         self.panel = lib.panel_width()      # output columns per panel (matmul.c's NR: 16 or 32)
         self._pack = lib.pack_weight
         self._pack.argtypes = [P, P, I64, I64]
