@@ -98,10 +98,12 @@ def server_pass(url: str, pid: int, reqs: list[list[int]], max_tokens: int, stre
 
 def run(args, wait_healthy, free_port) -> None:
     import torch
+    from bench_throughput import machine
 
     from nanoserve.models.loader import load_model
 
     torch.set_num_threads(args.threads)
+    print(f"machine: {machine()}", flush=True)
     config = dict(model="smollm2", dtype=args.dtype, block_size=16, num_blocks=args.num_blocks, max_num_seqs=32,
                   max_num_batched_tokens=512)
     loaded = load_model("smollm2", getattr(torch, args.dtype), seed=0)

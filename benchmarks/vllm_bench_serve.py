@@ -106,8 +106,11 @@ def run_client(python: str, port: int, model_dir: str, args, result: Path) -> di
 
 def run(args, wait_healthy, free_port) -> None:
     """Both servers, one after the other; then the table of medians and ratios."""
+    from bench_throughput import machine
+
     from nanoserve.models.loader import resolve_model_path
 
+    print(f"machine: {machine()}; {args.threads} thread(s) per server, {args.dtype}", flush=True)
     python = args.vllm_python
     ensure_vllm_alias(python)
     model_dir = str(resolve_model_path("smollm2"))
