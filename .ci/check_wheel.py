@@ -9,7 +9,9 @@
    `sys.path`, import every module the source tree has (nanoserve/, and tui/ as
    nanoserve_tui) and check each one came from the install, not the checkout;
    check the TUI's stylesheet is there.
-4. Run the installed `nanoserve` console script: `record` a scenario, then
+4. The wheel's metadata: the MIT license as an SPDX expression with its LICENSE file, and
+   `nanoserve --version` of the install says pyproject.toml's version (the one version string).
+5. Run the installed `nanoserve` console script: `record` a scenario, then
    `tui --replay` that trace on Textual's headless driver, pressing keys
    (TEXTUAL_PRESS) and saving a screenshot, which must show the steps taken.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -79,6 +82,20 @@ print(f"{len(modules)} modules imported from {site}")
 """
 
 
+def check_metadata(site: Path, said: str) -> None:
+    """License metadata and files in the install; `nanoserve --version` (`said`) is pyproject.toml's version."""
+    version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    if said != f"nanoserve {version}":
+        sys.exit(f"the installed `nanoserve --version` says {said!r}, pyproject.toml says {version}")
+    info = next(site.glob("nanoserve-*.dist-info"))
+    metadata = (info / "METADATA").read_text()
+    if "License-Expression: MIT" not in metadata or "License-File: LICENSE" not in metadata:
+        sys.exit("the wheel's METADATA lacks `License-Expression: MIT` or `License-File: LICENSE`")
+    if not (info / "licenses" / "LICENSE").is_file():
+        sys.exit("the LICENSE file is missing from the wheel's dist-info")
+    print(f"metadata: {said}, License-Expression: MIT, LICENSE in {info.name}")
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="nanoserve-wheel-") as tmp:
         tmp = Path(tmp)
@@ -103,6 +120,7 @@ def main() -> None:
         script = site / "bin" / "nanoserve"
         nanoserve = [sys.executable, script]
         run([*nanoserve, "--help"], cwd=work, env=env)
+        check_metadata(site, run([*nanoserve, "--version"], cwd=work, env=env).stdout.strip())
         run([*nanoserve, "record", "--scenario", "memory-pressure", "-o", "pressure.jsonl"], cwd=work, env=env)
         headless = {**env, "TEXTUAL_DRIVER": "textual.drivers.headless_driver:HeadlessDriver",
                     "TEXTUAL_PRESS": "space,space,space", "TEXTUAL_SCREENSHOT": "3",

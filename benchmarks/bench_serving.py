@@ -4,6 +4,7 @@
     python benchmarks/bench_serving.py --model tiny-llama --rates 2,8,32 --servers nanoserve
     python benchmarks/bench_serving.py --vllm-bench --vllm-python ~/vllm-venv/bin/python --threads 2
     python benchmarks/bench_serving.py --overhead --threads 1    # HTTP/streaming cost per token
+    python benchmarks/bench_serving.py --servers nanoserve --nanoserve-args "--num-blocks 48 --max-num-seqs 4"
 
 --vllm-bench runs vLLM's own client, `vllm bench serve`, against `nanoserve
 serve` and `vllm serve` on the same weights, one after the other, and prints
@@ -17,8 +18,16 @@ in this process sends `--num-requests` streaming completion requests whose arriv
 times are a Poisson process (exponential gaps, seeded), and measures per
 request the time to first token (TTFT), the gaps between tokens (ITL) and
 the end-to-end latency, plus the run's output throughput. It prints a table
-with percentiles and the ratios nanoserve / transformers, and draws the
-curves with matplotlib (`--plot`).
+with percentiles (linear interpolation between the closest ranks, numpy's
+default, as vLLM's benchmark computes them) and the ratios nanoserve /
+transformers, and draws the curves with matplotlib (`--plot`).
+
+While each rate runs, a scraper reads the server's /metrics every
+`--scrape-every` seconds: the requests waiting for a seat
+(`nanoserve_requests{state="waiting"}`) and the share of KV blocks in use
+(`nanoserve_kv_cache_usage_perc`), so the plot shows, under the TTFT curve,
+the scheduler state that explains it (queueing, a full cache). A server
+without those metrics (transformers serve) gets no such line.
 
 `transformers serve` is Hugging Face's own OpenAI-compatible server; it runs
 offline on a local model directory (here the SmolLM2 GGUF that nanoserve
@@ -44,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 PROMPTS = [
     "What is a KV cache?", "Explain continuous batching in two sentences.", "Name three planets.",
@@ -67,12 +78,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(kind: str, model: str, port: int, threads: int, hf_cb: bool) -> tuple[subprocess.Popen, str, str]:
+def start(kind: str, model: str, port: int, threads: int, hf_cb: bool,
+          nanoserve_args: str = "") -> tuple[subprocess.Popen, str, str]:
     """Start a server; returns (process, base url, the model name requests use)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if kind == "nanoserve":
-        cmd = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", model, "--port", str(port),
-               "--max-waiting", "1024"]
+        cmd = [sys.executable, "-m", "nanoserve", "serve", "--model", model, "--port", str(port),
+               "--max-waiting", "1024", *nanoserve_args.split()]
         name = model
     else:
         from nanoserve.models.loader import resolve_model_path
@@ -131,7 +143,31 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
     return res
 
 
-async def load(url: str, model: str, rate: float, n: int, max_tokens: int, seed: int) -> tuple[list[Result], float]:
+async def scrape(client: httpx.AsyncClient, every: float, samples: list[tuple[float, float]]) -> None:
+    """Until cancelled: (requests waiting, KV usage 0..1) from /metrics every `every` seconds."""
+    while True:
+        try:
+            resp = await client.get("/metrics")
+            if resp.status_code != 200:
+                return                        # a server without these metrics
+            values = {}
+            for family in text_string_to_metric_families(resp.text):
+                for sample in family.samples:
+                    if sample.name == "nanoserve_requests" and sample.labels.get("state") == "waiting":
+                        values["waiting"] = sample.value
+                    elif sample.name == "nanoserve_kv_cache_usage_perc":
+                        values["kv"] = sample.value
+            if len(values) < 2:
+                return
+            samples.append((values["waiting"], values["kv"]))
+        except httpx.HTTPError:
+            return
+        await asyncio.sleep(every)
+
+
+async def load(url: str, model: str, rate: float, n: int, max_tokens: int, seed: int,
+               scrape_every: float = 0.25) -> tuple[list[Result], float, list[tuple[float, float]]]:
+    """Send the requests; returns their results, the wall time and the /metrics samples taken meanwhile."""
     rng = random.Random(seed)
     delays, t = [], 0.0
     for _ in range(n):
@@ -139,29 +175,35 @@ async def load(url: str, model: str, rate: float, n: int, max_tokens: int, seed:
         t += rng.expovariate(rate)            # Poisson process: exponential gaps with mean 1/rate
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
     limits = httpx.Limits(max_connections=n + 4)
+    samples: list[tuple[float, float]] = []
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+        scraper = asyncio.create_task(scrape(client, scrape_every, samples))
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one_request(client, model, p, max_tokens, d)
                                          for p, d in zip(prompts, delays)))
-        return list(results), time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        scraper.cancel()
+        return list(results), wall, samples
 
 
 def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+    """The q-th percentile, linearly interpolated between the closest ranks (numpy's default, vLLM's too)."""
+    return float(np.percentile(values, q)) if values else float("nan")
 
 
-def summarize(results: list[Result], wall: float) -> dict:
+def summarize(results: list[Result], wall: float, samples: list[tuple[float, float]]) -> dict:
     for r in results:
         if r.error is not None:
             print(f"    request failed: {r.error}")
     ok = [r for r in results if r.error is None and r.ttft is not None]
     ttft, itl, e2e = [r.ttft for r in ok], [g for r in ok for g in r.itl], [r.e2e for r in ok]
+    waiting, kv = [w for w, _ in samples], [k for _, k in samples]
     return {"ok": len(ok), "errors": len(results) - len(ok), "tok_s": sum(r.tokens for r in ok) / wall,
             "ttft_p50": pct(ttft, 50), "ttft_p90": pct(ttft, 90), "itl_p50": pct(itl, 50), "itl_p90": pct(itl, 90),
-            "e2e_p50": pct(e2e, 50), "mean_tokens": statistics.mean(r.tokens for r in ok) if ok else 0}
+            "e2e_p50": pct(e2e, 50), "mean_tokens": statistics.mean(r.tokens for r in ok) if ok else 0,
+            "scrapes": len(samples), "waiting_mean": statistics.mean(waiting) if waiting else None,
+            "waiting_max": max(waiting, default=None), "kv_mean": statistics.mean(kv) if kv else None,
+            "kv_max": max(kv, default=None)}
 
 
 def plot(table: dict, rates: list[float], path: str) -> None:
@@ -169,26 +211,54 @@ def plot(table: dict, rates: list[float], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    # Three curves side by side; under the TTFT curve, the scheduler state /metrics showed meanwhile.
+    fig, ax = plt.subplot_mosaic([["tok", "ttft", "itl"], [".", "state", "."]], figsize=(13, 6.4),
+                                 height_ratios=[1.6, 1])
+    kv_axis = ax["state"].twinx()
     for (kind, rows), colour in zip(table.items(), ("#1f77b4", "#ff7f0e", "#2ca02c")):
         xs = [r for r in rates if r in rows]
-        axes[0].plot(xs, [rows[r]["tok_s"] for r in xs], "o-", color=colour, label=kind)
-        axes[1].plot(xs, [rows[r]["ttft_p50"] for r in xs], "o-", color=colour, label=f"{kind} p50")
-        axes[1].plot(xs, [rows[r]["ttft_p90"] for r in xs], "o--", color=colour, alpha=0.6, label=f"{kind} p90")
-        axes[2].plot(xs, [1000 * rows[r]["itl_p50"] for r in xs], "o-", color=colour, label=f"{kind} p50")
-        axes[2].plot(xs, [1000 * rows[r]["itl_p90"] for r in xs], "o--", color=colour, alpha=0.6,
-                     label=f"{kind} p90")
-    for ax, title in zip(axes, ["output tokens / s", "time to first token (s)", "inter-token latency (ms)"]):
-        ax.set_title(title)
-        ax.set_xlabel("request rate (req/s, Poisson arrivals)")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(rates, [f"{r:g}" for r in rates])
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax["tok"].plot(xs, [rows[r]["tok_s"] for r in xs], "o-", color=colour, label=kind)
+        ax["ttft"].plot(xs, [rows[r]["ttft_p50"] for r in xs], "o-", color=colour, label=f"{kind} p50")
+        ax["ttft"].plot(xs, [rows[r]["ttft_p90"] for r in xs], "o--", color=colour, alpha=0.6, label=f"{kind} p90")
+        ax["itl"].plot(xs, [1000 * rows[r]["itl_p50"] for r in xs], "o-", color=colour, label=f"{kind} p50")
+        ax["itl"].plot(xs, [1000 * rows[r]["itl_p90"] for r in xs], "o--", color=colour, alpha=0.6,
+                       label=f"{kind} p90")
+        scraped = [r for r in xs if rows[r].get("scrapes")]
+        if scraped:
+            ax["state"].plot(scraped, [rows[r]["waiting_mean"] for r in scraped], "s-", color=colour,
+                             label=f"{kind} waiting (mean)")
+            ax["state"].plot(scraped, [rows[r]["waiting_max"] for r in scraped], "s--", color=colour, alpha=0.6,
+                             label=f"{kind} waiting (max)")
+            kv_axis.plot(scraped, [100 * rows[r]["kv_max"] for r in scraped], "^:", color=colour, alpha=0.8,
+                         label=f"{kind} KV in use, max (%)")
+    titles = {"tok": "output tokens / s", "ttft": "time to first token (s)", "itl": "inter-token latency (ms)",
+              "state": "scheduler state from /metrics during the run"}
+    for key, title in titles.items():
+        ax[key].set_title(title, fontsize=10 if key == "state" else None)
+        ax[key].set_xlabel("request rate (req/s, Poisson arrivals)")
+        ax[key].set_xscale("log", base=2)
+        ax[key].set_xticks(rates, [f"{r:g}" for r in rates])
+        ax[key].set_ylim(bottom=0)
+        ax[key].grid(alpha=0.3)
+        ax[key].legend(fontsize=7, loc="upper left")
+    ax["state"].set_ylim(0, max(1.0, ax["state"].get_ylim()[1]))     # an empty queue shows as 0 of 1
+    ax["state"].set_ylabel("requests waiting")
+    kv_axis.set_ylabel("KV blocks in use (%)")
+    kv_axis.set_ylim(0, 100)
+    handles = [h for a in (ax["state"], kv_axis) for h in a.get_legend_handles_labels()[0]]
+    ax["state"].legend(handles=handles, fontsize=7, loc="upper left")   # one legend for both axes
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"plot: {path}")
+
+
+def machine() -> str:
+    """The CPU model and its vector flags (the numbers depend on them)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    vector = [f for f in flags if f.startswith(("avx", "amx", "fma"))]
+    return f"cpu: {model}, {os.cpu_count()} CPUs, vector flags: {' '.join(vector) or 'none listed'}"
 
 
 def main() -> None:
@@ -203,6 +273,9 @@ def main() -> None:
     ap.add_argument("--hf-continuous-batching", action="store_true", help="transformers serve --continuous-batching")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", default="benchmarks/serving.png")
+    ap.add_argument("--scrape-every", type=float, default=0.25, help="seconds between two reads of /metrics")
+    ap.add_argument("--nanoserve-args", default="", metavar="FLAGS",
+                    help='more flags for `nanoserve serve`, e.g. "--num-blocks 64 --max-num-seqs 4"')
     vb = ap.add_argument_group("--vllm-bench and --overhead")
     vb.add_argument("--vllm-bench", action="store_true",
                     help="vllm bench serve against nanoserve serve and vllm serve (--servers nanoserve,vllm)")
@@ -232,12 +305,14 @@ def main() -> None:
         import serving_overhead
         serving_overhead.run(args, wait_healthy, free_port)
         return
+    print(machine(), flush=True)
     rates = [float(r) for r in args.rates.split(",")]
     table: dict[str, dict[float, dict]] = {}
     for kind in (args.servers or "nanoserve,transformers").split(","):
         port = free_port()
         try:
-            proc, url, name = start(kind, args.model, port, args.threads, args.hf_continuous_batching)
+            proc, url, name = start(kind, args.model, port, args.threads, args.hf_continuous_batching,
+                                    args.nanoserve_args)
         except OSError as exc:
             print(f"{kind}: could not start: {exc}", flush=True)
             continue
@@ -246,12 +321,15 @@ def main() -> None:
             asyncio.run(load(url, name, rates[0], 2, 4, args.seed))        # warm-up
             table[kind] = {}
             for rate in rates:
-                results, wall = asyncio.run(load(url, name, rate, args.num_requests, args.max_tokens, args.seed))
-                table[kind][rate] = row = summarize(results, wall)
+                results, wall, samples = asyncio.run(load(url, name, rate, args.num_requests, args.max_tokens,
+                                                          args.seed, args.scrape_every))
+                table[kind][rate] = row = summarize(results, wall, samples)
+                state = (f", waiting mean {row['waiting_mean']:.1f} max {row['waiting_max']:.0f}, "
+                         f"KV max {100 * row['kv_max']:.0f}%" if row["scrapes"] else "")
                 print(f"{kind:12s} {rate:5.2f} req/s: {row['ok']}/{args.num_requests} ok, {row['tok_s']:7.1f} tok/s, "
                       f"TTFT p50 {row['ttft_p50']:.3f} s p90 {row['ttft_p90']:.3f} s, "
                       f"ITL p50 {1000 * row['itl_p50']:.1f} ms p90 {1000 * row['itl_p90']:.1f} ms, "
-                      f"{row['mean_tokens']:.1f} tokens/request", flush=True)
+                      f"{row['mean_tokens']:.1f} tokens/request{state}", flush=True)
         except RuntimeError as exc:
             print(f"{kind}: could not run: {exc} (log: /tmp/bench_serving_{kind}_{port}.log)", flush=True)
         finally:

@@ -9,7 +9,7 @@ prompt of n characters is n tokens). We only use the public API, plus
 the KV tensors in `engine.runner.kv_caches` to see that the numbers are real.
 """
 
-from lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
+from nanoserve.lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
 
 BROKEN = breaks({
     "contiguous": "assume a request's KV is contiguous from its first block (slot = table[0] * 4 + i)",

@@ -13,7 +13,7 @@ and that a plausible-looking variant of its residual does not.
 
 from fractions import Fraction as F
 
-from lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
+from nanoserve.lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
 
 BROKEN = breaks({
     "accept-all": "the engine's verify() accepts every draft, whatever the target says",

@@ -12,7 +12,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")   # must be set before triton is imported
 
-from lesson import breaks, console, section  # noqa: E402  prose that fits your terminal; --break NAME
+from nanoserve.lesson import breaks, console, section  # noqa: E402  prose that fits your terminal; --break NAME
 
 BROKEN = breaks({
     "wrong-kv-head": "query heads 3..5 read KV head 0 (the grouped-query mapping is h // 3)",

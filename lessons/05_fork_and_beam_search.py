@@ -16,7 +16,7 @@ in this lesson (enable_prefix_caching=False) so that every shared block is
 shared by a fork; section 1 says what the cache would add.
 """
 
-from lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
+from nanoserve.lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
 
 BROKEN = breaks({
     "copy-on-fork": "expect each fork to hold its own copy of every prompt block",

@@ -17,7 +17,7 @@ checked with an `assert` on `tiny-llama` (random weights, one token per byte),
 from events, `StepResult.stats` and, once, the KV tensors (device and CPU).
 """
 
-from lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
+from nanoserve.lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
 
 BROKEN = breaks({
     "oldest-first": "expect the oldest running request to be the first victim",

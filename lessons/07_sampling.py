@@ -11,7 +11,7 @@ that the tokens the engine really draws follow that distribution, within the
 noise a sample of that size must have.
 """
 
-from lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
+from nanoserve.lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
 
 BROKEN = breaks({
     "top-p-drops-crossing": "in the by-hand top-p, drop the token whose mass crosses top_p",

@@ -10,7 +10,7 @@ feeds real token ids through the engine's `IncrementalDetokenizer`, then runs
 SmolLM2-135M-Instruct with a stop string, greedy, and checks every claim.
 """
 
-from lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
+from nanoserve.lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
 
 BROKEN = breaks({
     "decode-each-token": "stream text by decoding each new token on its own",

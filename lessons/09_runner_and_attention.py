@@ -12,7 +12,7 @@ chunk after a prefix-cache hit, which attends to K/V it never computed, gives
 exactly the logits of a prompt computed from scratch.
 """
 
-from lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
+from nanoserve.lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
 
 BROKEN = breaks({
     "positions-from-zero": "expect a prefill chunk's positions to start at 0, whatever it follows",

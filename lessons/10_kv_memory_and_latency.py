@@ -12,7 +12,7 @@ TTFT and ITL with two budgets. Wall-clock times depend on the machine and are
 printed, never asserted; what is asserted is counted in steps and tokens.
 """
 
-from lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
+from nanoserve.lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
 
 BROKEN = breaks({
     "forget-v": "size the cache with one vector per token, layer and KV head (K only)",

@@ -12,7 +12,7 @@ under 30 lines, checks that the folded state equals the engine's own
 viewer with no model at all.
 """
 
-from lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
+from nanoserve.lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
 
 BROKEN = breaks({
     "skip-blocks-freed": "fold every event except BlocksFreed",

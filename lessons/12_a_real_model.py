@@ -11,7 +11,7 @@ request to copy code, where the n-gram proposer can find the next tokens in
 the prompt. Outputs are compared with runs that have the mechanism off.
 """
 
-from lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
+from nanoserve.lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
 
 BROKEN = breaks({
     "whole-conversation-hit": "expect each turn to find the whole previous conversation in the cache",

@@ -12,7 +12,7 @@ engine's own events from GET /events to see what the server did with each
 request. Every claim is checked with an `assert`.
 """
 
-from lesson import breaks, console, section  # prose that fits your terminal; --break NAME
+from nanoserve.lesson import breaks, console, section  # prose that fits your terminal; --break NAME
 
 BROKEN = breaks({
     "queue-without-bound": "expect the fifth waiting request to be queued like the others",
@@ -24,6 +24,7 @@ import threading  # noqa: E402
 import time  # noqa: E402
 
 import httpx  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from nanoserve import LLM, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -215,9 +216,11 @@ exactly this fold, and /metrics sums the same run up for Prometheus.""")
     assert (folded.ref_counts, folded.free_queue, sorted(folded.radix)) == (now.ref_counts, now.free_queue,
                                                                             sorted(now.radix))
     console.print("the events from /events fold to exactly the snapshot's pool, free queue and radix tree")
-    metrics = {line.split(" ")[0]: float(line.split(" ")[1]) for line in http.get("/metrics").text.splitlines()
-               if line.startswith("nanoserve_") and " " in line}
-    finished = sum(v for k, v in metrics.items() if k.startswith("nanoserve_requests_finished_total"))
+    metrics = {}   # sample name -> value, added up over its labels (model_name, finish_reason, ...)
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            metrics[sample.name] = metrics.get(sample.name, 0.0) + sample.value
+    finished = metrics["nanoserve_requests_finished_total"]
     console.print(f"/metrics: {finished:.0f} requests finished, "
                   f"{metrics['nanoserve_requests_rejected_total']:.0f} refused with 429")
     assert metrics["nanoserve_requests_rejected_total"] == 1

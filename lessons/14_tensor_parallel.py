@@ -22,7 +22,7 @@ Everything runs inside `main()`: the worker process is started with
 `spawn`, which imports this file again, and nothing may run then.
 """
 
-from lesson import breaks, console, section  # prose that fits your terminal; --break NAME
+from nanoserve.lesson import breaks, console, section  # prose that fits your terminal; --break NAME
 
 # isort: split
 # (lesson.py sets OMP_NUM_THREADS, which only counts before torch is imported)

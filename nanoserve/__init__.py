@@ -30,12 +30,15 @@ Plan: who runs this step, how many tokens each, in which blocks
 
 Compute: one forward pass over the step's tokens, then the token choice
     runner.py           the KV cache tensors, the flat token row and its block tables, the forward
+    cuda_graphs.py      pure-decode steps padded to batch-size buckets, replayed as CUDA graphs
     attention.py        the attention backend interface and `paged_attention`
     models/             GPT-2 and Llama reading K/V through block tables, and their loader
     kernels/            attention kernels: the torch reference, the torch and Triton backends
     cpu/                the CPU fast path: C kernels, packed weights (only the runner imports it)
     token_choice.py     logits -> each sequence's next token(s), changing no bookkeeping
+    prompt_logprobs.py  log-probabilities of the prompt's own tokens, from the prefill's logits
     sampler.py          logits processors, then greedy or sampled tokens
+    structured_output.py  structured output: each sequence's grammar (xgrammar), its token mask, its matcher
     beam_search.py      beam search's scores and decisions
     step_rollback.py    undoing a step whose compute phase failed
 
@@ -51,10 +54,12 @@ Watching: what the engine decided, for people
     trace_check.py      refuse a trace whose fields or block books are wrong, before drawing it
     fold.py             events -> the view state
     view.py             the view state every viewer draws
+    kv_usage.py         one definition of "used", "cached" and the hit rate for every screen
     engine_state.py     snapshot() and check_invariants()
     display.py          how engine objects show in a REPL, without importing the viewers
     viz/                Graphviz pictures, rich panels for the REPL
     scenarios.py        small workloads that make one mechanism happen
+    lesson.py           the helpers the runnable lessons share (a copied lesson still runs)
 
 Around the engine
     components.py       the engine's replaceable parts (how a lab plugs in a student's code)
@@ -64,6 +69,7 @@ Around the engine
     distributed/        tensor parallelism and prefill/decode disaggregation across processes
     threads.py          how many CPU threads torch may use
     cli.py              the `nanoserve` command line
+    __main__.py         `python -m nanoserve`: the same command line
 """
 
 from __future__ import annotations
@@ -83,11 +89,25 @@ _EXPORTS = {
 }
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "Components", "RequestOutput", "CompletionOutput", "StepResult"]
-__version__ = "0.1.0"
+
+
+def _version() -> str:
+    """The installed distribution's version: pyproject.toml's, the one version string of the project.
+    A source tree that was never installed has no metadata: "0+unknown" says so."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nanoserve")
+    except PackageNotFoundError:
+        return "0+unknown"
 
 
 def __getattr__(name: str):
-    """Import the module defining `name` on first use, then keep the name here."""
+    """Import the module defining `name` on first use, then keep the name here (`__version__`: read
+    from the installed metadata on first use)."""
+    if name == "__version__":
+        globals()[name] = value = _version()
+        return value
     if name not in _EXPORTS:
         raise AttributeError(f"module 'nanoserve' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
@@ -96,4 +116,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | {"__version__"})

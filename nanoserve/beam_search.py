@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve import structured_output
 from nanoserve.sampler import SampledToken
 from nanoserve.sequence import Sequence, SequenceStatus
 
@@ -40,8 +41,11 @@ class Candidate:
     score: float          # beam.cumulative_logprob + logprob
 
 
-def next_logprobs(logits: torch.Tensor, seq: Sequence, eos_token_id: int | None) -> torch.Tensor:
-    """log_softmax of one row of logits [V]; ending tokens get -inf before min_tokens (HF: min_new_tokens)."""
+def next_logprobs(logits: torch.Tensor, seq: Sequence, eos_token_id: int | None,
+                  mask: torch.Tensor | None = None) -> torch.Tensor:
+    """log_softmax of one row of logits [V]; ending tokens get -inf before min_tokens (HF: min_new_tokens),
+    and so do the tokens a structured output's grammar forbids (`mask` [W], as HF's prefix_allowed_tokens_fn:
+    the allowed tokens keep their log-probs, not renormalised)."""
     logprobs = logits.float().log_softmax(dim=-1)
     if seq.num_output_tokens < seq.params.min_tokens:
         ends = list(seq.params.stop_token_ids)
@@ -49,6 +53,8 @@ def next_logprobs(logits: torch.Tensor, seq: Sequence, eos_token_id: int | None)
             ends.append(eos_token_id)
         if ends:
             logprobs[ends] = -math.inf
+    if mask is not None:
+        logprobs = structured_output.apply_masks(logprobs[None], mask[None], [0])[0]
     return logprobs
 
 
@@ -152,4 +158,4 @@ def _token(c: Candidate) -> SampledToken:
         vals, ids = c.beam.beam_logprobs.topk(n) if n else (torch.empty(0), torch.empty(0))
         top = dict(zip(ids.tolist(), vals.tolist()))
         top[c.token_id] = c.logprob
-    return SampledToken(c.token_id, c.logprob, top)
+    return SampledToken(c.token_id, c.logprob, top, c.beam.beam_mask)

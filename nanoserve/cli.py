@@ -2,6 +2,7 @@
 
     nanoserve generate --model smollm2 --chat "What is a KV cache?"
     nanoserve generate --model tiny-llama --max-tokens 20 "Hello" "Bonjour"
+    nanoserve generate --model smollm2 --chat --choice yes,no "Is the sky blue?"
     nanoserve record --scenario memory-pressure -o pressure.jsonl
     nanoserve export --trace pressure.jsonl --step 12 --what tables --format svg
     nanoserve tui --replay pressure.jsonl        (or: nanoserve tui --model smollm2)
@@ -52,12 +53,26 @@ def add_threads(parser: argparse.ArgumentParser) -> None:
                         help=f"torch threads (default: ${THREADS_ENV}, else the CPU cores free right now)")
 
 
+class VersionAction(argparse.Action):
+    """`--version`: the installed version, read only when asked (importlib.metadata is not free)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        import nanoserve
+
+        print(f"nanoserve {nanoserve.__version__}")   # (stdout, as argparse's own version action)
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nanoserve",
         description="A small LLM serving engine built to be watched: paged KV cache, continuous batching, "
                     "chunked prefill, preemption, and an event for every decision.",
     )
+    parser.add_argument("--version", action=VersionAction, help="print nanoserve's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     gen = sub.add_parser(
         "generate", help="generate text for one or more prompts (streams a single prompt)",
@@ -114,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="completions per prompt, forked from one prefill (default: 1, or every beam)")
     smp.add_argument("--beam-width", dest="beam_width", type=int, default=0, metavar="N",
                      help="beam search with this many beams (needs --temperature 0; default: off)")
+    add_structured_flags(gen)
 
     rec = sub.add_parser(
         "record", help="run a scenario on a model and record its events to a JSONL trace",
@@ -159,6 +175,42 @@ def build_parser() -> argparse.ArgumentParser:
     add_whatif_parsers(sub)
     add_lab_parser(sub)
     return parser
+
+
+def add_structured_flags(gen) -> None:
+    """`generate`'s structured output: each flag stores under the StructuredOutputsParams field it sets
+    (dest "structured_outputs.regex"), so a FieldError about that field names the flag."""
+    so = gen.add_argument_group("structured output", "the text must match (one of these; SamplingParams "
+                                                     "structured_outputs)")
+    so.add_argument("--json-schema", dest="structured_outputs.json", default=None, metavar="FILE",
+                    help="a JSON schema file: the output is JSON valid under it")
+    so.add_argument("--regex", dest="structured_outputs.regex", default=None, metavar="RE",
+                    help="the whole output matches this regular expression")
+    so.add_argument("--choice", dest="structured_outputs.choice", default=None, metavar="A,B,C",
+                    help="the output is exactly one of these comma-separated strings")
+    so.add_argument("--grammar", dest="structured_outputs.grammar", default=None, metavar="FILE",
+                    help="an EBNF (GBNF) grammar file whose rule `root` is the output")
+
+
+def structured_flags(args: argparse.Namespace):
+    """The StructuredOutputsParams the flags ask for (None: free text). Files are read here."""
+    from nanoserve.sampling_params import StructuredOutputsParams
+
+    given = {name: getattr(args, f"structured_outputs.{name}") for name in ("json", "regex", "choice", "grammar")}
+    given = {name: value for name, value in given.items() if value is not None}
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ValueError("give one of --json-schema, --regex, --choice, --grammar, not several")
+    for name in ("json", "grammar"):                 # these two flags name files
+        if name in given:
+            path = Path(given[name])
+            if not path.is_file():
+                raise FieldError(f"structured_outputs.{name}", f"{path}: no such file")
+            given[name] = path.read_text(encoding="utf-8")
+    if "choice" in given:
+        given["choice"] = [c for c in given["choice"].split(",")]
+    return StructuredOutputsParams(**given)
 
 
 def add_whatif_parsers(sub) -> None:
@@ -279,8 +331,11 @@ def cmd_tui(args: argparse.Namespace) -> int:
         raise FieldError("reading_path", "needs a live engine (the code that runs is the trace's or the server's)")
     components = components_from(args.lab)
     say(apply_thread_policy(args.threads).note())
+    explain = None
+    if components is not None:                 # a step that fails in the student's part: said as the checks would
+        from nanoserve.labs.plug import explain_failure as explain
     return run_app(model=args.model, replay=args.replay, scenario=args.scenario, components=components,
-                   changes={"fast_paths": False} if args.reading_path else None)
+                   overrides={"fast_paths": False} if args.reading_path else None, explain=explain)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -347,7 +402,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = group_kwargs(parser, SAMPLING_GROUP, args)
     if sampling["n"] is None:
         sampling["n"] = max(args.beam_width, 1)
-    params = SamplingParams(**sampling)               # bad settings fail before the model loads
+    params = SamplingParams(**sampling, structured_outputs=structured_flags(args))   # bad settings fail before
+                                                                                     # the model loads
     config = EngineConfig(**group_kwargs(parser, ENGINE_GROUP, args))
     components = components_from(args.lab)            # a student's file that does not load fails here
     threads = apply_thread_policy(args.threads)

@@ -52,7 +52,7 @@ def commit(engine: LLMEngine, chosen: list[Choice], drafts: Drafts, outputs: dic
             if choice.error is not None:
                 fail_request(engine, seq.request_id, choice.error, outputs)
             elif choice.beam_logprobs is not None:
-                seq.beam_logprobs = choice.beam_logprobs
+                seq.beam_logprobs, seq.beam_mask = choice.beam_logprobs, choice.beam_mask
             else:
                 if choice.verdict is not None:
                     accept_drafts(engine, seq, len(choice.chunk.draft_token_ids), choice.verdict)
@@ -111,7 +111,7 @@ def apply_beam_step(engine: LLMEngine, request, decided: beam_search.BeamStep, o
     for s in decided.pruned:
         outputs[request.request_id] = engine.prune_beam(s)
     for seq, _ in continuing:
-        seq.beam_logprobs = None
+        seq.beam_logprobs = seq.beam_mask = None
     for seq, token in continuing:
         outputs[request.request_id] = engine.append_tokens(seq, [token])
     for s in beam_search.finished_early(request):

@@ -41,6 +41,8 @@ class EngineConfig:
     c_kernels: bool = True              # the CPU fast path's C files (attention, a float32 Llama's small steps and
                                         # matmuls), compiled with the system's C compiler on first use; False:
                                         # the fast path in torch only (oneDNN-packed weights, grouped decodes)
+    enforce_eager: bool | None = None   # CUDA graphs for pure-decode steps (cuda_graphs.py): None = on for CUDA,
+                                        # True = off; False = on, and on a CPU the same padded path runs uncaptured
     seed: int = 0                       # seeds random weights of tiny models and unseeded requests
     # Speculative decoding (spec_decode.py): off unless a method is named.
     speculative_method: str | None = None   # None, "ngram" (prompt lookup) or "draft" (a draft model)
@@ -76,6 +78,8 @@ class EngineConfig:
         if self.attention_backend == "cpu" and not (self.device == "cpu" and self.fast_paths and self.c_kernels):
             raise FieldError("attention_backend", "'cpu' is the CPU fast path's C kernel: it needs device='cpu', "
                                                   "fast_paths=True and c_kernels=True")
+        if self.enforce_eager is not None:
+            v.boolean("enforce_eager", self.enforce_eager)
         self.seed = v.integer("seed", self.seed, minimum=0, maximum=2**64 - 1)
 
         v.choice("speculative_method", self.speculative_method, (None, "ngram", "draft"))

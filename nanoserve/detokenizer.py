@@ -13,8 +13,8 @@ The last `len(longest stop string) - 1` characters are held back too: they
 might be the start of a stop string, and the text a user sees never contains
 a stop string, not even half of one for a step.
 
-When a stop string appears, the text is cut just before it and the sequence
-stops. Before `min_tokens` tokens nothing stops a request (vLLM's rule too):
+When a stop string appears, the text is cut just before it (just after it with
+`include_stop_str_in_output`) and the sequence stops. Before `min_tokens` tokens nothing stops a request (vLLM's rule too):
 a stop string that is complete before then is ordinary text, and only a
 match that ends in text from token `min_tokens` on counts. The engine owns
 the other stop conditions (EOS, stop ids, max_tokens).
@@ -29,6 +29,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, params: SamplingParams) -> None:
         self.tokenizer = tokenizer
         self.stop = params.stop
+        self.include_stop = params.include_stop_str_in_output   # keep the stop string itself in the text
         self.skip_special_tokens = params.skip_special_tokens
         self.hold = max((len(s) for s in self.stop), default=1) - 1   # chars that may start a stop string
         self.text = ""       # everything decoded so far (cut at a stop string)
@@ -60,10 +61,10 @@ class IncrementalDetokenizer:
             # (a few characters more, in case the last character was incomplete before),
             # and never where the match would end inside the text before min_tokens.
             search_from = max(0, len(self.text) - self.hold - 4)
-            hits = [i for i in (text.find(s, max(search_from, self.stop_floor - len(s) + 1)) for s in self.stop)
-                    if i >= 0]
-            if hits:
-                text, stopped = text[: min(hits)], True
+            hits = [(i, s) for s in self.stop if (i := text.find(s, max(search_from, self.stop_floor - len(s) + 1))) >= 0]
+            if hits:   # the earliest stop string (the first listed, on a tie) ends the text
+                i, s = min(hits, key=lambda hit: hit[0])
+                text, stopped = text[: i + len(s) if self.include_stop else i], True
         self.text = text
         if stopped:
             return self.flush(), True

@@ -51,12 +51,13 @@ from typing import NoReturn
 
 import torch
 
-from nanoserve import engine_state, intake, spec_decode, step_rollback
+from nanoserve import engine_state, intake, prompt_logprobs, spec_decode, step_rollback
 from nanoserve import events as ev
 from nanoserve import validation as v
 from nanoserve.commit import commit
 from nanoserve.components import Components
 from nanoserve.config import EngineConfig
+from nanoserve.cuda_graphs import GraphSettings
 from nanoserve.detokenizer import IncrementalDetokenizer
 from nanoserve.display import Displayable
 from nanoserve.errors import SubscriberError
@@ -123,7 +124,7 @@ class LLMEngine(Displayable):
         else:
             self.runner = ModelRunner(model, config.num_blocks, config.block_size, dtype, torch.device(config.device),
                                       backend, fast_paths=config.fast_paths, c_kernels=config.c_kernels,
-                                      make_attention=parts.attention_backend)
+                                      make_attention=parts.attention_backend, graphs=GraphSettings.from_config(config))
         # What computes a step, as it actually runs: the model class, attention backend and matmul, and why
         # a faster part did not run (runner.Implementation; the snapshot, the TUI header and --stats say it).
         self.implementation = self.runner.implementation
@@ -274,6 +275,8 @@ class LLMEngine(Displayable):
         except BaseException as exc:
             self._fail_step(exc, t0, plan, rollback, outputs)
         self.scheduler.mark_computed(plan)                 # the KV of every real token is written
+        if any(c.prompt_logprobs for c in plan.chunks):    # prompt log-probabilities join their sequences
+            prompt_logprobs.commit(plan.chunks)
         counts = commit(self, chosen, drafts, outputs)     # append, fork, trim, prune, finish
         self.scheduler.cache_blocks()      # blocks that filled this step join the prefix cache
         result = self._end_step(t0, plan, outputs, counts)
@@ -313,7 +316,11 @@ class LLMEngine(Displayable):
             return []
         inputs = [RunInput(c.token_ids(), c.start, c.seq.block_table,
                            num_logits=1 + len(c.draft_token_ids) if c.samples else 0) for c in plan.chunks]
-        logits = self.runner.run(self.runner.prepare(inputs))   # [rows, vocab], in chunk order
+        if not any(c.seq.needs_prompt_logprobs for c in plan.chunks):
+            logits = self.runner.run(self.runner.prepare(inputs))   # [rows, vocab], in chunk order
+        else:   # a request asked for its prompt's log-probabilities: more rows come back (prompt_logprobs.py)
+            wide = prompt_logprobs.widen(plan.chunks, inputs)
+            logits = prompt_logprobs.take(plan.chunks, inputs, wide, self.runner.run(self.runner.prepare(wide)))
         return choose_tokens(self, plan.chunks, inputs, logits, drafts)
 
     def _end_step(self, t0: float, plan: StepPlan | None, outputs: dict[str, RequestOutput], counts: tuple[int, int],
@@ -329,6 +336,7 @@ class LLMEngine(Displayable):
             num_free_blocks=self.pool.num_free_blocks, num_blocks=self.pool.num_blocks,
             duration_s=time.perf_counter() - t0, num_drafted=counts[0], num_accepted=counts[1],
             num_swapped=len(self.scheduler.swapped),
+            graph_bucket=getattr(self.runner, "replayed_bucket", 0) if chunks else 0,
         )
         self.emit(ev.StepFinished(self.step_count, stats.num_seqs, prefill, stats.num_decode_tokens,
                                   stats.num_free_blocks, stats.duration_s))

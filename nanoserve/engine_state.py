@@ -38,6 +38,7 @@ def snapshot(engine: LLMEngine) -> dict:
             "block_table": list(seq.block_table), "max_tokens": seq.params.max_tokens,
             "cache_node": seq.cache_node.node_id if seq.cache_node is not None else 0,
             "cpu_block_table": list(seq.cpu_block_table),
+            "grammar": seq.grammar.kind if seq.grammar is not None else "",   # structured output's kind
         }
     return {
         "step": engine.step_count,
@@ -47,7 +48,9 @@ def snapshot(engine: LLMEngine) -> dict:
         "running": [s.seq_id for s in engine.scheduler.running],
         "swapped": [s.seq_id for s in engine.scheduler.swapped],
         "sequences": [view(s) for s in engine.sequences.values()],
-        "radix": {"enabled": engine.radix is not None, "nodes": engine.radix.snapshot() if engine.radix else []},
+        "radix": {"enabled": engine.radix is not None, "nodes": engine.radix.snapshot() if engine.radix else [],
+                  # prompt tokens looked up and hit since the engine started (kv_usage.HIT_RATE)
+                  "num_lookup_tokens": engine.kv.num_lookup_tokens, "num_hit_tokens": engine.kv.num_hit_tokens},
         "cpu_pool": engine.cpu_pool.snapshot() if engine.cpu_pool else None,
         "config": {f.name: getattr(engine.config, f.name) for f in dataclasses.fields(engine.config)},
         # what computes a step, as it runs (runner.Implementation): the config says what was asked for
@@ -70,6 +73,10 @@ def check_invariants(engine: LLMEngine) -> None:
     queues = engine.scheduler.running + list(engine.scheduler.waiting) + list(engine.scheduler.swapped)
     live = {s.seq_id for s in queues}
     assert live == set(engine.sequences), f"queues {sorted(live)} != sequences {sorted(engine.sequences)}"
+    for s in engine.sequences.values():   # prompt log-probabilities: one entry per computed prompt position
+        if s.needs_prompt_logprobs:
+            assert len(s.prompt_logprobs) >= min(s.num_computed_tokens, s.num_prompt_tokens - 1) + 1, \
+                f"{s.seq_id}: {len(s.prompt_logprobs)} prompt log-probabilities for {s.num_computed_tokens} computed"
     owners = {s.request_id for s in engine.sequences.values()}
     assert owners == set(engine.requests), f"sequences' requests {sorted(owners)} != requests {sorted(engine.requests)}"
     if not engine.sequences:   # nothing runs: the only blocks in use are the prefix cache's

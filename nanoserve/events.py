@@ -47,8 +47,9 @@ class EngineSynced(Event):
     ref_counts: tuple[int, ...]       # per physical block
     free_queue: tuple[int, ...]       # block ids, head (next allocated) first
     # (seq_id, status, prompt, num_prompt_tokens, output_text, num_output_tokens,
-    #  num_computed_tokens, block_table, max_tokens, cache_node, cpu_block_table) per live sequence,
-    #  waiting and swapped ones included (older traces have only the first 9 fields)
+    #  num_computed_tokens, block_table, max_tokens, cache_node, cpu_block_table, grammar) per live
+    #  sequence, waiting and swapped ones included; grammar is structured output's kind or "" (older
+    #  traces have only the first 9 or 11 fields)
     sequences: tuple[tuple, ...]
     # Radix prefix cache: (node_id, parent_id, text, num_tokens, block_ids, last_access) per node,
     # parents before children, the root (node 0) left out. Empty when prefix caching is off.
@@ -63,6 +64,10 @@ class EngineSynced(Event):
     # What computed the steps, as (field, value) pairs of runner.Implementation: the path ("fast" or
     # "reading"), model class, attention backend, matmul and a note (empty in older traces).
     implementation: tuple[tuple[str, str], ...] = ()
+    # The prefix cache's counts since the engine started (kv_usage.HIT_RATE), so a viewer that joins
+    # mid-run shows the hit rate /metrics shows (0 in traces recorded before they were added).
+    cache_hit_tokens: int = 0
+    cache_lookup_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +152,18 @@ class TokenSampled(Event):
     token_id: int
     text: str
     logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenConstrained(Event):
+    """Structured output: the grammar's mask at the position of the token just sampled (TokenSampled follows)."""
+
+    seq_id: str
+    token_id: int
+    num_allowed: int                  # tokens of the vocabulary the mask allowed
+    vocab_size: int
+    top_masked: bool                  # the model's own most likely token was forbidden
+    forced: bool                      # exactly one token was allowed: the grammar chose it, not the model
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,7 +386,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
     cls.__name__: cls
     for cls in (
         EngineSynced, StepStarted, RequestAdded, SequenceAdmitted, ChunkScheduled, BlocksAllocated,
-        BlocksFreed, Preempted, TokenSampled, SequenceFinished, SequenceAborted, StepFinished,
+        BlocksFreed, Preempted, TokenConstrained, TokenSampled, SequenceFinished, SequenceAborted, StepFinished,
         DraftProposed, DraftVerified, KVTrimmed, PrefixMatched, RadixInserted, RadixSplit, RadixLocked,
         RadixEvicted, BlockDeduplicated, Forked, CowCopied, BeamPruned, SwappedOut, SwappedIn,
         CollectiveOps, RankPoolState, KVTransferred,

@@ -21,6 +21,7 @@ from nanoserve.view import (
     FINISHED_STATUS,
     HISTORY_LEN,
     ROOT,
+    GrammarView,
     RadixNodeView,
     RankView,
     SequenceView,
@@ -45,6 +46,7 @@ def synced_event(snapshot: dict) -> ev.EngineSynced:
         (r.get("seq_id", r.get("request_id")), r["status"], r["prompt"], r["num_prompt_tokens"], r["output_text"],
          r["num_output_tokens"], r["num_computed_tokens"], tuple(r["block_table"]), r["max_tokens"],
          r.get("cache_node", ROOT), tuple(r.get("cpu_block_table", ())))
+        + ((r["grammar"],) if "grammar" in r else ())     # structured output's kind (newer snapshots)
         for r in (by_id[rid] for rid in order)
     )
     radix = snapshot.get("radix") or {}
@@ -56,21 +58,25 @@ def synced_event(snapshot: dict) -> ev.EngineSynced:
                            tuple(pool["ref_counts"]), tuple(pool["free_queue"]), sequences, nodes,
                            bool(radix.get("enabled", False)), cpu_pool.get("num_blocks", 0), ranks,
                            tuple(dict(snapshot.get("config", {})).items()),
-                           tuple(dict(snapshot.get("implementation", {})).items()))
+                           tuple(dict(snapshot.get("implementation", {})).items()),
+                           radix.get("num_hit_tokens", 0), radix.get("num_lookup_tokens", 0))
 
 
 def _synced_state(e: ev.EngineSynced) -> ViewState:
     state = ViewState(e.step, e.model, e.num_blocks, e.block_size, list(e.ref_counts), list(e.free_queue),
                       prefix_caching=e.prefix_caching, num_cpu_blocks=e.num_cpu_blocks,
                       ranks=[RankView(rank, tuple(heads), size) for rank, heads, size in e.ranks],
-                      implementation=dict(e.implementation))
+                      implementation=dict(e.implementation),
+                      cache_hit_tokens=e.cache_hit_tokens, cache_lookup_tokens=e.cache_lookup_tokens)
     queues = {"running": state.running, "waiting": state.waiting, "swapped": state.swapped}
     for fields in e.sequences:
         # 9 fields in traces recorded before the memory mechanisms, 11 since
         rid, status, prompt, n_prompt, text, n_out, n_computed, table, max_tokens = fields[:9]
         cache_node, cpu_table = fields[9:11] if len(fields) >= 11 else (ROOT, ())
+        kind = fields[11] if len(fields) >= 12 else ""        # structured output (12 fields since it came)
         state.sequences[rid] = SequenceView(rid, prompt, n_prompt, max_tokens, status, text, n_out, n_computed,
-                                          list(table), None, cache_node, list(cpu_table))
+                                          list(table), None, cache_node, list(cpu_table),
+                                          GrammarView(kind) if kind else None)
         if status in queues:
             queues[status].append(rid)
     for node_id, parent_id, text, num_tokens, block_ids, last_access in e.radix:   # parents come first
@@ -178,10 +184,33 @@ def _fork(state: ViewState, event: ev.Forked) -> None:
     child = SequenceView(event.seq_id, parent.prompt, parent.num_prompt_tokens, parent.max_tokens,
                         parent.status, parent.output_text, parent.num_output_tokens,
                         parent.num_computed_tokens, list(event.block_ids), None, parent.cache_node)
+    if parent.grammar is not None:                    # the fork continues from the parent's place in it
+        child.grammar = GrammarView(**{**_fields(parent.grammar), "allowed": list(parent.grammar.allowed)})
     for block_id in event.block_ids:
         _take(state, block_id)                        # shared: one more holder each
     _new_request(state, child, state.waiting if parent.status == "waiting" else state.running)
     state.touched_blocks.update(event.block_ids)
+
+
+def _fields(view) -> dict:
+    return {name: getattr(view, name) for name in view.__slots__}
+
+
+def _grammar_kind(params: tuple) -> str | None:
+    """The structured output's kind from RequestAdded.params ((field, value) pairs), or None."""
+    spec = dict(params).get("structured_outputs")
+    return spec[0][0] if spec else None
+
+
+def _fold_constrained(req: SequenceView, event: ev.TokenConstrained) -> None:
+    g = req.grammar if req.grammar is not None else GrammarView()   # (a trace that began mid-request)
+    req.grammar = g
+    g.vocab_size, g.num_allowed = event.vocab_size, event.num_allowed
+    g.num_tokens += 1
+    g.num_forced += event.forced
+    g.num_top_masked += event.top_masked
+    g.allowed.append(event.num_allowed)
+    del g.allowed[:-HISTORY_LEN]
 
 
 def _fold_memory(state: ViewState, req: SequenceView, event: ev.Event) -> None:
@@ -292,6 +321,9 @@ def fold(state: ViewState | None, event: ev.Event) -> ViewState:
         state.history.append((event.step, event.num_prefill_tokens, event.num_decode_tokens,
                               event.num_free_blocks, event.duration_s))
         del state.history[:-HISTORY_LEN]
+        usage = state.kv_usage()
+        state.kv_history.append((event.step, usage.used, usage.cached))
+        del state.kv_history[:-HISTORY_LEN]
         if state.cache_lookup_tokens:
             state.cache_history.append((event.step, state.cache_hit_tokens, state.cache_lookup_tokens))
             del state.cache_history[:-HISTORY_LEN]
@@ -300,7 +332,10 @@ def fold(state: ViewState | None, event: ev.Event) -> ViewState:
     elif isinstance(event, (ev.CollectiveOps, ev.RankPoolState)):
         _fold_distributed(state, event)
     elif isinstance(event, ev.RequestAdded):
-        _new_request(state, SequenceView(rid, event.prompt, event.num_prompt_tokens, event.max_tokens), state.waiting)
+        req = SequenceView(rid, event.prompt, event.num_prompt_tokens, event.max_tokens)
+        kind = _grammar_kind(event.params)
+        req.grammar = GrammarView(kind) if kind else None
+        _new_request(state, req, state.waiting)
     elif isinstance(event, ev.Forked):
         _fork(state, event)
     elif req is None:  # every other event is about a request we must know
@@ -331,6 +366,8 @@ def fold(state: ViewState | None, event: ev.Event) -> ViewState:
         state.touched_blocks.update(event.block_ids)
     elif isinstance(event, ev.KVTrimmed):
         req.num_computed_tokens = event.num_computed_tokens   # rejected drafts' KV is gone
+    elif isinstance(event, ev.TokenConstrained):
+        _fold_constrained(req, event)
     elif isinstance(event, ev.TokenSampled):
         req.num_output_tokens += 1
         req.output_text += event.text

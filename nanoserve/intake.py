@@ -2,8 +2,9 @@
 
 `prepare()` does every check that can fail — types of the id, prompt,
 params and priority, tokenization, the vocabulary, `max_model_len`, seats
-and blocks for parallel sampling and beam search — and builds the request's
-first `Sequence`, its `Request` and its detokenizer. Only then does the
+and blocks for parallel sampling and beam search, compiling a structured
+output's grammar — and builds the request's first `Sequence` (with its
+grammar's matcher), its `Request` and its detokenizer. Only then does the
 engine register them (plain dict and queue insertions that cannot fail), so
 a bad request leaves the engine exactly as it was: all or nothing.
 
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from nanoserve import structured_output
 from nanoserve import validation as v
 from nanoserve.detokenizer import IncrementalDetokenizer
 from nanoserve.errors import FieldError
@@ -64,12 +66,18 @@ def prepare(engine: LLMEngine, request_id, prompt, params, arrival_time=None, pr
     # preparing changes nothing, not even that RNG).
     seed = params.seed
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    grammar = None
+    if params.structured_outputs is not None:   # compiled for this vocabulary: FieldError before anything changes
+        grammar = structured_output.compiler_for(engine.tokenizer, engine.vocab_size,
+                                                 engine.eos_token_id).matcher(params.structured_outputs)
     seq = Sequence(request_id, text, token_ids, params, generator=generator, priority=priority,
-                   seats=params.num_seqs)
+                   seats=params.num_seqs, grammar=grammar)
     if arrival_time is not None:
         seq.arrival_time = arrival_time
     if params.logprobs is not None:
         seq.logprobs = []
+    if params.prompt_logprobs is not None:
+        seq.prompt_logprobs = [None]   # the first prompt token has no context, so no log-probability
     return PreparedRequest(seq, Request(request_id, params, seed, [seq]),
                            IncrementalDetokenizer(engine.tokenizer, params))
 

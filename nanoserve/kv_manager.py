@@ -126,14 +126,17 @@ class KVManager:
     # -- prefix cache -------------------------------------------------------------------------
 
     def match(self, seq: Sequence):
-        """The longest cached prefix of `seq`'s tokens: (node, block ids). Changes no ref counts."""
-        if self.radix is None:
+        """The longest cached prefix of `seq`'s tokens: (node, block ids). Changes no ref counts.
+
+        A sequence that still needs prompt log-probabilities does not look: a hit would skip the
+        forward of the very positions whose logits give them (prompt_logprobs.py)."""
+        if self.radix is None or seq.needs_prompt_logprobs:
             return None, []
         return self.radix.match_prefix(seq.all_token_ids)
 
     def commit_match(self, seq: Sequence, node, blocks: list[int]) -> None:
         """`seq` (no blocks yet) starts from the cached blocks: share them, lock their nodes."""
-        if self.radix is None:
+        if self.radix is None or seq.needs_prompt_logprobs:   # (it did not look: no lookup to count)
             return
         assert not seq.block_table and seq.num_computed_tokens == 0
         self.num_lookup_tokens += seq.num_tokens

@@ -32,7 +32,7 @@ class RequestMetrics:
 @dataclass(slots=True)
 class CompletionOutput:
     index: int                       # which of the request's completions (0 .. n-1; beams best first)
-    text: str                        # the text so far (never contains a stop string)
+    text: str                        # the text so far (no stop string, unless include_stop_str_in_output)
     token_ids: list[int]             # the generated tokens so far
     cumulative_logprob: float        # sum of the chosen tokens' log-probabilities
     logprobs: list[dict[int, float]] | None   # per token: {token_id: logprob}, if asked for
@@ -54,6 +54,9 @@ class RequestOutput(Displayable):
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # SamplingParams.prompt_logprobs: per prompt token {token_id: logprob} (None for the first, which has
+    # no context); None when not asked for
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def tokens_per_forward(self) -> float | None:
@@ -77,6 +80,8 @@ class StepStats:
     num_drafted: int = 0            # speculative decoding: draft tokens verified this step
     num_accepted: int = 0           # ... and accepted
     num_swapped: int = 0            # sequences waiting in the CPU pool after the step
+    graph_bucket: int = 0           # CUDA graphs: the batch size this step's forward was padded to and
+                                    # replayed at (cuda_graphs.py); 0: it ran eagerly
 
 
 @dataclass(slots=True, repr=False)

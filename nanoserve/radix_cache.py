@@ -132,6 +132,22 @@ class RadixCache(Displayable):
             node = child
         return node, blocks
 
+    def cached_prefix_len(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` `match_prefix` would find now, changing nothing (no split,
+        no LRU touch): what `POST /tokenize` of `nanoserve serve` reports."""
+        max_blocks = (len(tokens) - 1) // self.block_size
+        node, n = self.root, 0
+        while n < max_blocks:
+            child = node.children.get(self._key(tokens, n))
+            if child is None:
+                break
+            common = self._common_blocks(child, tokens, n, max_blocks - n)
+            n += common
+            if common < len(child.block_ids):
+                break
+            node = child
+        return n * self.block_size
+
     def touch(self, node: RadixNode) -> None:
         """Mark `node` and its ancestors as used now (for LRU eviction)."""
         for n in node.path():

@@ -79,4 +79,6 @@ class Request:
             sum(s.num_sampling_steps for s in self.seqs), sum(s.num_drafted for s in self.seqs),
             sum(s.num_accepted for s in self.seqs),
         )
-        return RequestOutput(self.request_id, first.prompt, first.prompt_token_ids, outputs, self.finished, metrics)
+        prompt_logprobs = list(first.prompt_logprobs) if first.prompt_logprobs is not None else None
+        return RequestOutput(self.request_id, first.prompt, first.prompt_token_ids, outputs, self.finished, metrics,
+                             prompt_logprobs)

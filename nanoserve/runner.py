@@ -33,6 +33,11 @@ backend and the cache allocation come from the CPU fast path instead
 place the runner wires it in, and `implementation` says what runs.
 `fast_paths=False` is the reading path: the models in models/ and
 kernels/reference.py's attention, nothing else, the same tokens.
+
+CUDA graphs (`graphs`, on for CUDA unless `enforce_eager`): a pure-decode step
+is padded to a batch-size bucket and replays that bucket's graph; the
+bookkeeping is cuda_graphs.py's, and the cache gets one scratch block for the
+padding rows.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from torch import nn
 
 from nanoserve import cpu
 from nanoserve.attention import AttentionBackend, AttentionMetadata, BatchLayout, PrefillChunk
+from nanoserve.cuda_graphs import DecodeGraphs, GraphBatch, GraphSettings
 from nanoserve.kernels.backends import make_backend
 
 
@@ -114,9 +120,11 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 class ModelRunner:
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, backend: str = "torch", fast_paths: bool = True, c_kernels: bool = True,
-                 make_attention: Callable[[str, bool], AttentionBackend] = make_backend) -> None:
+                 make_attention: Callable[[str, bool], AttentionBackend] = make_backend,
+                 graphs: GraphSettings | None = None) -> None:
         """`backend`: "torch", "triton" or "cpu" (the C kernel: asked of the CPU fast path, which falls back
-        to torch where it cannot build it). `make_attention` builds "torch" and "triton" (components.py)."""
+        to torch where it cannot build it). `make_attention` builds "torch" and "triton" (components.py).
+        `graphs`: pure-decode steps padded to batch-size buckets and replayed as CUDA graphs (cuda_graphs.py)."""
         self.block_size = block_size
         self.device = device
         self.fast_paths = fast_paths
@@ -128,11 +136,16 @@ class ModelRunner:
             self.model, self.attn, zeros, matmul, note = fast.model, fast.attention, fast.zeros, fast.matmul, fast.note
         self.implementation = Implementation("fast" if fast_paths else "reading", where(self.model),
                                              self.attn.label, matmul, note)
-        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        # With graphs, one scratch block past the pool's last: padding rows write their K/V there.
+        shape = (num_blocks + (graphs is not None), block_size, model.num_kv_heads, model.head_dim)
         # One (k_cache, v_cache) pair per layer.
         self.kv_caches = [(zeros(shape, dtype), zeros(shape, dtype)) for _ in range(model.num_layers)]
 
         self.cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] = []   # swap space, see allocate_swap
+        self.graphs = DecodeGraphs(self, graphs, pad_block=num_blocks) if graphs is not None else None
+        self.replayed_bucket = 0        # the bucket the last forward ran padded to (0: it ran eagerly)
+        if graphs is not None and graphs.capture:
+            self.graphs.capture_all()
 
     def allocate_swap(self, num_cpu_blocks: int) -> None:
         """A CPU copy of the cache layout with `num_cpu_blocks` blocks per layer (swap preemption)."""
@@ -174,10 +187,12 @@ class ModelRunner:
             for src_cache, dst_cache in zip(src_kv, dst_kv):
                 dst_cache[dst] = src_cache[src].to(dst_device, non_blocking=non_blocking)
 
-    def prepare(self, inputs: list[RunInput]) -> Batch:
+    def prepare(self, inputs: list[RunInput]) -> Batch | GraphBatch:
         bs = self.block_size
         if any(not x.token_ids for x in inputs):
             raise ValueError("every RunInput needs at least one token")
+        if self.graphs is not None and (padded := self.graphs.prepare(inputs)) is not None:
+            return padded                   # a pure-decode step: padded to a bucket, run by its graph
         # Single-token inputs (decodes) go first, longest first, so a backend can attend them in
         # groups of similar length; then the prefill chunks in input order.
         order = sorted(range(len(inputs)),
@@ -213,8 +228,11 @@ class ModelRunner:
                      self._tensor(logits_indices))
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> torch.Tensor:
+    def run(self, batch: Batch | GraphBatch) -> torch.Tensor:
         """One forward pass; returns float32 logits [S, vocab] for the requested rows."""
+        self.replayed_bucket = batch.bucket if isinstance(batch, GraphBatch) else 0
+        if isinstance(batch, GraphBatch):
+            return self.graphs.run(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)   # [T, hidden]
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
 

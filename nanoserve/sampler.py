@@ -1,20 +1,26 @@
 """Sampler: turn one row of logits per sequence into the next token.
 
 This module owns everything between the model's last-position logits and the
-chosen token id: penalties, the min_tokens mask, temperature, top-k, top-p,
-min-p, the random draw, and the log-probabilities reported back. It does not
-decide when a sequence stops (the engine checks EOS, stop strings and
-max_tokens) and it does not create the per-request RNGs (the engine makes one
-`torch.Generator` per seeded request and passes it in every step).
+chosen token id: penalties, the min_tokens mask, the structured-output mask,
+temperature, top-k, top-p, min-p, the random draw, and the log-probabilities
+reported back. It does not decide when a sequence stops (the engine checks
+EOS, stop strings and max_tokens) and it does not create the per-request RNGs
+(the engine makes one `torch.Generator` per seeded request and passes it in
+every step).
 
 The pipeline, for logits of shape [B, V] (B sequences, vocabulary V):
 
-    raw logits --penalties--> --min_tokens mask--> processed logits
+    raw logits --penalties--> --min_tokens mask--> --grammar mask--> processed logits
         greedy rows (temperature 0): argmax(processed)
         sampled rows: /temperature -> top-k -> top-p -> min-p -> softmax -> draw
 
 Each step is a module-level function that returns a new tensor, so the
 speculative decoder can rebuild the exact target distribution with `probs`.
+The grammar mask (structured output: a row's `token_bitmask`, filled from its
+sequence's grammar by `token_choice.py`) comes before temperature and the
+truncations, so a constrained row draws from the model's distribution
+restricted to the allowed tokens and renormalised.
+
 Work is vectorised over the batch; only the final draw loops over rows,
 because every seeded row draws from its own generator. That is what makes a
 seeded request give the same tokens whatever else shares its batch.
@@ -27,7 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve import structured_output
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured_output import MaskInfo
 
 
 @dataclass(slots=True)
@@ -38,6 +46,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]     # tokens generated so far (all penalties look here)
     generator: torch.Generator | None   # per-request RNG; None draws from torch's default RNG
     eos_token_id: int | None            # the model's EOS, masked while output is shorter than min_tokens
+    token_bitmask: torch.Tensor | None = None   # structured output: [ceil(V/32)] int32, bit t set = t allowed
 
 
 @dataclass(slots=True)
@@ -45,6 +54,7 @@ class SampledToken:
     token_id: int                           # the chosen token
     logprob: float                          # its log-prob under the raw model distribution
     top_logprobs: dict[int, float] | None   # params.logprobs best raw log-probs, plus the chosen one
+    mask: MaskInfo | None = None            # structured output: what the grammar's mask did at this position
 
 
 def _column(rows: Sequence[SamplingRow], name: str, device: torch.device) -> torch.Tensor:
@@ -148,12 +158,20 @@ def apply_min_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tens
     return logits.masked_fill(probs < min_p * top, float("-inf"))
 
 
+def apply_grammar(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Structured output: -inf for every token a row's grammar forbids (rows without one unchanged)."""
+    masked = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
+    if not masked:
+        return logits
+    return structured_output.apply_masks(logits, torch.stack([rows[i].token_bitmask for i in masked]), masked)
+
+
 def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Raw logits -> penalised and masked float32 logits [B, V]. Greedy rows take argmax of this."""
     assert logits.dim() == 2 and logits.shape[0] == len(rows), "logits must be [B, V], one row per SamplingRow"
     # No step below writes in place (each returns a new tensor or its input unchanged),
     # so the caller's logits are never touched and the common case copies nothing.
-    return apply_min_tokens(apply_penalties(logits.float(), rows), rows)
+    return apply_grammar(apply_min_tokens(apply_penalties(logits.float(), rows), rows), rows)
 
 
 def _target_probs(processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -234,6 +252,9 @@ class Sampler:
             vals, ids = raw_logprobs.topk(k, dim=-1)                    # both [B, k]
             top_vals, top_ids = vals.tolist(), ids.tolist()
 
+        masked = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
+        infos = dict(zip(masked, structured_output.mask_info(
+            logits[masked], torch.stack([rows[i].token_bitmask for i in masked])))) if masked else {}
         out = []
         for i, r in enumerate(rows):
             top = None
@@ -241,5 +262,5 @@ class Sampler:
                 n = r.params.logprobs
                 top = dict(zip(top_ids[i][:n], top_vals[i][:n])) if n else {}
                 top[token_ids[i]] = chosen[i]
-            out.append(SampledToken(token_ids[i], chosen[i], top))
+            out.append(SampledToken(token_ids[i], chosen[i], top, infos.get(i)))
         return out

@@ -84,6 +84,12 @@ PROVERBS = ("The quick brown fox jumps over the lazy dog. A journey of a thousan
 PAGED = ("A serving engine keeps the keys and values of every token in a cache. The cache is cut into blocks. "
          "Each request has a block table.")
 GREEDY = dict(temperature=0)
+# structured output: what a class can check by eye (a JSON record, a choice, a date)
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                           "born": {"type": "integer", "minimum": 1000, "maximum": 2100},
+                                           "city": {"type": "string", "maxLength": 16}},
+          "required": ["name", "born", "city"]}
+DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario(
@@ -176,6 +182,27 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
                           dict(GREEDY, max_tokens=40))]),
     ),
     Scenario(
+        "structured-output",
+        "Grammars choose the tokens: each step a mask allows a few of the vocabulary; JSON, a choice and "
+        "a date always parse, free text beside them does not have to.",
+        dict(block_size=8, num_blocks=96, max_num_batched_tokens=64, max_num_seqs=4),
+        [Arrival(0, "json", "Person: ", dict(max_tokens=96, temperature=1.0, seed=1,
+                                            structured_outputs=dict(json=PERSON))),
+         Arrival(0, "choice", "Answer: ", dict(max_tokens=8, temperature=1.0, seed=2,
+                                              structured_outputs=dict(choice=["yes", "no", "maybe"]))),
+         Arrival(1, "date", "Date: ", dict(max_tokens=16, temperature=1.0, seed=3,
+                                          structured_outputs=dict(regex=DATE))),
+         Arrival(2, "free", "Free text: ", dict(max_tokens=16))],
+        Workload(dict(block_size=8, num_blocks=96, max_num_batched_tokens=128, max_num_seqs=4),
+                 [Arrival(0, "json", user("Ada Lovelace was born in 1815 in London. Give her as JSON."),
+                          dict(GREEDY, max_tokens=64, structured_outputs=dict(json=PERSON))),
+                  Arrival(0, "choice", user("Is the sky green? Answer yes or no."),
+                          dict(GREEDY, max_tokens=8, structured_outputs=dict(choice=["yes", "no"]))),
+                  Arrival(1, "date", user("On which date did people first walk on the Moon?"),
+                          dict(GREEDY, max_tokens=16, structured_outputs=dict(regex=DATE))),
+                  Arrival(2, "free", user("Describe the Moon in one sentence."), dict(GREEDY, max_tokens=24))]),
+    ),
+    Scenario(
         "tensor-parallel",
         "The model split over processes (workers start first): each rank's pool has the same block "
         "tables and its own KV heads; k switches rank.",
@@ -204,6 +231,12 @@ def has_chat_template(tokenizer) -> bool:
     return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
 
 
+def chat_prompt(tokenizer, text: str) -> str:
+    """One user turn in the model's chat template, ready for the answer (as `nanoserve generate --chat`)."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
 def request_args(arrival: Arrival, chat: bool, tokenizer) -> tuple[str | list[int], dict]:
     """The prompt and SamplingParams fields an arrival is added with.
 
@@ -211,7 +244,8 @@ def request_args(arrival: Arrival, chat: bool, tokenizer) -> tuple[str | list[in
     the answer. Plain workloads: EOS is ignored (random weights may emit it at once)."""
     if chat:
         return tokenizer.apply_chat_template(arrival.prompt, tokenize=False, add_generation_prompt=True), arrival.params
-    return arrival.prompt, {"ignore_eos": True, **arrival.params}
+    # (a structured output's grammar decides where it ends: EOS only where it can)
+    return arrival.prompt, {"ignore_eos": "structured_outputs" not in arrival.params, **arrival.params}
 
 
 class ScenarioRunner:

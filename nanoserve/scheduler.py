@@ -67,6 +67,9 @@ class ScheduledChunk:
     num_tokens: int
     is_prefill: bool
     draft_token_ids: list[int] = field(default_factory=list)
+    # prompt log-probabilities this chunk's forward computed, for the entries after those the sequence has
+    # (filled in the compute phase, appended at commit: prompt_logprobs.py)
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
 
     @property
     def num_real_tokens(self) -> int:

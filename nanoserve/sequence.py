@@ -91,6 +91,8 @@ class Sequence:
     output_text: str = ""                # detokenized output, stop string excluded
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None  # per output token, when params.logprobs is set
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token so far, when
+                                         # params.prompt_logprobs is set ([None] at first: token 0 has no context)
     error: str | None = None             # why the engine gave up on this sequence, if it did
     num_sampling_steps: int = 0          # target forwards that produced tokens for this sequence
     num_drafted: int = 0                 # speculative decoding: draft tokens proposed and checked
@@ -104,7 +106,9 @@ class Sequence:
     cache_node: object | None = None     # radix_cache.RadixNode: the deepest cached node it holds locked
     cpu_block_table: list[int] = field(default_factory=list)   # swap: where its KV waits in the CPU pool
     beam_logprobs: torch.Tensor | None = None   # beam search: next-token log-probs waiting for the other beams
+    beam_mask: object | None = None      # ... and what the grammar's mask did to them (structured_output.MaskInfo)
     pruned: bool = False                 # beam search dropped this beam
+    grammar: object | None = None        # structured output: structured_output.SequenceGrammar (its matcher)
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -128,6 +132,11 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         """Tokens still without KV: the whole prompt at first, 1 when decoding."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt log-probabilities were asked for and some are still missing (prompt_logprobs.py)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def is_prefilling(self) -> bool:
@@ -162,13 +171,16 @@ class Sequence:
             self.finish_time = time.monotonic()
 
     def fork(self, child_id: str, generator: torch.Generator) -> Sequence:
-        """A running copy at the same position: same tokens, text and log-probs, its own id and RNG.
-        (Blocks are shared by the KV manager; the copy starts with none.)"""
+        """A running copy at the same position: same tokens, text and log-probs, its own id and RNG,
+        and its own copy of the grammar's matcher. (Blocks are shared by the KV manager; the copy
+        starts with none.)"""
         return Sequence(
             child_id, self.prompt, self.prompt_token_ids, self.params, arrival_time=self.arrival_time,
             generator=generator, status=SequenceStatus.RUNNING, output_token_ids=list(self.output_token_ids),
             output_text=self.output_text, cumulative_logprob=self.cumulative_logprob,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            prompt_logprobs=self.prompt_logprobs,   # complete by now, never changed again: shared
             first_token_time=self.first_token_time, request_id=self.request_id,
             index=int(child_id.rsplit(".", 1)[1]), priority=self.priority,
+            grammar=self.grammar.fork() if self.grammar is not None else None,
         )

@@ -13,7 +13,10 @@ sampling from the target:
     if all k were accepted: emit a bonus token from p_k
 
 p and q are the *full* distributions after identical processing (penalties,
-temperature, top-k, top-p, min-p: `sampler.probs`). For an n-gram draft q is
+temperature, top-k, top-p, min-p: `sampler.probs`). With structured output, p
+at each position is masked by the grammar as it stands after the drafts before
+it (`structured_output.SequenceGrammar.draft_masks`), so the output is exactly
+masked sampling's; q may ignore the grammar (the rule is exact for any q). For an n-gram draft q is
 one-hot at x, so the residual is p with x removed. Greedy requests accept
 while the draft equals the target's argmax and then emit the argmax.
 This is the rule of Leviathan et al. (2023, arXiv:2211.17192) and Chen et
@@ -63,9 +66,12 @@ class Drafts:
                                                                # (filled by `propose` below, not by proposers)
 
 
-def sampling_rows(seq: Sequence, draft: list[int], eos: int | None, n: int) -> list[SamplingRow]:
-    """Rows for positions 0..n-1 of a speculative step: position i has seen draft[:i]."""
-    return [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids + draft[:i], seq.generator, eos)
+def sampling_rows(seq: Sequence, draft: list[int], eos: int | None, n: int,
+                  masks: torch.Tensor | None = None) -> list[SamplingRow]:
+    """Rows for positions 0..n-1 of a speculative step: position i has seen draft[:i] (and with
+    structured output, masks[i] is its grammar's mask after draft[:i])."""
+    return [SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids + draft[:i], seq.generator, eos,
+                        masks[i] if masks is not None else None)
             for i in range(n)]
 
 
@@ -299,15 +305,18 @@ class Verdict:
     num_accepted: int
 
 
-def decide(chunk, logits: torch.Tensor, q: torch.Tensor | None, sampler, rule, eos_token_id: int | None) -> Verdict:
+def decide(chunk, logits: torch.Tensor, q: torch.Tensor | None, sampler, rule, eos_token_id: int | None,
+           masks: torch.Tensor | None = None) -> Verdict:
     """After the forward: exact acceptance of a chunk's drafts against its logits [len(drafts) + 1, V].
 
     `rule` is the acceptance rule (`verify` above, or a lab's); `q` the draft's distributions
-    (None for n-gram drafts). Changes no bookkeeping (only the sequence's RNG advances).
+    (None for n-gram drafts); `masks` [len(drafts) + 1, W] the grammar's mask at each position
+    (structured output), so that p is the masked distribution and a draft the grammar forbids has
+    p(x) = 0: rejected for sure. Changes no bookkeeping (only the sequence's RNG advances).
     """
     seq, draft = chunk.seq, chunk.draft_token_ids
     n = len(draft)
-    rows = sampling_rows(seq, draft, eos_token_id, n + 1)
+    rows = sampling_rows(seq, draft, eos_token_id, n + 1, masks)
     tokens, accepted = rule(sampler.probs(logits, rows), draft, q[:n] if q is not None else None,
                               seq.params.greedy, seq.generator)
     return Verdict(sampler.report(logits[: len(tokens)], tokens, rows[: len(tokens)]), accepted)

@@ -12,8 +12,14 @@ the forward, every chunk that reached its sequence's end gets a `Choice`:
 * a row that is not a distribution (NaN or +inf anywhere, or nothing finite):
   an `error`, and the engine fails that one request at commit.
 
-Nothing here touches a queue, a block table or a token list; only the
-requests' RNGs advance (the engine saves and restores them if the step
+Structured output: a constrained sequence's grammar gives each of its rows a
+token mask (`structured_output.py`), read from its matcher here and applied by
+the sampler; a speculative step gets one mask per draft position. A grammar
+that allows no token at all here (or only EOS before `min_tokens`) is an
+`error` too: the request ends instead of waiting for a token that cannot come.
+
+Nothing here touches a queue, a block table, a token list or a grammar's
+matcher (masks are only read from it); only the requests' RNGs advance (the engine saves and restores them if the step
 fails), so a failure anywhere in the compute phase leaves nothing to undo
 but the plan.
 """
@@ -25,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanoserve import beam_search, spec_decode
+from nanoserve import beam_search, spec_decode, structured_output
 from nanoserve.runner import RunInput
 from nanoserve.sampler import SampledToken, SamplingRow
 from nanoserve.scheduler import ScheduledChunk
@@ -43,6 +49,7 @@ class Choice:
     verdict: spec_decode.Verdict | None = None                  # speculative: what the target made of the drafts
     forks: list[tuple[torch.Generator, SampledToken]] = field(default_factory=list)   # n > 1: (RNG, first token)
     beam_logprobs: torch.Tensor | None = None                   # beam search: log-probs [V]
+    beam_mask: structured_output.MaskInfo | None = None         # ... and what the grammar's mask did to them
     error: str | None = None                                    # the logits were unusable: the request fails
 
 
@@ -71,37 +78,69 @@ def choose_tokens(engine: LLMEngine, chunks: list[ScheduledChunk], inputs: list[
         choice = Choice(chunk)
         choices.append(choice)
         seq = chunk.seq
+        masks = _grammar_masks(engine, chunk) if seq.grammar is not None else None   # [num_logits, W]
         if any(bad[r] for r in rows):
             choice.error = (f"the model's logits for {seq.seq_id} at position {seq.num_tokens} are not a "
                             "distribution (NaN or infinite values); the request was stopped")
+        elif masks is not None and masks is DEAD_END:
+            choice.error = (f"structured output: the {seq.grammar.kind} grammar allows no token at output "
+                            f"position {seq.num_output_tokens}" + (f" (only EOS, which min_tokens="
+                            f"{seq.params.min_tokens} forbids)" if seq.num_output_tokens < seq.params.min_tokens
+                            else "") + "; the request was stopped")
         elif chunk.draft_token_ids:
             verdict = spec_decode.decide(chunk, logits[rows.start:rows.stop], drafts.q.get(seq.seq_id),
-                                         engine.sampler, engine.components.verify, engine.eos_token_id)
+                                         engine.sampler, engine.components.verify, engine.eos_token_id, masks)
             choice.verdict, choice.tokens = verdict, verdict.tokens
         elif seq.params.use_beam_search:
-            choice.beam_logprobs = beam_search.next_logprobs(logits[rows.start], seq, engine.eos_token_id)
+            mask = masks[0] if masks is not None else None
+            choice.beam_logprobs = beam_search.next_logprobs(logits[rows.start], seq, engine.eos_token_id, mask)
+            if mask is not None:
+                choice.beam_mask = structured_output.mask_info(logits[rows.start:rows.start + 1], mask[None])[0]
         else:
-            plain.append((choice, rows.start))
+            plain.append((choice, rows.start, masks[0] if masks is not None else None))
     if plain:
         _sample(engine, plain, logits)
     return choices
 
 
-def _sample(engine: LLMEngine, plain: list[tuple[Choice, int]], logits: torch.Tensor) -> None:
+DEAD_END = torch.empty(0, dtype=torch.int32)   # _grammar_masks: the grammar allows nothing here
+
+
+def _grammar_masks(engine: LLMEngine, chunk: ScheduledChunk) -> torch.Tensor:
+    """The grammar's mask for each logits row of a constrained chunk [num_logits, W] (one row, or one per
+    draft position and the bonus), or DEAD_END when the current position allows no token the sampler may
+    draw. A later draft position that is a dead end allows everything instead: the matcher refuses
+    whatever is drawn there at commit, and the request fails then."""
+    seq = chunk.seq
+    grammar = seq.grammar
+    masks = grammar.draft_masks(chunk.draft_token_ids) if chunk.draft_token_ids else grammar.next_mask()[None]
+    # Before min_tokens, EOS and stop_token_ids are forbidden too: a mask of nothing else is empty.
+    for i in range(len(masks)):
+        banned = set(seq.params.stop_token_ids) | {engine.eos_token_id} \
+            if seq.num_output_tokens + i < seq.params.min_tokens else set()
+        if structured_output.allows_nothing(masks[i], grammar.vocab_size, banned):
+            if i == 0:
+                return DEAD_END
+            masks[i:] = -1
+            break
+    return masks
+
+
+def _sample(engine: LLMEngine, plain: list[tuple[Choice, int, torch.Tensor | None]], logits: torch.Tensor) -> None:
     """One token per plain chunk, in one batched call; n > 1 requests also draw for their forks-to-be."""
-    pairs = []   # (choice, fork seed or None, RNG, logits row)
-    for choice, r in plain:
+    pairs = []   # (choice, fork seed or None, RNG, logits row, grammar mask or None)
+    for choice, r, mask in plain:
         seq = choice.chunk.seq
-        pairs.append((choice, None, seq.generator, r))
+        pairs.append((choice, None, seq.generator, r, mask))
         request = engine.requests[seq.request_id]
-        if request.needs_fork:   # the n sequences share the prompt and sample from the same row
+        if request.needs_fork:   # the n sequences share the prompt (and the grammar's state): the same row
             for i in range(1, request.params.n):
                 seed = (request.seed * 1_000_003 + i) % 2**62
-                pairs.append((choice, seed, torch.Generator().manual_seed(seed), r))
+                pairs.append((choice, seed, torch.Generator().manual_seed(seed), r, mask))
     rows = [SamplingRow(c.chunk.seq.params, c.chunk.seq.prompt_token_ids, c.chunk.seq.output_token_ids, g,
-                        engine.eos_token_id) for c, _, g, _ in pairs]
-    sampled = engine.sampler(logits[[r for *_, r in pairs]], rows)
-    for (choice, seed, g, _), token in zip(pairs, sampled):
+                        engine.eos_token_id, mask) for c, _, g, _, mask in pairs]
+    sampled = engine.sampler(logits[[p[3] for p in pairs]], rows)
+    for (choice, seed, g, _, _), token in zip(pairs, sampled):
         if seed is None:
             choice.tokens = [token]
         else:

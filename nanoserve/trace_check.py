@@ -9,7 +9,9 @@ deep inside `fold`:
 * every field holds the type its event declares (`tuple[int, ...]` is a list
   of ints in JSON; an `int` is never a bool or a string), and
 * every block id lies inside the pool the trace's `EngineSynced` announced
-  (CPU block ids inside the CPU pool).
+  (CPU block ids inside the CPU pool), and
+* the fields of some events agree with each other (`FIELD_CHECKS`: a
+  structured-output mask allows between 0 and V tokens).
 
     check_trace(read_trace(path), path)     # ValueError("pressure.jsonl: event 12 (BlocksAllocated) ...")
 
@@ -126,6 +128,22 @@ def check_synced(event: ev.EngineSynced) -> None:
                              f"with blocks of the pool")
 
 
+def check_token_constrained(event: ev.TokenConstrained) -> None:
+    """Structured output's event: a mask of 0..V tokens of a V-token vocabulary, forced meaning exactly one,
+    and the token inside the vocabulary."""
+    if event.vocab_size < 1 or not 0 <= event.num_allowed <= event.vocab_size:
+        raise ValueError(f"num_allowed {event.num_allowed} is not a count of tokens of a vocabulary of "
+                         f"{event.vocab_size}")
+    if event.forced != (event.num_allowed == 1):
+        raise ValueError(f"forced is {event.forced} but the mask allowed {event.num_allowed} tokens")
+    if not 0 <= event.token_id < event.vocab_size:
+        raise ValueError(f"token_id {event.token_id} is outside the vocabulary of {event.vocab_size}")
+
+
+# Checks of one event type's fields beyond their types (the block ids are checked for every event).
+FIELD_CHECKS = {ev.TokenConstrained: check_token_constrained}
+
+
 def check_trace(events: Iterable[ev.Event], path: str | Path = "trace") -> None:
     """ValueError("<path>: event N (Type): ...") for the first event a viewer could not draw."""
     num_blocks = num_cpu_blocks = None
@@ -139,5 +157,7 @@ def check_trace(events: Iterable[ev.Event], path: str | Path = "trace") -> None:
                 raise ValueError("the trace must start with EngineSynced (the engine's state)")
             else:
                 check_block_ids(event, num_blocks, num_cpu_blocks)
+                if type(event) in FIELD_CHECKS:
+                    FIELD_CHECKS[type(event)](event)
         except ValueError as exc:
             raise ValueError(f"{path}: event {n} ({type(event).__name__}, step {event.step!r}): {exc}") from None

@@ -3,8 +3,9 @@
 This module owns the plain data types a viewer reads: `ViewState` (block
 pool, block tables, queues, the radix tree, the CPU swap space, cache hit
 counters, and across processes the ranks of tensor parallelism and the KV
-handoffs of disaggregation), `SequenceView`, `RadixNodeView`, `RankView` and
-`TransferView`, and the questions viewers ask
+handoffs of disaggregation), `SequenceView` (with its structured output's
+`GrammarView`), `RadixNodeView`, `RankView` and `TransferView`, and the
+questions viewers ask
 of them (who holds a block, a node's lock count, which blocks are cached and
 evictable). `fold.py` builds a ViewState from events; the TUI, the Graphviz
 exporter and the lessons draw it, never the engine, so a recorded trace
@@ -25,11 +26,32 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nanoserve.events import StepFinished
+from nanoserve.kv_usage import KVUsage, hit_rate, kv_usage
 
 FINISHED_STATUS = {"stop": "finished_stopped", "length": "finished_length", "abort": "finished_aborted",
                    "pruned": "finished_pruned"}
 HISTORY_LEN = 1000  # finished steps kept in ViewState.history
 ROOT = 0            # the radix tree's root: no blocks, never drawn as a span
+
+
+@dataclass(slots=True)
+class GrammarView:
+    """A structured-output sequence's grammar, as its TokenConstrained events tell it."""
+
+    kind: str = "?"                   # "json", "regex", "choice", "grammar", "json_object" ("?": not seen)
+    vocab_size: int = 0
+    num_allowed: int = 0              # tokens the mask allowed at the last position
+    num_tokens: int = 0               # tokens sampled under the grammar
+    num_forced: int = 0               # ... of which the mask allowed exactly one
+    num_top_masked: int = 0           # ... of which the model's own top choice was forbidden
+    allowed: list[int] = field(default_factory=list)   # num_allowed per token, the last HISTORY_LEN
+
+    def summary(self) -> str:
+        """"grammar json: 3 of 49,152 allowed · forced 5 of 12" (before any token: the kind only)."""
+        if not self.num_tokens:
+            return f"grammar {self.kind}: no token yet"
+        return (f"grammar {self.kind}: {self.num_allowed:,} of {self.vocab_size:,} allowed · "
+                f"forced {self.num_forced} of {self.num_tokens}")
 
 
 @dataclass(slots=True)
@@ -48,6 +70,7 @@ class SequenceView:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "pruned" once finished
     cache_node: int = ROOT            # the deepest radix node this sequence holds (0: none)
     cpu_block_table: list[int] = field(default_factory=list)   # CPU pool blocks while swapped out
+    grammar: GrammarView | None = None   # structured output (None: free text)
 
 
 @dataclass(slots=True)
@@ -117,10 +140,13 @@ class ViewState:
     radix: dict[int, RadixNodeView] = field(default_factory=_root)   # node id -> node, the root (0) included
     swapped: list[str] = field(default_factory=list)    # sequences whose KV sits in the CPU pool
     num_cpu_blocks: int = 0           # size of the CPU swap pool (0: no swapping)
-    cache_hit_tokens: int = 0         # sum of PrefixMatched.num_hit_tokens
-    cache_lookup_tokens: int = 0      # sum of PrefixMatched.num_tokens
+    # since the engine started: EngineSynced's counts, plus PrefixMatched's num_hit_tokens / num_tokens
+    cache_hit_tokens: int = 0
+    cache_lookup_tokens: int = 0
     # (step, cache_hit_tokens, cache_lookup_tokens) after each step, last HISTORY_LEN steps
     cache_history: list[tuple[int, int, int]] = field(default_factory=list)
+    # (step, used, cached) blocks after each step (kv_usage.py's words), last HISTORY_LEN steps
+    kv_history: list[tuple[int, int, int]] = field(default_factory=list)
     hit_nodes: set[int] = field(default_factory=set)        # matched this step
     inserted_nodes: set[int] = field(default_factory=set)   # created this step
     evicted_nodes: dict[int, RadixNodeView] = field(default_factory=dict)   # removed this step (kept to draw)
@@ -202,9 +228,15 @@ class ViewState:
                 kinds[block_id] = "cached"
         return kinds
 
+    def kv_usage(self) -> KVUsage:
+        """The pool as used / cached / free blocks, counted as /metrics counts them (kv_usage.py)."""
+        cached = len(self.evictable_blocks()) if self.prefix_caching else 0
+        return kv_usage(self.num_blocks, len(self.free_queue), cached)
+
     def cache_hit_rate(self) -> float | None:
-        """Tokens whose KV came from the cache / tokens looked up; None before any lookup."""
-        return self.cache_hit_tokens / self.cache_lookup_tokens if self.cache_lookup_tokens else None
+        """Prompt tokens whose KV came from the cache / tokens looked up, since the engine started
+        (kv_usage.HIT_RATE); None before any lookup."""
+        return hit_rate(self.cache_hit_tokens, self.cache_lookup_tokens)
 
     def cpu_blocks_used(self) -> int:
         return sum(len(req.cpu_block_table) for req in self.sequences.values())

@@ -12,9 +12,14 @@ from __future__ import annotations
 import contextlib
 import os
 
+# The device the engine fixtures run on: "cpu" everywhere but in benchmarks/gpu_check.py, which
+# runs a few test files (kernels, parity, CUDA graphs) with NANOSERVE_TEST_DEVICE=cuda.
+DEVICE = os.environ.get("NANOSERVE_TEST_DEVICE", "cpu")
+
 # The Triton kernels run on CPU under the interpreter, which must be switched on
 # before triton is first imported (importing nanoserve imports it via transformers).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import importlib.util  # noqa: E402
 
@@ -72,12 +77,12 @@ def tiny_gpt2_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_llama_dir):
-    return load_model(tiny_llama_dir)
+    return load_model(tiny_llama_dir, device=DEVICE)
 
 
 @pytest.fixture(scope="session")
 def tiny_gpt2(tiny_gpt2_dir):
-    return load_model(tiny_gpt2_dir)
+    return load_model(tiny_gpt2_dir, device=DEVICE)
 
 
 @contextlib.contextmanager
@@ -99,7 +104,8 @@ def has_smollm2() -> bool:
 
 
 def make_engine(loaded, components=None, **config) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=loaded.name, **config), loaded=loaded, components=components)
+    return LLMEngine(EngineConfig(model=loaded.name, **{"device": DEVICE, **config}), loaded=loaded,
+                     components=components)
 
 
 def run_to_end(engine: LLMEngine, max_steps: int = 10_000) -> dict:

@@ -86,6 +86,22 @@ def reference_output(prompt: list[int], params: SamplingParams, max_model_len: i
     return _REFERENCE_CACHE[key]
 
 
+_PROMPT_REFERENCE: dict[tuple, list] = {}
+
+
+def reference_prompt_logprobs(prompt: list[int]) -> list:
+    """The prompt log-probabilities (top 2) of `prompt` run alone on the mechanisms-off engine."""
+    key = tuple(prompt)
+    if key not in _PROMPT_REFERENCE:
+        rid = f"refp{len(_PROMPT_REFERENCE)}"
+        _REFERENCE.add_request(rid, prompt, SamplingParams(max_tokens=1, prompt_logprobs=2))
+        while _REFERENCE.has_unfinished_requests():
+            for o in _REFERENCE.step().outputs:
+                if o.request_id == rid and o.finished:
+                    _PROMPT_REFERENCE[key] = o.prompt_logprobs
+    return _PROMPT_REFERENCE[key]
+
+
 # -- what outputs must satisfy ----------------------------------------------------------------------
 
 
@@ -117,6 +133,8 @@ class OutputChecks:
         self._finished(rid)
         reason = comp.finish_reason
         STATS[f"requests finished ({reason})"] += 1
+        if params.prompt_logprobs is not None and reason != "abort":
+            self._check_prompt_logprobs(rid, prompt, params, out.prompt_logprobs)
         if reason == "stop":
             assert len(comp.token_ids) >= params.min_tokens, f"{rid}: stopped before min_tokens"
             assert comp.token_ids[-1] in {EOS, *params.stop_token_ids} or params.stop
@@ -131,6 +149,18 @@ class OutputChecks:
             return
         if params.greedy or (params.seed is not None and self.spec is None):
             self._compare_with_reference(rid, prompt, params, comp)
+
+    def _check_prompt_logprobs(self, rid, prompt, params, got) -> None:
+        """Every prompt token's log-probability (and the top ones), as alone: chunking, the prefix cache,
+        preemption, swapping and undone steps must neither lose nor change one."""
+        want = reference_prompt_logprobs(prompt)
+        assert len(got) == len(prompt) and got[0] is None, f"{rid}: {len(got)} prompt log-probs for {len(prompt)}"
+        for pos, (a, b) in enumerate(zip(got[1:], want[1:]), 1):
+            assert a[prompt[pos]] == pytest.approx(b[prompt[pos]], abs=LOGPROB_ATOL), f"{rid}: prompt token {pos}"
+            top = sorted(b.values(), reverse=True)       # the top k agree where the reference is not tied
+            if params.prompt_logprobs and top[0] - top[1] > LOGPROB_ATOL:
+                assert max(a, key=a.get) == max(b, key=b.get), f"{rid}: top prompt token at {pos}"
+        STATS["prompt log-probabilities equal to the mechanisms-off engine"] += 1
 
     def _check_beams(self, out, params) -> None:
         if not out.finished:

@@ -21,8 +21,10 @@ from nanoserve import EngineConfig, LLMEngine  # noqa: E402
 from nanoserve.serve.app import build_app  # noqa: E402
 from nanoserve.serve.background import BackgroundServer  # noqa: E402
 
-# A chat template for the byte-level tokenizer of the tiny test models.
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+# A chat template for the byte-level tokenizer of the tiny test models; `note` is a template variable
+# (chat_template_kwargs sets it).
+CHAT_TEMPLATE = ("{% if note is defined %}<|note|>{{ note }}\n{% endif %}"
+                 "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 # Small enough to chunk prefills and batch many requests; big enough for 64 clients.

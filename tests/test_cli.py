@@ -152,12 +152,16 @@ def test_export_renders(capsys, trace, tmp_path, fmt, magic):
         assert b"<svg" in data[:1000]
 
 
-def test_export_without_dot_falls_back(capsys, trace, tmp_path, monkeypatch):
+def test_export_without_dot_fails_in_one_line_and_writes_nothing(capsys, trace, tmp_path, monkeypatch):
+    """A script that asks for an SVG must not get success and no SVG (it used to get a .dot and exit 0)."""
     monkeypatch.setenv("NANOSERVE_DOT", str(tmp_path / "no-such-dot"))
-    code, _, err = run(capsys, "export", "-t", str(trace), "-f", "png", "-o", str(tmp_path / "t.png"))
-    assert code == 0
-    assert (tmp_path / "t.dot").exists() and not (tmp_path / "t.png").exists()
-    assert "apt-get install graphviz" in err
+    for fmt in ("svg", "png"):
+        code, _, err = run(capsys, "export", "-t", str(trace), "-f", fmt, "-o", str(tmp_path / f"t.{fmt}"))
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert err.startswith(f"nanoserve: error: --format {fmt} needs Graphviz") and "apt-get install graphviz" in err
+    assert not list(tmp_path.glob("t.*"))
+    code, _, err = run(capsys, "export", "-t", str(trace), "-f", "dot", "-o", str(tmp_path / "t.dot"))
+    assert code == 0 and (tmp_path / "t.dot").read_text().startswith("digraph")
 
 
 # -- the installed console script -----------------------------------------------------------

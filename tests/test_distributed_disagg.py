@@ -106,7 +106,8 @@ def test_a_bad_request_is_a_field_error_and_changes_nothing(llama_pair):
     llama_pair.add_request("dup", "Hello", GREEDY)
     cases = [("dup", "Hi", GREEDY, "request_id"), ("e", "", GREEDY, "prompt"),
              ("big", "x" * 10_000, GREEDY, "prompt"), ("beam", "Hi", SamplingParams(beam_width=2, temperature=0, max_tokens=4),
-                                                      "beam_width")]
+                                                      "beam_width"),
+             ("plp", "Hi", SamplingParams(max_tokens=4, prompt_logprobs=1), "prompt_logprobs")]
     for rid, prompt, params, field in cases:
         with pytest.raises(FieldError) as info:
             llama_pair.add_request(rid, prompt, params)

@@ -48,8 +48,9 @@ def scheduling(events) -> list:
             e = dataclasses.replace(e, duration_s=0.0)
         elif isinstance(e, ev.TokenSampled):
             e = dataclasses.replace(e, logprob=round(e.logprob, 3))
-        elif isinstance(e, ev.EngineSynced):          # (a subscriber's first event; TP=2 lists its ranks,
-            e = dataclasses.replace(e, ranks=(), config=())   # and its settings say tensor_parallel_size=2)
+        elif isinstance(e, ev.EngineSynced):          # (a subscriber's first event; TP=2 lists its ranks, its
+            # settings say tensor_parallel_size=2, and its shards run llama.py's layers, not the CPU Llama)
+            e = dataclasses.replace(e, ranks=(), config=(), implementation=())
         if not isinstance(e, (ev.CollectiveOps, ev.RankPoolState)):
             out.append(e)
     return out

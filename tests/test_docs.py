@@ -145,3 +145,38 @@ def test_inline_facts_do_not_start_a_line(page: Path):
     lines = page.read_text().splitlines()
     bad = [i + 1 for i, line in enumerate(lines) if re.match(r"\s*<!--gen:[\w.-]+-->\s*\S", line)]
     assert not bad, f"{page.name}: an inline fact starts line(s) {bad}; move a word in front of it"
+
+
+def test_readme_fork_example_copies_on_write():
+    """The README's REPL example forks in the middle of a block, so the step after the fork really copies
+    (a fork on a block boundary never does); the comments name the block and who gets the copy."""
+    from nanoserve.events import CowCopied
+
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Stepping an engine in a REPL\n\n```python\n(.*?)```", readme, re.S)[1]
+    ns: dict = {}
+    results = []
+    for line in block.splitlines():
+        code = line.split("  #")[0].strip()
+        if code:
+            try:
+                results.append(eval(code, ns))           # an expression, as a REPL would show it
+            except SyntaxError:
+                exec(code, ns)
+    engine = ns["engine"]
+    after_fork = results[results.index("r1.1") + 1]
+    copies = [e for e in after_fork.events if isinstance(e, CowCopied)]
+    assert [(c.seq_id, c.src) for c in copies] == [("r1", 7)], copies
+    tables = {s["seq_id"]: s["block_table"] for s in engine.snapshot()["sequences"]}
+    assert tables["r1.1"][-1] == 7 and tables["r1"][-1] == copies[0].dst and tables["r1"][:-1] == tables["r1.1"][:-1]
+    assert "a copy of block 7 (r1.1 keeps it)" in block
+
+
+def test_cli_transcripts_wrap_between_words():
+    """A 100-column terminal cuts "data" into "da" / "ta"; the page wraps between words instead."""
+    from docgen.cli import terminal_lines
+
+    text = "In other words, it is a data structure that stores and retrieves data " * 3
+    lines = terminal_lines(text)
+    assert len(lines) > 1 and all(len(line) <= 100 for line in lines)
+    assert " ".join(lines).split() == text.split()          # every word whole, none cut in two

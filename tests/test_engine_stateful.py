@@ -169,9 +169,10 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
         stop_strings=st.lists(st.sampled_from(STOP_CHARS), min_size=1, max_size=3),
         min_tokens=st.sampled_from([0, 0, 2, 5]),
         reuse=st.integers(-3, 30),   # >= 0: take a finished request's id, if there is one
+        prompt_logprobs=st.sampled_from([None, None, None, 0, 2]),
     )
     def add_request(self, prefix, prompt, max_tokens, mode, temperature, seed, n, priority, stops, stop_ids,
-                    stop_strings, min_tokens, reuse):
+                    stop_strings, min_tokens, reuse, prompt_logprobs):
         if len(self.live) >= MAX_LIVE:   # (an early return, not a precondition: no filtered draws)
             return
         if prefix is not None:
@@ -185,6 +186,7 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
             stop_token_ids=stop_ids if stops in ("ids", "both") else [],
             stop=stop_strings if stops in ("strings", "both") else [],
             min_tokens=min(min_tokens, max_tokens),
+            prompt_logprobs=prompt_logprobs,
         )
         rid = self._new_id(reuse)
         self._add(rid, prompt, params, priority)

@@ -10,6 +10,7 @@ import pytest
 from memory_events import memory_state
 
 from nanoserve import EngineConfig, LLMEngine, SamplingParams
+from nanoserve.errors import FieldError
 from nanoserve.events import Preempted, StepFinished
 from nanoserve.scenarios import record
 from nanoserve.trace import SequenceView, ViewState, fold_all, read_trace
@@ -215,13 +216,14 @@ def test_export_dot_names_and_contents(trace):
         export_trace(trace, 5, "pool", "pdf")
 
 
-def test_export_without_dot_writes_source(trace, tmp_path, monkeypatch, capsys):
+def test_export_without_dot_refuses_and_writes_nothing(trace, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOSERVE_DOT", str(tmp_path / "no-such-dot"))
-    path = export_trace(trace, 3, "tables", "svg", tmp_path / "out.svg")
-    assert path == tmp_path / "out.dot" and not (tmp_path / "out.svg").exists()
+    with pytest.raises(FieldError, match="svg needs Graphviz") as refused:
+        export_trace(trace, 3, "tables", "svg", tmp_path / "out.svg")
+    assert refused.value.field == "format" and "apt-get install graphviz" in refused.value.text
+    assert "brew install graphviz" in refused.value.text and not list(tmp_path.iterdir())
+    path = export_trace(trace, 3, "tables", "dot", tmp_path / "out.dot")    # the source needs no Graphviz
     assert path.read_text() == tables_dot(state_at(trace, 3))
-    err = capsys.readouterr().err
-    assert "apt-get install graphviz" in err and "brew install graphviz" in err
     assert engine_svg(shared_state()) is None
 
 

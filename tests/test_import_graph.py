@@ -15,7 +15,8 @@ PACKAGES = {"nanoserve": ROOT / "nanoserve", "nanoserve_tui": ROOT / "tui"}
 # What the viewers (nanoserve/viz, tui/) may read of the engine: its events, the folded view state,
 # snapshots and traces, scenarios and the public request API. Not its internals.
 VIEWER_MAY_IMPORT = {"nanoserve", "nanoserve.events", "nanoserve.trace", "nanoserve.view", "nanoserve.trace_check",
-                     "nanoserve.scenarios", "nanoserve.sampling_params", "nanoserve.errors", "nanoserve.display"}
+                     "nanoserve.scenarios", "nanoserve.sampling_params", "nanoserve.errors", "nanoserve.display",
+                     "nanoserve.kv_usage"}   # the words and arithmetic of "used" and "hit rate", shared with /metrics
 # viz/repl.py draws the engine's Displayable objects, so it names their classes to register its renderers.
 DISPLAYABLE = {"nanoserve.engine", "nanoserve.block_pool", "nanoserve.radix_cache", "nanoserve.outputs"}
 FRONT_ENDS = ("nanoserve.cli", "nanoserve.serve")   # programs people run; they may start any viewer

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import inspect
+import json
 import textwrap
 
 import pytest
@@ -53,14 +54,45 @@ def test_bad_input_is_one_line_exit_2(argv, flag, capsys, tmp_path, monkeypatch)
     assert err.count("\n") == 1 and err.startswith(f"nanoserve: error: {flag} ")
 
 
-def test_check_exit_code_and_table(tmp_path, capsys):
+def test_check_exit_code_table_and_why(tmp_path, capsys):
+    lab = get_lab("block-pool")
+    n = len(lab.checks)
     good = write(tmp_path / "good.py", inspect.getsource(block_pool))
     assert main(["lab", "check", "block-pool", str(good)]) == 0
-    assert "6/6 checks pass" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"{n}/{n} checks pass" in out and "every rule of the lab holds on these checks" in out
+    for question, answer in lab.why:             # the questions, not the answers (those are on the page, folded)
+        assert question in out and answer not in out
     bad = write(tmp_path / "bad.py", "def broken(:\n")
     assert main(["lab", "check", "block-pool", str(bad)]) == 1
     out = capsys.readouterr().out
-    assert "bad.py:1: syntax error" in out and "0/6 checks pass" in out
+    assert "bad.py:1: syntax error" in out and f"0/{n} checks pass" in out and "every rule" not in out
+
+
+def test_check_fail_fast_and_json(tmp_path, capsys):
+    path = write(tmp_path / "raises.py", """\
+        from nanoserve.block_pool import Block, FreeBlockQueue
+        from nanoserve.block_pool import BlockPool as _Pool
+
+
+        class BlockPool(_Pool):
+            def allocate(self, n):
+                raise RuntimeError("oops")
+        """)
+    assert main(["lab", "check", "block-pool", str(path), "--fail-fast", "--json"]) == 1
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["status"] for r in rows][:5] == ["pass"] * 4 + ["fail"]
+    assert rows[4]["function"] == "BlockPool.allocate" and rows[4]["detail"] == "raises.py:7 in allocate: RuntimeError: oops"
+    assert {r["status"] for r in rows[5:]} == {"not run"}
+
+
+def test_start_design_mode_states_contracts(tmp_path, capsys):
+    folder = tmp_path / "d"
+    assert main(["lab", "start", "block-pool", str(folder), "--mode", "design"]) == 0
+    text = (folder / "block_pool.py").read_text()
+    lab = get_lab("block-pool")
+    assert "# TODO" not in text and text.count("# Contract:") == len(lab.blanks) and "Invariants:" in text
+    assert "design mode" in capsys.readouterr().out and "What must hold between calls" in (folder / "README.md").read_text()
 
 
 def test_import_errors_name_file_and_line(tmp_path):
@@ -76,8 +108,9 @@ def test_import_errors_name_file_and_line(tmp_path):
     no_class = write(tmp_path / "no_class.py", "from nanoserve.block_pool import Block, FreeBlockQueue\n")
     results = run_in_process(lab, no_class)
     assert results[0].detail == "BlockPool.allocate is missing; BlockPool.share is missing; BlockPool.free is missing"
-    assert all(not r.passed for r in results)
-    assert all("AttributeError" in r.detail and "BlockPool" in r.detail for r in results[1:])
+    pool_rows = [r for r in results[1:] if not r.function.startswith("FreeBlockQueue")]
+    assert all(not r.passed for r in pool_rows)
+    assert all("AttributeError" in r.detail and "BlockPool" in r.detail for r in pool_rows)
 
 
 def test_raise_names_the_line_and_other_checks_run(tmp_path):
@@ -90,10 +123,9 @@ def test_raise_names_the_line_and_other_checks_run(tmp_path):
             def share(self, block_ids):
                 raise RuntimeError("oops")
         """)
-    results = {r.check: r for r in run_in_process(get_lab("block-pool"), path)}
-    shared = results["shared blocks stay until the last holder frees"]
-    assert shared.detail == "raises.py:7 in share: RuntimeError: oops"
-    assert results["allocate: head of the queue, all or nothing"].passed   # the others ran
+    results = {r.function: r for r in run_in_process(get_lab("block-pool"), path)}
+    assert results["BlockPool.share"].detail == "raises.py:7 in share: RuntimeError: oops"
+    assert results["BlockPool.allocate"].passed and results["BlockPool.free"].passed   # the others ran
 
 
 def test_never_returns_is_stopped_and_tampering_stays_in_its_process(tmp_path):
@@ -115,11 +147,14 @@ def test_never_returns_is_stopped_and_tampering_stays_in_its_process(tmp_path):
         real.BlockPool.free = lambda self, ids: []       # breaks the engine's own pool in this process
         """)
     write(tmp_path / "c_good.py", inspect.getsource(block_pool))
+    lab = get_lab("block-pool")
+    n = len(lab.checks)
     assert main(["lab", "grade", "block-pool", str(tmp_path), "--time-limit", "10"]) == 0
     rows = {r["submission"]: r for r in csv.DictReader(open(tmp_path / "grades.csv"))}
-    assert rows["c_good.py"]["passed"] == "6"
-    assert int(rows["b_tamper.py"]["passed"]) < 6
+    assert rows["c_good.py"]["passed"] == str(n)
+    assert int(rows["b_tamper.py"]["passed"]) < n
     looped = rows["a_loops.py"]
-    assert looped["shared blocks stay until the last holder frees"] == "timeout"
-    assert looped["free queue links (remove from the middle)"] == "pass"          # ran after the timeout
-    assert looped["passed"] == "4"
+    name = {c.function: c.name for c in lab.checks}
+    assert looped[name["BlockPool.share"]] == "timeout"
+    assert looped[name["BlockPool.free"]] == "pass" and looped[name["BlockPool.allocate"]] == "pass"
+    assert int(looped["passed"]) == n - 2         # share, and the engine (its forks share blocks)

@@ -59,3 +59,52 @@ def test_bad_lab_option_is_one_line(spec, text, tmp_path, monkeypatch, capsys):
     assert main(["generate", "Hi", "--lab", spec]) == 2
     err = capsys.readouterr().err
     assert err.startswith("nanoserve: error: --lab ") and text in err and err.count("\n") == 1
+
+
+FAILING_POOL = '''\
+from nanoserve.block_pool import Block, FreeBlockQueue  # noqa: F401
+from nanoserve.block_pool import BlockPool as _Pool
+
+
+class BlockPool(_Pool):
+    def allocate(self, n):
+        if n > len(self.free_queue) - 4:       # the bug: four blocks it never hands out
+            raise MemoryError(f"need {n} blocks, only {len(self.free_queue)} free")
+        return super().allocate(n)
+'''
+
+
+def test_tui_pauses_on_a_step_that_fails_in_the_students_code(tmp_path):
+    """`r` with a failing part: the run pauses on the failing step, one panel (not a toast per retry) says
+    where it failed with the check's hint, and the panels show the pool as that step left it."""
+    from test_tui import WIDE, notices, run_async, wait_for
+
+    from nanoserve_tui.app import NanoserveApp
+    from nanoserve_tui.source import LiveSource
+
+    path = tmp_path / "bad_pool.py"
+    path.write_text(FAILING_POOL)
+    from nanoserve.labs.plug import explain_failure
+    app = NanoserveApp(LiveSource(scenario="memory-pressure", components=components_from([f"block-pool={path}"]),
+                                  explain=explain_failure))
+
+    @run_async
+    async def drive():
+        async with app.run_test(size=WIDE) as pilot:
+            await wait_for(pilot, lambda: app.frame is not None)
+            app.speed = 5
+            await pilot.press("r")
+            await wait_for(pilot, lambda: app.source.lab_failed is not None, timeout=120)
+            await wait_for(pilot, lambda: not app.playing and not app.source._pending_steps)
+            failed_at = app.frame.state.step
+            panel = str(app.query_one("#lab-error").render())
+            assert app.query_one("#lab-error").display and "bad_pool.py:8 in allocate: MemoryError" in panel
+            assert "hint:" in panel and "nanoserve lab check block-pool" in panel
+            assert "engine step failed" not in notices(app)            # no toast per retry
+            assert "running" not in str(app.query_one("#status").render())
+            await pilot.pause(0.5)
+            assert app.frame.state.step == failed_at                   # paused there
+            await pilot.press("space")                                 # stepping on is refused, once
+            await pilot.pause(0.2)
+            assert notices(app).count("failed in your code") == 1
+    drive()

@@ -56,6 +56,20 @@ def test_every_break_is_on_the_page(lesson: Path):
     assert not missing, f"{runs.page_of(lesson)} has no <!--gen:break.NAME--> region for {missing}"
 
 
+def test_a_lesson_copied_out_of_the_repository_still_runs(tmp_path):
+    """Its helpers come from the package (nanoserve/lesson.py), not from a file beside it: a student who copies
+    a lesson into a folder of their own does not get `No module named 'lesson'`."""
+    import shutil
+    import subprocess
+
+    copy = tmp_path / "my_lesson.py"
+    shutil.copy(ROOT / "lessons" / "04_prefix_cache.py", copy)
+    proc = subprocess.run([sys.executable, str(copy), "--list-breaks"], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "partial-blocks" in proc.stdout
+
+
 @pytest.mark.parametrize("lesson", [lesson_param(p) for p in LESSONS])
 def test_lesson_runs_and_matches_its_page(lesson: Path):
     # One intra-op thread (lesson.py sets it too): the lessons check behaviour, not speed.

@@ -16,7 +16,7 @@ PACKAGE = Path(nanoserve.__file__).parent
 
 def mapped() -> list[str]:
     """Names in the map: an indented `name.py` or `name/` at the start of a line."""
-    return re.findall(r"^    (\w+\.py|\w+/) ", nanoserve.__doc__, flags=re.MULTILINE)
+    return re.findall(r"^    (\w+\.py|\w+/) ", nanoserve.__doc__, flags=re.MULTILINE)   # (__main__.py too)
 
 
 def on_disk() -> set[str]:

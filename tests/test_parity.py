@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from conftest import make_engine
+from conftest import DEVICE, make_engine
 from transformers import AutoModelForCausalLM
 
 from nanoserve import SamplingParams
@@ -109,6 +109,36 @@ def test_llama3_style_rope_scaling_and_tied_embeddings(tmp_path):
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     prompt_list = prompts(257)[8:]          # the longer prompts: positions past the original 32
     want = hf_greedy(str(tmp_path), prompt_list, MAX_TOKENS)
-    got, _ = engine_greedy(load_model(str(tmp_path)), prompt_list, MAX_TOKENS, block_size=8, num_blocks=256,
+    got, _ = engine_greedy(load_model(str(tmp_path), device=DEVICE), prompt_list, MAX_TOKENS, block_size=8,
+                           num_blocks=256,
                            max_num_batched_tokens=32)
     assert got == want
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_prefix_cache_hits_give_hf_tokens(kind, tiny_llama, tiny_gpt2, tiny_llama_dir, tiny_gpt2_dir):
+    """Prompts sharing a 37-token prefix, in two waves: the second wave's prefills skip the cached blocks
+    (chunked, with preemption in a small pool) and still give HF's tokens."""
+    from nanoserve import events as ev
+
+    loaded, model_dir = (tiny_llama, tiny_llama_dir) if kind == "llama" else (tiny_gpt2, tiny_gpt2_dir)
+    rng = random.Random(3)
+    shared = [rng.randrange(257) for _ in range(37)]
+    waves = [[shared + [rng.randrange(257) for _ in range(n)] for n in lens] for lens in ([1, 9], [4, 2, 15, 6])]
+    engine = make_engine(loaded, block_size=4, num_blocks=24, max_num_batched_tokens=24)
+    hits, preempted = [], 0
+    engine.subscribe(lambda e: hits.append(e.num_hit_tokens) if isinstance(e, ev.PrefixMatched) else None)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    got = {}
+    for w, wave in enumerate(waves):
+        for i, p in enumerate(wave):
+            engine.add_request(f"{w}.{i}", p, params)
+        while engine.has_unfinished_requests():
+            result = engine.step()
+            engine.check_invariants()
+            preempted += result.stats.num_preempted
+            got.update({o.request_id: o.outputs[0].token_ids for o in result.outputs if o.finished})
+    want = hf_greedy(model_dir, [p for wave in waves for p in wave], MAX_TOKENS)
+    assert [got[f"{w}.{i}"] for w, wave in enumerate(waves) for i in range(len(wave))] == want
+    assert sum(h >= 36 for h in hits) >= 4, f"the second wave was meant to hit the cached prefix: {hits}"
+    assert preempted > 0, "the pool was meant to be small enough to force preemption"

@@ -47,6 +47,11 @@ def shows_mechanism(name: str, events: list) -> bool:
         same = all(len(d) == 1 for d in digests.values())
         return len(ranks) > 1 and ranks == set(range(len(ranks))) and same and "CollectiveOps" in kinds \
             and "CowCopied" in kinds
+    if name == "structured-output":       # masks that force tokens and overrule the model; grammars that end
+        constrained = [e for e in events if isinstance(e, ev.TokenConstrained)]
+        stopped = {e.seq_id for e in events if isinstance(e, ev.SequenceFinished) and e.finish_reason == "stop"}
+        return any(e.forced for e in constrained) and any(e.top_masked for e in constrained) \
+            and {"json", "choice", "date"} <= stopped and "free" not in {e.seq_id for e in constrained}
     raise AssertionError(f"no check for scenario {name}")
 
 

@@ -18,6 +18,7 @@ import openai
 import pytest
 from serve_helpers import client, on_engine
 from test_tui import WIDE, notices, panels, run_async, wait_for
+from test_tui_keys import key_bar
 
 import nanoserve_tui.app
 from nanoserve import EngineConfig, LLMEngine, SamplingParams
@@ -151,6 +152,8 @@ async def test_attach_mode_is_read_only_with_a_clients_panel(server):
         await wait_for(pilot, lambda: app.frame is not None)
         status = str(app.query_one("#status").render())
         assert "ATTACH" in status and url in status
+        assert "following the server" in status and "paused" not in status   # it never pauses a server
+        assert key_bar(app) == {"help", "quit", "palette"}      # the controls that would drive it are hidden
         await asyncio.to_thread(lambda: client(url).completions.create(model="tiny-llama", prompt="Hi from a student",
                                                                 max_tokens=3, user="ada"))
         panel = app.query_one(ClientsPanel)

@@ -52,7 +52,7 @@ def test_curl_example_runs(served):
     out = proc.stdout
     assert '"object":"list"' in out and '"text_completion"' in out
     assert '"chat.completion.chunk"' in out and "data: [DONE]" in out
-    assert 'nanoserve_requests{state="running"}' in out
+    assert f'nanoserve_requests{{model_name="{model}",state="running"}}' in out
 
 
 def test_openai_example_runs(served):

@@ -56,14 +56,20 @@ BAD_COMPLETIONS = [
     (lambda m: {"prompt": "Hello"}, "model", ["required"]),
     (lambda m: {"model": m}, "prompt", ["required"]),
     (lambda m: ok(m, max_tokens="5"), "max_tokens", ["integer"]),
-    (lambda m: ok(m, max_tokens=-1), "max_tokens", ["greater than or equal to 1"]),
-    (lambda m: ok(m, max_tokens=0), "max_tokens", []),
+    (lambda m: ok(m, max_tokens=-1), "max_tokens", ["greater than or equal to 0"]),
+    (lambda m: ok(m, max_tokens=0), "max_tokens", ["echo"]),                # 0 only with echo
     (lambda m: ok(m, max_tokens=10**12), "max_tokens", ["maximum context length is 128"]),
     (lambda m: ok(m, prompt="x" * 500), "prompt", ["maximum context length is 128", "500"]),
     (lambda m: ok(m, prompt=[1, 2, 999999]), "prompt", ["outside the vocabulary"]),
     (lambda m: ok(m, prompt=42), "prompt", []),
-    (lambda m: ok(m, prompt=["a", "b"]), "prompt", []),
+    (lambda m: ok(m, prompt=["a", 1]), "prompt", []),                     # a batch of one kind
+    (lambda m: ok(m, prompt=[[1, 2], "b"]), "prompt", []),
+    (lambda m: ok(m, prompt=[[1, "b"]]), "prompt", []),
     (lambda m: ok(m, prompt=""), "prompt", ["empty"]),
+    (lambda m: ok(m, prompt=[]), "prompt", ["empty"]),
+    (lambda m: ok(m, prompt=["a", ""]), "prompt", ["prompt 1 of the batch is empty"]),
+    (lambda m: ok(m, prompt=[[1, 2], []]), "prompt", ["prompt 1 of the batch is empty"]),
+    (lambda m: ok(m, prompt=["a", "x" * 500]), "prompt", ["prompt 1 of the batch", "maximum context length"]),
     (lambda m: ok(m, temperature="hot"), "temperature", ["number"]),
     (lambda m: ok(m, temperature=-1), "temperature", []),
     (lambda m: ok(m, top_p=0), "top_p", []),
@@ -73,8 +79,30 @@ BAD_COMPLETIONS = [
     (lambda m: ok(m, stream="yes"), "stream", []),
     (lambda m: ok(m, stop=[""]), "stop", ["non-empty"]),
     (lambda m: ok(m, logprobs=99), "logprobs", []),
-    (lambda m: ok(m, echo=True), "echo", ["not supported"]),
+    (lambda m: ok(m, echo="yes"), "echo", []),
     (lambda m: ok(m, stream_options={"include_usage": "yes"}), "stream_options.include_usage", []),
+    # structured output, honoured (serve/structured.py): a bad schema, regex or grammar names its field
+    (lambda m: ok(m, response_format={"type": "xml"}), "response_format.type", []),
+    (lambda m: ok(m, response_format={"type": "json_schema", "json_schema": {}}),
+     "response_format.json_schema.schema", ["required"]),
+    (lambda m: ok(m, structured_outputs={"json": {}, "regex": "a"}), "structured_outputs", ["exactly one"]),
+    (lambda m: ok(m, guided_json="{not json"), "guided_json", ["not valid JSON"]),
+    (lambda m: ok(m, guided_regex="(["), "guided_regex", ["regular expression"]),
+    (lambda m: ok(m, guided_choice=[]), "guided_choice", []),
+    (lambda m: ok(m, guided_grammar="root ::= "), "guided_grammar", ["EBNF"]),
+    # fields nanoserve cannot honour: refused, never ignored (serve/unsupported.py)
+    (lambda m: ok(m, guided_decoding_backend="outlines"), "guided_decoding_backend", ["xgrammar"]),
+    (lambda m: ok(m, use_beam_search=True), "use_beam_search", ["offline"]),
+    (lambda m: ok(m, allowed_token_ids=[1, 2]), "allowed_token_ids", []),
+    (lambda m: ok(m, truncate_prompt_tokens=8), "truncate_prompt_tokens", []),
+    # the fields nanoserve honours, with bad values
+    (lambda m: ok(m, prompt_logprobs=-1), "prompt_logprobs", []),
+    (lambda m: ok(m, prompt_logprobs=99), "prompt_logprobs", []),
+    (lambda m: ok(m, prompt_logprobs="1"), "prompt_logprobs", []),
+    (lambda m: ok(m, prompt_logprobs=1, stream=True), "prompt_logprobs", ["stream"]),
+    (lambda m: ok(m, include_stop_str_in_output="yes"), "include_stop_str_in_output", []),
+    (lambda m: ok(m, skip_special_tokens=1), "skip_special_tokens", []),
+    (lambda m: ok(m, echo=True, max_tokens=0, prompt="x" * 500), "prompt", ["maximum context length"]),
 ]
 
 
@@ -83,6 +111,38 @@ BAD_COMPLETIONS = [
 def test_bad_completion_fields(server, loaded, make, param, words):
     url, _ = server
     assert_error(post(url, "/v1/completions", make(loaded.name)), 400, param, *words)
+
+
+def test_fields_left_off_are_fine(server, loaded):
+    """The "off" values of refused fields (what clients send by default) are no error."""
+    url, _ = server
+    for fields in ({"response_format": {"type": "text"}}, {"response_format": None}, {"use_beam_search": False},
+                   {"guided_json": None}, {"allowed_token_ids": []}, {"some_future_field": 1}):
+        assert post(url, "/v1/completions", ok(loaded.name, **fields)).status_code == 200, fields
+
+
+BAD_ROUTES = [
+    # (method, path, body, status, param, words)
+    ("POST", "/tokenize", {}, 400, "prompt", ["either prompt"]),
+    ("POST", "/tokenize", {"prompt": 5}, 400, "prompt", []),
+    ("POST", "/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, 400, "prompt", []),
+    ("POST", "/tokenize", {"prompt": "a", "model": "gpt-17"}, 404, "model", []),
+    ("POST", "/tokenize", {"prompt": "a", "add_special_tokens": "no"}, 400, "add_special_tokens", []),
+    ("POST", "/tokenize", {"messages": [{"role": "user", "content": "a"}]}, 400, "messages", ["chat template"]),
+    ("POST", "/detokenize", {"tokens": [1, 999999]}, 400, "tokens", ["outside the vocabulary"]),
+    ("POST", "/detokenize", {"tokens": [-1]}, 400, "tokens", []),
+    ("POST", "/detokenize", {"tokens": "ab"}, 400, "tokens", []),
+    ("POST", "/detokenize", {}, 400, "tokens", ["required"]),
+    ("GET", "/v1/models/gpt-17", None, 404, "model", ["does not exist"]),
+]
+
+
+@pytest.mark.parametrize("method, path, body, status, param, words", BAD_ROUTES,
+                         ids=[f"{p}-{i}" for i, (_, p, *_) in enumerate(BAD_ROUTES)])
+def test_bad_input_to_the_new_routes(server, method, path, body, status, param, words):
+    url, _ = server
+    resp = post(url, path, body) if method == "POST" else httpx.get(url + path, timeout=30)
+    assert_error(resp, status, param, *words)
 
 
 def test_malformed_json_and_wrong_shapes(server, loaded):
@@ -152,14 +212,23 @@ def keyed(loaded):
         yield url, srv
 
 
-@pytest.mark.parametrize("path", ["/v1/models", "/health", "/snapshot", "/events", "/metrics", "/clients"])
-def test_every_route_needs_the_key(keyed, path):
+@pytest.mark.parametrize("path", ["/v1/models", "/health", "/snapshot", "/events", "/metrics", "/clients",
+                                  "/version", "/tokenizer_info", "/v1/models/x", "POST /reset_prefix_cache",
+                                  "POST /tokenize", "POST /detokenize"])
+def test_every_route_needs_the_key(keyed, loaded, path):
     url, _ = keyed
+    method, _, path = path.rpartition(" ")
+    body = {"/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [72]}}.get(path, {})
+
+    def send(headers):
+        if method == "POST":
+            return httpx.post(url + path, json=body, headers=headers, timeout=10)
+        return httpx.get(url + path.replace("/x", f"/{loaded.name}"), headers=headers, timeout=10)
+
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-        resp = httpx.get(url + path, headers=headers, timeout=10)
-        assert_error(resp, 401, None, "API key")
+        assert_error(send(headers), 401, None, "API key")
     if path != "/events":                                    # (an endless stream; its 200 is checked below)
-        assert httpx.get(url + path, headers={"Authorization": f"Bearer {KEY}"}, timeout=10).status_code == 200
+        assert send({"Authorization": f"Bearer {KEY}"}).status_code == 200
 
 
 def test_wrong_key_is_401_for_the_openai_client_and_right_key_works(keyed, loaded):
@@ -176,3 +245,17 @@ def test_wrong_key_is_401_for_the_openai_client_and_right_key_works(keyed, loade
 def test_loopback_hosts():
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.2") and not is_loopback("example.org")
+
+
+def test_the_tokenizer_routes_of_a_model_without_a_tokenizer(tmp_path):
+    from conftest import save_tiny
+
+    loaded = load_model(save_tiny("tiny-llama", tmp_path / "no-tokenizer", with_tokenizer=False))
+    with running_server(loaded) as (url, srv):
+        assert_error(post(url, "/tokenize", {"prompt": "hi"}), 400, "prompt", "token ids")
+        assert_error(post(url, "/detokenize", {"tokens": [1, 2]}), 400, "tokens", "token ids")
+        assert_error(httpx.get(url + "/tokenizer_info", timeout=10), 404, None, "no tokenizer")
+        resp = client(url).completions.create(model=loaded.name, prompt=[[1, 2, 3], [4, 5]], max_tokens=2,
+                                              echo=True, logprobs=0)
+        assert [len(c.logprobs.tokens) for c in resp.choices] == [5, 4]     # token ids, shown as numbers
+        assert resp.choices[0].logprobs.tokens[:3] == ["1", "2", "3"]

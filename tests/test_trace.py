@@ -38,6 +38,7 @@ from nanoserve.events import (
     StepStarted,
     SwappedIn,
     SwappedOut,
+    TokenConstrained,
     TokenSampled,
 )
 from nanoserve.trace import (
@@ -65,6 +66,7 @@ SAMPLES = [
     BlocksAllocated(1, "b", (2, 3)),
     BlocksFreed(1, "a", (0, 1), (1, 0)),
     Preempted(1, "a", "recompute", 4),
+    TokenConstrained(1, "b", 42, 3, 257, True, False),
     TokenSampled(1, "b", 42, " 世界\t\"q\"", -0.125),
     SequenceFinished(1, "b", "abort", 3, error="out of blocks"),
     SequenceAborted(1, "c"),

@@ -1,5 +1,7 @@
 """Triton kernels against the torch reference, on CPU under TRITON_INTERPRET=1 (set in conftest).
 
+(benchmarks/gpu_check.py runs this file on a GPU: NANOSERVE_TEST_DEVICE=cuda puts every tensor there.)
+
 Small shapes: the interpreter runs each program in Python. Every case the
 issue lists: odd sequence lengths, block sizes 1 and 16, GQA ratios 1 and 3,
 shuffled block tables, length-1 sequences, a prefill chunk that starts
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE
 
 triton = pytest.importorskip("triton")
 
@@ -23,9 +26,14 @@ D = 16
 NUM_BLOCKS = 80
 
 
+def tensor(values) -> torch.Tensor:
+    return torch.tensor(values, device=DEVICE)
+
+
 def caches(bs: int, hkv: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(NUM_BLOCKS, bs, hkv, D, generator=g), torch.randn(NUM_BLOCKS, bs, hkv, D, generator=g))
+    return (torch.randn(NUM_BLOCKS, bs, hkv, D, generator=g).to(DEVICE),
+            torch.randn(NUM_BLOCKS, bs, hkv, D, generator=g).to(DEVICE))
 
 
 def shuffled_tables(lens: list[int], bs: int, seed: int = 0) -> torch.Tensor:
@@ -38,7 +46,7 @@ def shuffled_tables(lens: list[int], bs: int, seed: int = 0) -> torch.Tensor:
         nb = -(-n // bs)
         tables.append(perm[i : i + nb] + [0] * (width - nb))
         i += nb
-    return torch.tensor(tables)
+    return torch.tensor(tables, device=DEVICE)
 
 
 @pytest.mark.parametrize("bs", [1, 16])
@@ -48,11 +56,23 @@ def test_decode_matches_reference(bs, hq, hkv, splits):
     lens = [1, 7, 33] if bs == 16 else [1, 7, 13]       # odd lengths, a length-1 sequence
     kc, vc = caches(bs, hkv)
     bt = shuffled_tables(lens, bs)
-    q = torch.randn(len(lens), hq, D)
-    seq_lens = torch.tensor(lens)
+    q = torch.randn(len(lens), hq, D, device=DEVICE)
+    seq_lens = torch.tensor(lens, device=DEVICE)
     want = reference.decode_attention(q, kc, vc, bt, seq_lens, 0.3)
     got = decode_attention(q, kc, vc, bt, seq_lens, 0.3, num_splits=splits, block_n=16)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_bits_do_not_depend_on_the_table_width():
+    """A CUDA graph's batch pads every block table to max_model_len (cuda_graphs.py); the splits are a
+    fixed 256 positions, so a sequence's output has the same bits however wide its table is padded."""
+    lens = [300, 40, 1]
+    kc, vc = caches(16, 2)
+    bt = shuffled_tables(lens, 16)                                    # 19 blocks wide
+    q = torch.randn(len(lens), 4, D, device=DEVICE)
+    narrow = decode_attention(q, kc, vc, bt, torch.tensor(lens, device=DEVICE), 0.3)
+    wide = torch.cat([bt, torch.zeros(len(lens), 45, dtype=bt.dtype, device=DEVICE)], dim=1)    # 64 blocks: 4 splits, not 2
+    assert torch.equal(decode_attention(q, kc, vc, wide, torch.tensor(lens, device=DEVICE), 0.3), narrow)
 
 
 @pytest.mark.parametrize("bs", [1, 16])
@@ -64,9 +84,10 @@ def test_prefill_matches_reference(bs, hq, hkv):
     kc, vc = caches(bs, hkv, seed=1)
     bt = shuffled_tables(contexts, bs, seed=2)
     lens = [n for _, n in chunks]
-    q = torch.randn(sum(lens), hq, D)
-    starts = torch.tensor([0, lens[0], lens[0] + lens[1]])
-    got = prefill_attention(q, kc, vc, bt, starts, torch.tensor(lens), torch.tensor(contexts), 0.3, block_m=16, block_n=16)
+    q = torch.randn(sum(lens), hq, D, device=DEVICE)
+    starts = torch.tensor([0, lens[0], lens[0] + lens[1]], device=DEVICE)
+    got = prefill_attention(q, kc, vc, bt, starts, torch.tensor(lens, device=DEVICE),
+                            torch.tensor(contexts, device=DEVICE), 0.3, block_m=16, block_n=16)
     for (s, n, ctx, table) in zip(starts.tolist(), lens, contexts, bt):
         want = reference.prefill_attention(q[s : s + n], kc, vc, table, ctx, 0.3)
         torch.testing.assert_close(got[s : s + n], want, atol=1e-5, rtol=1e-5)
@@ -75,8 +96,8 @@ def test_prefill_matches_reference(bs, hq, hkv):
 @pytest.mark.parametrize("bs", [1, 16])
 def test_store_kv_matches_reference(bs):
     kc, vc = caches(bs, 3)
-    k, v = torch.randn(5, 3, D), torch.randn(5, 3, D)
-    slots = torch.tensor([0, 7, bs * 5 + 1, bs * 9, NUM_BLOCKS * bs - 1]) % (NUM_BLOCKS * bs)
+    k, v = torch.randn(5, 3, D, device=DEVICE), torch.randn(5, 3, D, device=DEVICE)
+    slots = torch.tensor([0, 7, bs * 5 + 1, bs * 9, NUM_BLOCKS * bs - 1], device=DEVICE) % (NUM_BLOCKS * bs)
     want_k, want_v = kc.clone(), vc.clone()
     reference.store_kv(k, v, want_k, want_v, slots)
     store_kv(k, v, kc, vc, slots)
@@ -86,7 +107,7 @@ def test_store_kv_matches_reference(bs):
 def test_copy_blocks():
     kc, vc = caches(4, 2)
     before = kc.clone()
-    copy_blocks([kc, vc], torch.tensor([3, 10]), torch.tensor([20, 5]), chunk=64)
+    copy_blocks([kc, vc], tensor([3, 10]), tensor([20, 5]), chunk=64)
     assert torch.equal(kc[20], before[3]) and torch.equal(kc[5], before[10]) and torch.equal(vc[20], vc[3])
     untouched = [i for i in range(NUM_BLOCKS) if i not in (20, 5)]
     assert torch.equal(kc[untouched], before[untouched])
@@ -122,10 +143,10 @@ def test_engine_with_triton_matches_torch(kind, tiny_llama, tiny_gpt2):
 
 def test_wrong_arguments_name_the_argument():
     kc, vc = caches(4, 2)
-    bt, lens = shuffled_tables([5], 4), torch.tensor([5])
-    q = torch.randn(1, 4, D)
+    bt, lens = shuffled_tables([5], 4), torch.tensor([5], device=DEVICE)
+    q = torch.randn(1, 4, D, device=DEVICE)
     with pytest.raises(ValueError, match="^q:.*head_dim"):
-        decode_attention(torch.randn(1, 4, D + 1), kc, vc, bt, lens, 0.3)
+        decode_attention(torch.randn(1, 4, D + 1, device=DEVICE), kc, vc, bt, lens, 0.3)
     with pytest.raises(ValueError, match="^q:.*dtype"):
         decode_attention(q.double(), kc, vc, bt, lens, 0.3)
     with pytest.raises(ValueError, match="^v_cache"):
@@ -133,12 +154,13 @@ def test_wrong_arguments_name_the_argument():
     with pytest.raises(ValueError, match="^block_tables"):
         decode_attention(q, kc, vc, bt.float(), lens, 0.3)
     with pytest.raises(ValueError, match="^q:.*divisible"):
-        decode_attention(torch.randn(1, 3, D), kc, vc, bt, lens, 0.3)
+        decode_attention(torch.randn(1, 3, D, device=DEVICE), kc, vc, bt, lens, 0.3)
     with pytest.raises(ValueError, match="^query_len"):
-        prefill_attention(q, kc, vc, bt, torch.tensor([0]), torch.tensor([1, 2]), torch.tensor([5]), 0.3)
+        prefill_attention(q, kc, vc, bt, tensor([0]), tensor([1, 2]), tensor([5]), 0.3)
     with pytest.raises(ValueError, match="^slot_mapping"):
-        store_kv(torch.randn(2, 2, D), torch.randn(2, 2, D), kc, vc, torch.tensor([1.0, 2.0]))
+        store_kv(torch.randn(2, 2, D, device=DEVICE), torch.randn(2, 2, D, device=DEVICE), kc, vc,
+                 tensor([1.0, 2.0]))
     with pytest.raises(ValueError, match="^k:"):
-        store_kv(torch.randn(2, 3, D), torch.randn(2, 2, D), kc, vc, torch.tensor([1, 2]))
+        store_kv(torch.randn(2, 3, D, device=DEVICE), torch.randn(2, 2, D, device=DEVICE), kc, vc, tensor([1, 2]))
     with pytest.raises(ValueError, match="distinct"):
-        copy_blocks([kc], torch.tensor([1, 2]), torch.tensor([3, 3]))
+        copy_blocks([kc], tensor([1, 2]), tensor([3, 3]))

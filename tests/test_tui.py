@@ -520,7 +520,7 @@ async def test_swap_shows_in_queues_tables_and_cpu_strip():
         assert "SWAPPED (1)" in text["requests"] and "KV 12 on CPU" in text["requests"]
         assert "on CPU c0 c1 c2" in text["tables"] and "0→0*" in text["tables"]
         assert str(app.query_one("#cpu-pool").render()).startswith("CPU swap 3/6")
-        assert "cached" in str(app.query_one("#pool-legend").render())
+        assert "cached" in app.query_one("#pool-panel").border_subtitle
         lines = text["pool"].splitlines()
         assert lines[0].split()[:4] == ["0", "1", "2", "3"] and lines[1].split()[:4] == ["x3", "x3", "cache", "x3"]
         info = describe_block(app.frame.state, 2).plain

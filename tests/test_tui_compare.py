@@ -49,3 +49,19 @@ async def test_both_sides_step_together_and_the_panel_follows(pair):
         assert swaps[1:3] == [str(a_end.swaps), str(b_end.swaps)] and a_end.swaps < b_end.swaps
         await pilot.press("b")
         assert app.step == app.last - 1
+
+
+@run_async
+async def test_ctrl_p_opens_the_command_palette(pair):
+    from textual.command import CommandPalette
+
+    a, b = pair
+    app = CompareApp(compare(a, b), a.events, b.events)
+    async with app.run_test(size=WIDE) as pilot:
+        await pilot.press("ctrl+p")
+        assert isinstance(app.screen, CommandPalette)
+        await pilot.press(*"First divergence")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await pilot.pause(0.3)
+        assert app.step == app.comparison.first_divergence

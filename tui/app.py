@@ -8,6 +8,13 @@ of state, as reactives: the current `frame`, whether it is `playing`, and
 the `speed`. Every panel is drawn from the frame alone. Sources (live or
 replay) live in `source.py`, panels in `widgets/`, dialogs in `screens.py`,
 layout in `app.tcss`.
+
+Keys: the key bar lists only the controls this source can do (`Source.controls`,
+via `check_action`); a hidden key still answers, with a notice saying why it does
+not apply here. Focus starts nowhere, so the first Tab lands on the first panel
+(the pool grid) and Tab walks the panels in reading order; ↑/↓ select a request
+from anywhere no panel takes them. Every action is also in the command palette
+(Ctrl+P), beside Textual's own (themes, keys, screenshot).
 """
 
 from __future__ import annotations
@@ -17,17 +24,28 @@ import sys
 from pathlib import Path
 
 from textual import on
-from textual.app import App, ComposeResult
+from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
+from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Static
 
 from nanoserve.trace import read_trace
 from nanoserve.trace_check import check_trace
 from nanoserve_tui.screens import AddRequestScreen, BranchScreen, HelpScreen, ScenarioPicker
-from nanoserve_tui.source import Frame, FrameReady, LiveSource, ReplaySource, Source, SourceStatus, Unsupported
+from nanoserve_tui.source import (
+    CONTROLS,
+    Frame,
+    FrameReady,
+    LabStepFailed,
+    LiveSource,
+    ReplaySource,
+    Source,
+    SourceStatus,
+    Unsupported,
+)
 from nanoserve_tui.widgets.event_log import EventLog
 from nanoserve_tui.widgets.free_queue import FreeQueue
 from nanoserve_tui.widgets.metrics import Metrics
@@ -40,28 +58,54 @@ from nanoserve_tui.widgets.tables import BlockTables
 SPEEDS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)   # steps per second when running
 
 
+# The keys of the controls a source may not have (see `Source.controls`). When the source lacks one, the
+# key bar hides it and the same key falls through to the hidden "why" binding after it, which runs the
+# action anyway: the action (or the source) says why it does not apply here.
+_CONTROL_KEYS = [
+    ("space", "step", "step", True), ("n", "step", "step", False), ("r", "toggle_run", "run/pause", True),
+    ("plus,equals_sign", "speed(1)", "faster", True), ("minus", "speed(-1)", "slower", True),
+    ("b", "back", "back", True), ("left", "back", "back", False), ("a", "add", "add", True),
+    ("x", "abort", "abort", True), ("f", "fork", "fork", True), ("p", "presets", "presets", True),
+]
+_KEY_DISPLAY = {"plus,equals_sign": "+", "minus": "-"}
+
+
+def _why(action: str) -> str:
+    """The hidden binding's action for `action`: "speed(1)" -> "why('speed', 1)"."""
+    name, _, args = action.partition("(")
+    return f"why('{name}'" + (f", {args}" if args else ")")
+
+
+# (action, what the command palette calls it, its help) for the palette's list.
+COMMANDS = [
+    ("step", "Step", "one engine step forward (space)"), ("toggle_run", "Run / pause", "step on a timer (r)"),
+    ("back", "Step back", "one step back; live: the run is replayed one step short (b)"),
+    ("branch", "What if: branch from here", "replay the run with other settings (w)"),
+    ("add", "Add a request", "prompt, max_tokens, temperature (a)"),
+    ("abort", "Abort the selected request", "(x)"), ("fork", "Fork the selected request", "copy-on-write (f)"),
+    ("presets", "Scenario presets", "restart with a preset scenario (p)"),
+    ("speed(1)", "Faster", "more steps per second (+)"), ("speed(-1)", "Slower", "fewer steps per second (-)"),
+    ("help", "nanoserve help", "what every key and panel means (?)"),
+]
+
+
 class NanoserveApp(App[None]):
     CSS_PATH = "app.tcss"
     TITLE = "nanoserve"
-    ENABLE_COMMAND_PALETTE = False
+    AUTO_FOCUS = None          # no panel focused at first: the first Tab goes to the pool grid (reading order)
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (130, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (40, "-tall")]
     BINDINGS = [
-        Binding("space", "step", "step"),
-        Binding("n", "step", "step", show=False),
-        Binding("r", "toggle_run", "run/pause"),
-        Binding("plus,equals_sign", "speed(1)", "faster", key_display="+"),
-        Binding("minus", "speed(-1)", "slower", key_display="-"),
-        Binding("b", "back", "back"),
-        Binding("left", "back", "back", show=False),
-        Binding("a", "add", "add"),
-        Binding("x", "abort", "abort"),
-        Binding("f", "fork", "fork"),
-        Binding("p", "presets", "presets"),
+        *(Binding(keys, action, text, show=show, key_display=_KEY_DISPLAY.get(keys))
+          for keys, action, text, show in _CONTROL_KEYS),
+        *(Binding(keys, _why(action), text, show=False) for keys, action, text, _ in _CONTROL_KEYS),
+        Binding("up", "select_request(-1)", "previous request", show=False),
+        Binding("down", "select_request(1)", "next request", show=False),
         Binding("k", "rank", "rank", show=False),
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("q", "quit", "quit"),
         Binding("w", "branch", "what if"),    # last: on a narrow screen the footer cuts it, not quit
+        Binding("w", _why("branch"), "what if", show=False),
     ]
 
     frame: reactive[Frame | None] = reactive(None, always_update=True)
@@ -90,6 +134,7 @@ class NanoserveApp(App[None]):
                 yield EventLog(id="events", classes="panel")
                 yield Metrics(id="metrics", classes="panel")
         yield Static(id="error-message")
+        yield Static(id="lab-error")          # `--lab`: the step that failed in the student's code
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
@@ -103,7 +148,6 @@ class NanoserveApp(App[None]):
         for widget_id, title in titles.items():
             self.query_one(f"#{widget_id}").border_title = title
         self._restart_ticker()
-        self.query_one(RequestList).focus()
         self.source.attach(self)
 
     def on_unmount(self) -> None:
@@ -131,6 +175,14 @@ class NanoserveApp(App[None]):
             self.query_one("#body").display = False
         self._update_status()
 
+    @on(LabStepFailed)
+    def _lab_step_failed(self, message: LabStepFailed) -> None:
+        """Pause on the failing step; one panel says where and what (the panels show the state it left)."""
+        self.playing = False
+        panel = self.query_one("#lab-error", Static)
+        panel.update(f"{message.text}\nhint: {message.hint}\n(fix your file, then p to start again or b to step back)")
+        panel.display = True
+
     def watch_frame(self, frame: Frame | None) -> None:
         if frame is None:
             return
@@ -143,6 +195,7 @@ class NanoserveApp(App[None]):
         self.query_one("#body").set_class(state.prefix_caching, "-radix")   # the tree panel gets room
         self.query_one(EventLog).show_events(frame.events)
         self.query_one(Metrics).frame = frame
+        self.query_one("#lab-error").display = bool(getattr(self.source, "lab_failed", None))
         if frame.at_end and self.playing and self.source.mode == "replay":
             self.playing = False
         self._update_status()
@@ -171,8 +224,12 @@ class NanoserveApp(App[None]):
             position = f"step {frame.state.step}{last}"
         else:
             position = self.status
+        busy = self.source.busy
+        # While a rewind or branch replays the run, the panels still show the old step: dim them.
+        self.query_one("#body").set_class(busy is not None, "-busy")
         self.query_one(StatusBar).show(self.source.mode, self.source.description, position, self.playing,
-                                       SPEEDS[self.speed], frame.state.implementation_line() if frame else "")
+                                       SPEEDS[self.speed], changes=self.source.changes, busy=busy,
+                                       implementation=frame.state.implementation_line() if frame else "")
 
     # -- controls ---------------------------------------------------------------------
 
@@ -198,8 +255,33 @@ class NanoserveApp(App[None]):
     def action_back(self) -> None:
         self.playing = False
         self._try(self.source.back)
+        self._update_status()      # a live rewind replays the run (seconds on a real model): say so now
+
+    def action_why(self, action: str, *args) -> None:
+        """A key the key bar hides here: run its action, which says why it does not apply."""
+        getattr(self, f"action_{action}")(*args)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Hide (and leave to the `why` binding) the controls this source does not have."""
+        return action not in CONTROLS or action in self.source.controls
+
+    def get_system_commands(self, screen: Screen):
+        """The command palette (Ctrl+P): Textual's own commands, then this source's controls."""
+        yield from super().get_system_commands(screen)
+        for action, title, help in COMMANDS:
+            if self.check_action(action.split("(")[0], ()):
+                yield SystemCommand(title, help, lambda action=action: self.run_action(action))
+
+    def action_select_request(self, delta: int) -> None:
+        """↑/↓ where no panel takes them: the request list gets the focus and moves its selection."""
+        requests = self.query_one(RequestList)
+        requests.focus()
+        requests.action_move(delta)
 
     def action_toggle_run(self) -> None:
+        if "toggle_run" not in self.source.controls:
+            self._try(self.source.step)                   # says why (attached: the server steps itself)
+            return
         if not self.playing and self.frame is not None and self.frame.at_end:
             if self.source.mode == "replay":
                 self.notify("end of the trace: step back (b) first", severity="warning")
@@ -207,6 +289,9 @@ class NanoserveApp(App[None]):
         self.playing = not self.playing
 
     def action_speed(self, delta: int) -> None:
+        if "speed" not in self.source.controls:
+            self._try(self.source.step)                   # says why (attached: the server steps itself)
+            return
         self.speed = max(0, min(len(SPEEDS) - 1, self.speed + delta))
 
     def _selected_request(self) -> str | None:
@@ -247,14 +332,13 @@ class NanoserveApp(App[None]):
 
     def _branch(self, changes: dict | None) -> None:
         if changes is not None and self._try(self.source.branch, changes):
-            self.notify("branching: replaying the run with " + (", ".join(f"{k}={v}" for k, v in changes.items())
-                                                                or "the same settings") + " …")
+            self._update_status()  # "branching …" until the replayed run arrives
 
     def action_add(self) -> None:
         if self.source.mode != "live":
             self._try(self.source.add_request, "", "", {})
             return
-        self.push_screen(AddRequestScreen(), self._add_request)
+        self.push_screen(AddRequestScreen(self.source.chat_template), self._add_request)
 
     def _add_request(self, request: dict | None) -> None:
         if request is None:
@@ -284,6 +368,7 @@ class NanoserveApp(App[None]):
             self.source = LiveSource(scenario=name)
             self.source.attach(self)
         self.notify(f"scenario {name}")
+        self.refresh_bindings()     # a replay that became a live run has more controls
         self._update_status()
 
     def action_rank(self) -> None:
@@ -303,15 +388,16 @@ class NanoserveApp(App[None]):
 
 
 def make_source(model: str | None = None, replay: str | None = None, scenario: str | None = None,
-                components=None, changes: dict | None = None) -> Source:
+                components=None, overrides: dict | None = None, explain=None) -> Source:
     """The source for the command line's choice; ValueError / OSError on bad input.
-    `changes`: engine settings over the scenario's (`--reading-path`: {"fast_paths": False})."""
+    `overrides`: engine settings over the scenario's (`--reading-path`: {"fast_paths": False}); `explain`: for
+    `--lab`, a failed step's exception -> (where and what, hint), shown in one panel."""
     if replay is not None:
-        if model is not None or scenario is not None or components is not None or changes:
+        if model is not None or scenario is not None or components is not None or overrides:
             raise ValueError("--replay plays a recorded trace; it takes no --model, --scenario, --lab or "
                              "--reading-path")
         return replay_source(replay)
-    return LiveSource(model=model, scenario=scenario, components=components, changes=changes)
+    return LiveSource(model=model, scenario=scenario, components=components, overrides=overrides, explain=explain)
 
 
 def replay_source(path: str | Path) -> ReplaySource:
@@ -328,11 +414,11 @@ def replay_source(path: str | Path) -> ReplaySource:
 
 
 def run_app(model: str | None = None, replay: str | None = None, scenario: str | None = None,
-            components=None, changes: dict | None = None) -> int:
+            components=None, overrides: dict | None = None, explain=None) -> int:
     """Run the TUI; returns the exit code (2 on a bad trace, scenario or model).
-    `components` (from `--lab`) runs the live engine with a student's parts; `changes`, other settings."""
+    `components` (from `--lab`) runs the live engine with a student's parts; `overrides`, other settings."""
     try:
-        source = make_source(model, replay, scenario, components, changes)
+        source = make_source(model, replay, scenario, components, overrides, explain)
     except (OSError, ValueError) as exc:
         print(f"nanoserve: error: {exc}", file=sys.stderr)
         return 2

@@ -109,6 +109,7 @@ class AttachSource(Source):
     """Frames from a server's /events stream; see the module docstring."""
 
     mode = "attach"
+    controls = frozenset()                     # read-only: the server's clients drive the engine
 
     def __init__(self, url: str, api_key: str | None = None, on_step: Callable[[ViewState], None] | None = None,
                  fps: float = FPS) -> None:
@@ -162,6 +163,10 @@ class AttachSource(Source):
 
     def fork(self, request_id: str) -> None:
         raise Unsupported(f"{READ_ONLY}: ask for n > 1 in the request to fork it")
+
+    def branch(self, changes: dict) -> None:
+        raise Unsupported(f"{READ_ONLY}; a branch replays a run on local weights: `nanoserve tui --scenario NAME`, "
+                          "then w")
 
     def close(self) -> None:
         self._stop.set()

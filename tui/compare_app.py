@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from rich.table import Table
 from rich.text import Text
-from textual.app import App, ComposeResult
+from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
+from textual.screen import Screen
 from textual.widgets import Footer, Static
 
 from nanoserve.whatif.compare import Comparison
@@ -86,7 +87,6 @@ def difference_table(c: Comparison, step: int) -> Table:
 class CompareApp(App[None]):
     CSS_PATH = "compare.tcss"
     TITLE = "nanoserve compare"
-    ENABLE_COMMAND_PALETTE = False
     BINDINGS = [
         Binding("space,n,right", "step(1)", "step"),
         Binding("b,left", "step(-1)", "back"),
@@ -139,6 +139,15 @@ class CompareApp(App[None]):
             mark = (f"diverged at step {first}" + (" ◆ this step" if step == first else ""), "bold #e06c75")
         return Text.assemble((" nanoserve compare ", "bold"), f"  {self.comparison.headline().split(':')[0]}  ",
                              (f"step {step}/{self.last}", "bold"), "  ", mark)
+
+    def get_system_commands(self, screen: Screen):
+        """The command palette (Ctrl+P): Textual's own commands (themes, keys, screenshot), then these."""
+        yield from super().get_system_commands(screen)
+        for action, title, help in (("step(1)", "Step", "both runs one step forward (space)"),
+                                    ("step(-1)", "Step back", "both runs one step back (b)"),
+                                    ("divergence", "First divergence", "jump to the first step where they differ (d)"),
+                                    ("goto(0)", "Start", "step 0 (home)"), ("goto(-1)", "End", "the last step (end)")):
+            yield SystemCommand(title, help, lambda action=action: self.run_action(action))
 
     def action_step(self, delta: int) -> None:
         self.step = max(0, min(self.last, self.step + delta))

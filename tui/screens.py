@@ -12,18 +12,21 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, OptionList, Static
+from textual.widgets import Button, Checkbox, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
 from nanoserve.errors import FieldError
+from nanoserve.kv_usage import CACHED, HIT_RATE, USED
 from nanoserve.scenarios import SCENARIOS
 from nanoserve.whatif.settings import BRANCH_SETTINGS, parse_sets
 
 
 class FormScreen(ModalScreen[dict | None]):
     """A dialog form: Enter or its `.submit` button dismisses with `answer()`, unless that is None
-    (the reason is shown in its `#error` label); Escape or `#cancel` dismisses with None."""
+    (the reason is shown in its `#error` label); Escape or `#cancel` dismisses with None.
+    It opens with its first field focused, so typing goes straight into it."""
 
+    AUTO_FOCUS = "Input"
     BINDINGS = [Binding("escape", "cancel", "cancel")]
 
     def answer(self) -> dict | None:
@@ -46,7 +49,15 @@ class FormScreen(ModalScreen[dict | None]):
 
 
 class AddRequestScreen(FormScreen):
-    """Prompt, max_tokens and temperature for a new request; dismisses with the request or None."""
+    """Prompt, max_tokens and temperature for a new request; dismisses with the request or None.
+
+    `chat_template`: the model's name when it has a chat template (an instruct model such as SmolLM2).
+    Then a checkbox, on by default, wraps the prompt in it, as `nanoserve generate --chat` and the
+    presets do: an instruct model answers a bare question badly."""
+
+    def __init__(self, chat_template: str | None = None) -> None:
+        super().__init__()
+        self.chat_template = chat_template
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
@@ -60,6 +71,9 @@ class AddRequestScreen(FormScreen):
                 with Vertical():
                     yield Label("temperature (0 = greedy)")
                     yield Input("0", type="number", id="temperature")   # as `nanoserve generate`
+            if self.chat_template is not None:
+                yield Checkbox(f"wrap it in {self.chat_template}'s chat template (as generate --chat)",
+                               True, id="chat")
             yield Label("", id="error")
             with Horizontal(classes="buttons"):
                 yield Button("Add", variant="primary", id="add", classes="submit")
@@ -79,7 +93,10 @@ class AddRequestScreen(FormScreen):
             return self._error("max_tokens must be at least 1")
         if temperature < 0:
             return self._error("temperature must be 0 or more")
-        return {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
+        request = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
+        if self.chat_template is not None and self.query_one("#chat", Checkbox).value:
+            request["chat"] = True
+        return request
 
 
 class BranchScreen(FormScreen):
@@ -125,6 +142,7 @@ def _text(value) -> str:
 class ScenarioPicker(ModalScreen[str | None]):
     """The scenario presets with what to watch for in each; dismisses with a name or None."""
 
+    AUTO_FOCUS = "OptionList"     # (the app focuses nothing by itself: each dialog says what it focuses)
     BINDINGS = [Binding("escape", "cancel", "cancel")]
 
     def __init__(self, note: str) -> None:
@@ -157,21 +175,29 @@ KEYS = [
     ("w", "what if: branch from this step with other settings (preemption, prefix cache, block size, token "
           "budget, seats, speculative decoding, pool size; live only)"),
     ("a", "add a request: prompt, max_tokens, temperature (default 0: greedy, like `nanoserve generate`; "
-          "live only)"),
+          "with an instruct model, wrapped in its chat template unless you untick it; live only)"),
     ("x", "abort the selected request (live only)"),
     ("f", "fork the selected running request (live only): the copy shares every block, copy-on-write"),
     ("p", "scenario presets (live: restart the engine with one; replay: start a live run of one)"),
-    ("tab", "focus the next panel: in the pool grid arrows select a block, in the request list ↑/↓ "
-            "select a request, elsewhere arrows scroll"),
+    ("tab", "focus the next panel, in reading order from the pool grid: in the pool grid arrows select a "
+            "block, in the request list ↑/↓ select a request, elsewhere arrows scroll; with no panel focused "
+            "↑/↓ select a request"),
     ("k", "tensor parallelism: the next rank's pool (the same block tables, its own KV heads)"),
+    ("ctrl+p", "the command palette: every action above by name, and Textual's own (theme, keys, screenshot)"),
     ("?", "this help"),
     ("q", "quit"),
+    ("", "the key bar at the bottom lists only the keys that do something here: a replay has no a, x, f, w; "
+         "attached to a server the view only watches (a hidden key says why)"),
 ]
 PANELS = [
     ("KV block pool", "one cell per physical block: grey when free, a request's colour when it holds the "
                       "block, white when several requests' tables share it, slate when only the prefix cache "
                       "holds it (cached: a hit can reuse it, eviction can free it); underlined = allocated, "
-                      "freed, copied or shared this step. With swapping on, a strip shows the CPU swap pool. "
+                      "freed, copied or shared this step. A cell's second line names its owner: a request id, "
+                      "\"cache\", or on a shared (white) block xN, its ref count: N holders, each block table "
+                      "that points at it plus one for the prefix cache when the cache holds it (x6: five "
+                      "requests' tables and the cache); the third line, how full it is (3/8 tokens). "
+                      "With swapping on, a strip shows the CPU swap pool. "
                       "Select a block (click, or arrows) to see its ref count, owners, cache node and the "
                       "token positions it holds for each. Across processes a bar under the grid shows the "
                       "ranks of tensor parallelism (each rank's KV heads; what it wrote, copied and swapped; "
@@ -187,13 +213,15 @@ PANELS = [
                    "@step of its last use. Yellow = hit this step, green = new, struck through = evicted. "
                    "Hidden under 130 columns when the engine has no prefix cache."),
     ("requests", "running, waiting, swapped out (KV in the CPU pool) and finished: tokens generated of "
-                 "max_tokens, prompt tokens, tokens with K/V in the cache, and the newest text."),
+                 "max_tokens, prompt tokens, tokens with K/V in the cache, and the newest text (⏎ a newline, → a tab, "
+                 "⟨bytes⟩ bytes that spell no whole character yet; a random tiny model's text is noise)."),
     ("events", "everything the engine decided this step, in order."),
     ("metrics", "one bar per step, measured from zero on a fixed scale: tokens computed per step (the "
                 "scale: the run's largest step; the title: tokens per second of the latest step), KV blocks "
-                "in use (0-100 % of the pool), \"accepted\": the share of drafted tokens the target accepted "
-                "(speculative decoding), and \"cache hit\": prompt tokens served from the prefix cache / "
-                "tokens looked up."),
+                f"used (0-100 % of the pool; used = {USED}; with a prefix cache the label adds cached = "
+                f"{CACHED}), \"accepted\": the share of drafted tokens the target accepted (speculative "
+                f"decoding), and \"cache hit\": {HIT_RATE}. These are the definitions and the numbers of "
+                "the server's /metrics."),
 ]
 
 
@@ -208,6 +236,7 @@ def help_table(title: str, rows: list[tuple[str, str]]) -> Table:
 
 
 class HelpScreen(ModalScreen[None]):
+    AUTO_FOCUS = "#dialog"        # arrows scroll the help
     BINDINGS = [Binding("escape,q,question_mark", "close", "close")]
 
     def compose(self) -> ComposeResult:

@@ -47,6 +47,9 @@ def showcase_step(name: str, events: list) -> int:
         return first(lambda e: isinstance(e, ev.SwappedOut))
     if name == "tensor-parallel":           # a fork's copy-on-write, replayed on both ranks
         return first(lambda e: isinstance(e, ev.CowCopied))
+    if name == "structured-output":         # the last step in which three grammars mask together
+        steps = [e.step for e in events if isinstance(e, ev.TokenConstrained)]
+        return max((step for step in steps if steps.count(step) >= 3), default=steps[0])
     # continuous-batching: the step in which a request is admitted after another finished
     finished = first(lambda e: isinstance(e, ev.SequenceFinished))
     return first(lambda e: isinstance(e, ev.SequenceAdmitted) and e.step > finished)

@@ -40,10 +40,11 @@ from textual.worker import get_current_worker
 
 from nanoserve.events import DraftVerified, EngineSynced, Event, StepFinished, StepStarted
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.scenarios import Scenario, get_scenario
+from nanoserve.scenarios import Scenario, chat_prompt, get_scenario, has_chat_template
 from nanoserve.trace import JsonlRecorder, ViewState, fold, fold_all, read_trace, synced_event
 from nanoserve.whatif.compare import first_divergence
 from nanoserve.whatif.run import Run
+from nanoserve.whatif.settings import BRANCH_SETTINGS
 from nanoserve.whatif.workload import scenario_start
 
 DEFAULT_MODEL = "tiny-llama"
@@ -54,6 +55,11 @@ PLAYGROUND = Scenario(
     "playground", "An empty engine: add requests with `a`, or pick a preset with `p`.",
     dict(block_size=8, num_blocks=128, max_num_batched_tokens=64, max_num_seqs=8), [],
 )
+
+
+# The app's actions that depend on the source (`Source.controls` says which it has): the key bar shows
+# only those, and a hidden key says why it does not apply.
+CONTROLS = frozenset({"step", "toggle_run", "speed", "back", "add", "abort", "fork", "presets", "branch"})
 
 
 class Unsupported(Exception):
@@ -85,6 +91,15 @@ class FrameReady(Message):
     def __init__(self, frame: Frame) -> None:
         super().__init__()
         self.frame = frame
+
+
+class LabStepFailed(Message):
+    """`--lab`: a step failed in the student's component. The run pauses on it (the frame shows the pool,
+    tables and queue as the failure left them); `text` says where and what, `hint` what to look at."""
+
+    def __init__(self, text: str, hint: str) -> None:
+        super().__init__()
+        self.text, self.hint = text, hint
 
 
 def acceptance_rate(events: Sequence[Event]) -> float | None:
@@ -123,7 +138,10 @@ class Source:
     """What the app asks of a source. Results arrive as FrameReady / SourceStatus messages."""
 
     mode: ClassVar[str]
+    controls: ClassVar[frozenset[str]]     # the app's actions (of CONTROLS) this source can do
     description: str = ""                  # e.g. "memory-pressure on tiny-llama"
+    busy: str | None = None                # e.g. "rewinding to step 30": a command is replaying the run
+    chat_template: str | None = None       # the model's name when its tokenizer has a chat template (live)
 
     def attach(self, app: App) -> None:
         """Start: post the first frame (and status) to `app`."""
@@ -154,6 +172,11 @@ class Source:
         """The engine settings a branch starts from (empty: this source cannot branch)."""
         return {}
 
+    @property
+    def changes(self) -> dict:
+        """The settings a branch changed from the run's start (empty: none), for the status line."""
+        return {}
+
     def close(self) -> None:
         """Stop whatever the source runs (the live worker)."""
 
@@ -162,6 +185,7 @@ class ReplaySource(Source):
     """Frames from a recorded trace; step N is the fold of steps 0..N."""
 
     mode = "replay"
+    controls = frozenset({"step", "toggle_run", "speed", "back", "presets"})
 
     def __init__(self, events: Sequence[Event], name: str = "trace") -> None:
         fold_all(events)                              # a trace that does not fold fails here, up front
@@ -222,14 +246,17 @@ class LiveSource(Source):
     """A live engine stepped on a worker thread; commands go through a queue."""
 
     mode = "live"
+    controls = CONTROLS
 
     def __init__(self, model: str | None = None, scenario: str | None = None,
-                 record: str | Path | None = None, components=None, changes: dict | None = None) -> None:
+                 record: str | Path | None = None, components=None, overrides: dict | None = None,
+                 explain=None) -> None:
         self.model = model or DEFAULT_MODEL
-        self.changes = dict(changes or {})           # settings over the scenario's, e.g. {"fast_paths": False}
+        self.overrides = dict(overrides or {})       # settings over the scenario's, e.g. {"fast_paths": False}
         self.scenario = get_scenario(scenario) if scenario else PLAYGROUND   # ValueError when unknown
         self.record = record                          # also write every event to this JSONL trace
         self.components = components                  # `--lab`: the engine's parts replaced (None: its own)
+        self.explain = explain                        # `--lab`: exception -> (where and what, hint) for the panel
         self.description = f"{self.scenario.name} on {self.model}{self._yours()}"
         self._commands: queue.Queue[tuple[str, tuple]] = queue.Queue()
         self._pending_steps = 0                       # steps queued and not yet done (UI thread only)
@@ -239,6 +266,10 @@ class LiveSource(Source):
         self._acceptance: tuple[float, ...] = ()
         self._app: App | None = None
         self._settings: dict = {}                     # the run's EngineConfig, set by the worker
+        self._base_settings: dict = {}                # ... as the scenario started it (a branch changes _settings)
+        self._busy: list[str] = []                    # rewinds and branches queued, not yet delivered (UI thread)
+        self._frame: Frame | None = None              # the last frame posted
+        self._lab_failed: str | None = None           # `--lab`: the step that failed in the student's code
 
     def _yours(self) -> str:
         """The title's ending when `--lab` replaced a part, e.g. " with your block_pool" (whose code runs)."""
@@ -261,6 +292,9 @@ class LiveSource(Source):
             return
         if self._done and not self._pending_steps:
             raise Unsupported("all requests are done: add one with a, or pick a preset with p")
+        if self._lab_failed:
+            raise Unsupported(f"{self._lab_failed} failed in your code: fix the file, then pick a scenario (p) to "
+                              "start again, or step back (b)")
         self._pending_steps += 1
         self._commands.put(("step", ()))
 
@@ -278,19 +312,35 @@ class LiveSource(Source):
         """One step back: the command log replayed into a fresh engine (nanoserve/whatif/run.py)."""
         if self._state is None:
             raise Unsupported(f"still loading {self.model}")
-        if self._state.step == 0 and not self._pending_steps:
+        backs = sum(b.startswith("rewinding") for b in self._busy)
+        target = self._state.step + self._pending_steps - backs - 1
+        if target < 0:
             raise Unsupported("already at step 0")
+        self._busy.append(f"rewinding to step {target}: replaying the run …")
         self._commands.put(("back", ()))
 
     def branch(self, changes: dict) -> None:
         """Go on from this step under other settings (`Run.branch`: the log replayed with them)."""
         if self._state is None:
             raise Unsupported(f"still loading {self.model}")
+        what = ", ".join(f"{k}={v}" for k, v in changes.items()) or "the same settings"
+        self._busy.append(f"branching with {what}: replaying the run …")
         self._commands.put(("branch", (changes,)))
+
+    @property
+    def busy(self) -> str | None:
+        """What the engine is replaying for a rewind or a branch, until its frame arrives."""
+        return self._busy[0] if self._busy else None
 
     @property
     def settings(self) -> dict:
         return dict(self._settings)
+
+    @property
+    def changes(self) -> dict:
+        """The branch settings that differ from the scenario's own (after `w`), e.g. {"preemption_mode": "swap"}."""
+        return {k: v for k, v in self._settings.items()
+                if k in BRANCH_SETTINGS and k in self._base_settings and self._base_settings[k] != v}
 
     def restart(self, scenario: str) -> None:
         """Start over on a fresh engine running `scenario` (the model stays loaded).
@@ -302,12 +352,14 @@ class LiveSource(Source):
     def close(self) -> None:
         self._commands.put(("stop", ()))
 
-    def _deliver(self, events: list[Event], done: bool, stepped: bool, description: str | None = None,
+    def _deliver(self, events: list[Event], done: bool, command: str, description: str | None = None,
                  shown_from: int = 0) -> None:
         """Fold a command's events into the view (runs on the UI thread); the frame's event list
         shows `events[shown_from:]` (after a rewind: its last step, not the whole history)."""
-        if stepped:
+        if command == "step":
             self._pending_steps = max(0, self._pending_steps - 1)
+        if command in ("back", "branch") and self._busy:
+            self._busy.pop(0)                         # (the frame below clears the status line's "rewinding")
         self._done = done
         if description is not None:                   # a restart succeeded: the new scenario's name
             self.description = description
@@ -332,8 +384,15 @@ class LiveSource(Source):
         if rate is not None:
             self._acceptance += (rate,)
         if events and self._state is not None and self._app is not None:
-            self._app.post_message(FrameReady(Frame(self._state, tuple(events[shown_from:]), self._acceptance,
-                                                    done)))
+            self._frame = Frame(self._state, tuple(events[shown_from:]), self._acceptance, done)
+            self._app.post_message(FrameReady(self._frame))
+        elif command in ("back", "branch") and self._frame is not None:   # it failed (a notice says why):
+            self._app.post_message(FrameReady(self._frame))              # the same frame, without "rewinding"
+
+    @property
+    def lab_failed(self) -> str | None:
+        """`--lab`: the step that failed in the student's code ("step 12"), until a restart or a step back."""
+        return self._lab_failed
 
     # -- worker thread -----------------------------------------------------------------
 
@@ -341,7 +400,7 @@ class LiveSource(Source):
         """The worker: load the model, then execute commands until told to stop."""
         worker = get_current_worker()
         try:
-            runner = scenario_start(self.scenario, self.model, components=self.components, changes=self.changes)
+            runner = scenario_start(self.scenario, self.model, components=self.components, changes=self.overrides)
         except Exception as exc:   # noqa: BLE001 -- any loading failure becomes one clear line
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             what = f"could not load model {self.model!r}: {reason}"
@@ -355,10 +414,11 @@ class LiveSource(Source):
         self._buffer: list[Event] = []               # the current command's events (worker only)
         self._recorder = JsonlRecorder(self.record) if self.record else None
         self._unsubscribe = self._listen(runner)
-        self._settings = dataclasses.asdict(runner.config)
+        self._settings = self._base_settings = dataclasses.asdict(runner.config)
+        self.chat_template = self.model if has_chat_template(runner.engine.tokenizer) else None
         hint = "press space to step, r to run" if not runner.done else "press a to add a request, p for a preset"
         self._to_ui(self._app.post_message, SourceStatus("ready", f"{self.description}: {hint}"))
-        self._flush(runner, stepped=False)
+        self._flush(runner, "start")
         try:
             while not worker.is_cancelled:
                 try:
@@ -374,21 +434,39 @@ class LiveSource(Source):
                     self._to_ui(self._app.notify, str(exc.args[0] if exc.args else exc), title=command,
                                 severity="error")
                 except Exception as exc:                    # noqa: BLE001 -- an engine bug: show it, stay up
-                    self._to_ui(self._app.notify, f"{type(exc).__name__}: {exc}", title=f"engine {command} failed",
-                                severity="error", timeout=30)
-                self._flush(runner, stepped=command == "step", description=self._description,
-                            shown_from=self._shown_from)
+                    if command == "step" and self.components is not None and self.components.replaced():
+                        self._lab_step_failed(runner, exc)  # the student's part: pause there, say it once
+                    else:
+                        self._to_ui(self._app.notify, f"{type(exc).__name__}: {exc}",
+                                    title=f"engine {command} failed", severity="error", timeout=30)
+                self._flush(runner, command, description=self._description, shown_from=self._shown_from)
         finally:
             runner.engine.shutdown()                        # (a tensor-parallel engine's worker processes)
             if self._recorder:
                 self._recorder.close()
 
+    def _lab_step_failed(self, runner: Run, exc: Exception) -> None:
+        """A step failed in the student's component: one panel, with where it failed and the check's hint."""
+        if self.explain is not None:
+            text, hint = self.explain(exc)
+        else:
+            text, hint = f"{type(exc).__name__}: {exc}", "nanoserve lab check names the function at fault"
+        self._lab_failed = f"step {runner.step_count}"
+        self._to_ui(self._app.post_message, LabStepFailed(f"{self._lab_failed}{self._yours()} failed: {text}", hint))
+
     def _execute(self, runner: Run, command: str, args: tuple) -> Run:
         """Run one command on the engine; returns the runner to use from now on."""
+        if command in ("restart", "back", "branch"):
+            self._lab_failed = None                         # a fresh run (or an earlier step) may go on
+        elif command == "step" and self._lab_failed:
+            return runner                                   # (steps queued before the failure: the run is paused)
         if command == "step" and not runner.done:
             runner.step()
         elif command == "add":
             request_id, prompt, params = args
+            params = dict(params)
+            if params.pop("chat", False):                   # as `nanoserve generate --chat` and the presets
+                prompt = chat_prompt(runner.engine.tokenizer, prompt)
             runner.engine.add_request(request_id, prompt, SamplingParams(**params))
         elif command == "abort":
             runner.engine.abort_request(*args)
@@ -399,8 +477,9 @@ class LiveSource(Source):
         elif command == "restart":                          # a fresh engine; the loaded model stays
             scenario = get_scenario(args[0])
             new = scenario_start(scenario, self.model, runner.engine.loaded,   # may fail: the old one stays
-                                 components=self.components, changes=self.changes)
+                                 components=self.components, changes=self.overrides)
             runner, self.scenario = self._switch(runner, new), scenario
+            self._base_settings = self._settings            # a fresh start: nothing is changed yet
             self._description = f"{scenario.name} on {self.model}{self._yours()}"
         elif command == "sync":                             # the view lost track: the whole state again
             self._buffer.append(synced_event(runner.engine.snapshot()))
@@ -442,10 +521,10 @@ class LiveSource(Source):
             unsubscribe.append(runner.engine.subscribe(self._recorder))
         return unsubscribe
 
-    def _flush(self, runner: Run, stepped: bool, description: str | None = None, shown_from: int = 0) -> None:
+    def _flush(self, runner: Run, command: str, description: str | None = None, shown_from: int = 0) -> None:
         events = self._buffer[:]
         self._buffer.clear()
-        self._to_ui(self._deliver, events, runner.done, stepped, description, shown_from)
+        self._to_ui(self._deliver, events, runner.done, command, description, shown_from)
 
     def _to_ui(self, callback, *args, **kwargs) -> None:
         try:

@@ -57,10 +57,14 @@ JOBS = [
                                          "memory-pressure pictures"),
     Job("memory", "memory", about="prefix-cache, fork, preemption pictures and their captions"),
     Job("life", "life", about="life-of-a-request.md: one request through the modules"),
-    Job("kernels", "kernels", about="concepts/kernels.md: the C files' functions, sizes and exp, read from them"),
+    Job("kernels", "kernel_facts", about="concepts/kernels.md: the C files' functions, sizes and exp, read from them; "
+                                         "`gpu_check.py --dry-run` (the resource tables: "
+                                         "benchmarks/kernel_resources.py --write-docs)"),
     Job("serving", "serving", about="serve.md: the architecture picture (docs/img/make_serving_pictures.py)"),
     Job("labs", "labs", about="labs/: `nanoserve lab list`, a starter's check, rejection sampling's laws"),
     Job("whatif", "whatif", about="whatif.md: rewind, branch and compare; `nanoserve compare`; two plots"),
+    Job("structured", "structured", about="concepts/structured-output.md: the grammar plot of the "
+        "structured-output scenario, its facts"),
     Job("distributed", "distributed", slow=True, about="tp-split.svg and tui-disaggregated.svg: a tensor-parallel "
                                              "engine's shards, a disaggregated run's decode side"),
     Job("cli", "cli", slow=True, about="getting-started.md: the CLI on SmolLM2"),

@@ -20,6 +20,9 @@ import traceback
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRITON_INTERPRET", "1")     # lesson 3: before triton is first imported
+# This file's own folder is sys.path[0]: its modules (kernels.py, cli.py, ...) would shadow packages
+# that libraries probe for by name (transformers imports `kernels` if it can). Lessons need none of them.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 import torch  # noqa: E402,F401  the expensive imports, shared by every child
 import transformers  # noqa: E402,F401

@@ -13,6 +13,7 @@ import re
 import shlex
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 from docgen import ROOT, Result, regions
@@ -39,7 +40,8 @@ def run_console(body: str) -> str:
 
 def terminal_lines(output: str) -> list[str]:
     """What a 100-column terminal shows: a progress bar redrawn in place keeps its last state, long
-    lines wrap. Machine-specific bits are shortened: the home folder is ~, and the converted-weights
+    lines wrap, between words (a terminal would cut "data" into "da" / "ta"; the page is read, not
+    typed). Machine-specific bits are shortened: the home folder is ~, and the converted-weights
     folder loses the GGUF file's size and time stamp from its name."""
     lines: list[str] = []
     from nanoserve.models.loader import cache_root
@@ -52,7 +54,7 @@ def terminal_lines(output: str) -> list[str]:
             lines[-1] = line
         elif line.strip():
             lines.append(line)
-    return [line[i:i + 100] for line in lines for i in range(0, len(line), 100)]
+    return [part for line in lines for part in (textwrap.wrap(line, 100, break_on_hyphens=False) or [line])]
 
 
 PROGRESS = re.compile(r"(?P<label>[^:]+): +\d+%\|")

@@ -17,7 +17,7 @@ from pathlib import Path
 from graphviz import Digraph
 
 import nanoserve
-from docgen import Result, regions
+from docgen import Result, regions, sizes
 from docgen.home import _ranges
 from docgen.pictures import graphviz_svg
 from docgen.scenarios import words
@@ -73,6 +73,7 @@ ROLES = {
     "sequence.py": "the sequence's token counts and status changes",
     "block_pool.py": "ref counts and the free queue",
     "radix_cache.py": "the prefix lookup at admission; after the commit, newly full blocks join the tree",
+    "prompt_logprobs.py": "more logits rows for prompt log-probabilities, when a request asks (none here)",
     "runner.py": "`prepare` and `run`: the flat row of tokens, their slots, one forward",
     "kernels/backends.py": "which attention backend runs",
     "kernels/torch_backend.py": "the torch backend's metadata: block tables and masks for the reference functions",
@@ -238,7 +239,7 @@ def make(read) -> Result:
     out.region(PAGE, "life.code", regions.block(CODE, "python"))
     reading, _ = route(prefill[-1].step, fast_paths=False)
     default, c_files = route(prefill[-1].step)
-    assert len(reading) <= 20, f"the reading path's route has {len(reading)} modules (the page promises a reader at most 20)"
+    assert len(reading) <= 20, f"the reading path's route has {len(reading)} modules (the page promises at most 20)"
     out.facts(PAGE, "life", {
         "route_step": prefill[-1].step, "route_count": len(reading), "route_lines": lines_of(reading),
         "fast_count": len(default), "fast_c": len(c_files), "fast_lines": lines_of(default),
@@ -246,4 +247,5 @@ def make(read) -> Result:
     })
     out.region(PAGE, "life.route", route_list(reading, []))
     out.region(PAGE, "life.fast_route", route_list(default, c_files))
+    out.facts(PAGE, "life", {"longest": sizes.module_facts()["longest"]})   # the reading order's sizes
     return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from docgen import Result, regions
+from docgen import Result, regions, sizes
 from docgen.home import _ranges
 from docgen.pictures import graphviz_svg
 from nanoserve import events as ev
@@ -162,4 +162,5 @@ def make(read) -> Result:
         parallel(ev_of["parallel-sampling"], out)
         swap(ev_of["swap-preemption"], out)
         speculative(ev_of["speculative-decoding"], out)
+    out.facts(TUI, "tui", {"num_scenarios": sizes.number(len(SCENARIOS))})
     return out

@@ -26,7 +26,7 @@
    diagonal. paged_store_kv at the end of the file writes the step's K/V.
 
    How it is fast (each measured on an AMD EPYC, docs/benchmarks.md and
-   docs/benchmarks-cpus.md):
+   docs/benchmarks-notebook.md):
    - pass 1 takes eight tokens at a time in 8-float vectors (`f8`, the
      compiler's vector extension: AVX on x86, NEON on Arm), and makes eight
      dot products' 8-lane sums into one vector of eight scores with a few

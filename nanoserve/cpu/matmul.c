@@ -47,7 +47,7 @@
 /* Rows per tile: MR x 2 accumulators stay in registers, with room for the panel's two vectors and x's
    broadcast value: 6 x 2 = 12 of AVX2's 16 registers, 8 x 2 = 16 of AVX-512's 32. With AVX-512, 8 rows
    measured better than 6 (one tile for an 8-row decode step: 57 against 44 GFLOP/s on one Zen 4 core) and
-   than 12 (which lost 4-6 % at 128-512 rows); docs/benchmarks-cpus.md. (-DMR=... overrides.) */
+   than 12 (which lost 4-6 % at 128-512 rows); docs/benchmarks-notebook.md. (-DMR=... overrides.) */
 #ifndef MR
 #define MR (VEC_LANES == 16 ? 8 : 6)
 #endif

@@ -190,6 +190,9 @@ class DisaggregatedEngine:
         params = prepared.request.params
         if params.use_beam_search:
             raise FieldError("beam_width", "beam search does not run disaggregated (its beams fork every step)")
+        if params.prompt_logprobs is not None:
+            raise FieldError("prompt_logprobs", "are not computed disaggregated (the prompt's logits stay on the "
+                                                "prefill engine)")
         self.waiting[request_id] = (prompt, params)
         self.new.append((request_id, list(prepared.seq.prompt_token_ids)))
 

@@ -8,5 +8,7 @@ triton_decode.py   Triton paged decode attention (split-K + combine)
 triton_prefill.py  Triton paged prefill over a cached prefix
 triton_cache.py    Triton KV store and block copy
 triton_common.py   the block-table tile load and online-softmax step both attention kernels share
+triton_targets.py  the kernels compiled for sm_80/90/100 without a GPU: registers, spills, shared memory
+triton_shapes.py   the shapes they are compiled at: the wrappers called on the engine's real shape grid
 checks.py          argument checks that name the bad argument before any launch
 """

@@ -23,7 +23,7 @@ backend, cpu/backend.py), which reads K/V in place with no copies at all.
 Measured with benchmarks/bench_decode_attention.py on one core of an AMD EPYC
 (AVX2), one layer of SmolLM2-135M, B = 32 decodes of 60-380 tokens, float32,
 2026-11-24: plain 7.4 ms, groups 4.9-7.3 ms (two runs), the C kernel
-2.4-2.5 ms. docs/benchmarks.md has the rest.
+2.4-2.5 ms. docs/benchmarks-notebook.md has the rest.
 """
 
 from __future__ import annotations

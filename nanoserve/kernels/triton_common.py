@@ -15,6 +15,11 @@ online_softmax_step, given scores s [rows, BLOCK_N] of a new tile (-inf where ma
 so after the last tile acc / l is softmax(all scores) @ V without ever holding
 all the scores at once. A row that has seen only masked scores keeps m = -inf;
 `m_safe` keeps its p and alpha at 0 instead of NaN.
+
+Every `tl.dot` in these kernels passes input_precision="ieee": on a GPU a float32
+dot otherwise runs on tensor cores in tf32, which keeps 10 bits of each input's
+mantissa, and a float32 model's greedy tokens would drift from the torch reference.
+float16 and bfloat16 inputs are multiplied exactly either way.
 """
 
 import triton
@@ -48,5 +53,5 @@ def online_softmax_step(m_i, l_i, acc, s, v):
     p = tl.exp(s - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee").to(tl.float32)
     return m_new, l_i, acc

@@ -19,12 +19,30 @@ together, so each K/V tile is read once for all of them.
 
 Split-K (flash decoding): with one program per (sequence, head), a batch of
 a few long sequences keeps only a few GPU cores busy while each walks a long
-loop. Cutting the positions into NUM_SPLITS slices gives NUM_SPLITS times
-more programs; `_combine_splits_kernel` then merges the partial results with
-their log-sum-exps:  out = sum_s exp(lse_s - max lse) * out_s / sum_s exp(lse_s - max lse).
+loop. Cutting the positions into slices of SPLIT_TOKENS gives a program per
+slice; `_combine_splits_kernel` then merges the partial results with their
+log-sum-exps:  out = sum_s exp(lse_s - max lse) * out_s / sum_s exp(lse_s - max lse).
+The slice length is a constant, not a share of the table's width, so a
+sequence's slices (and its output's bits) are the same in any batch: a CUDA
+graph's batch, whose tables are padded to max_model_len (cuda_graphs.py), gives
+the tokens an eager step gives.
 
 `decode_attention` below checks its arguments, allocates and launches; it
 matches `reference.decode_attention`.
+
+Launch shape: BLOCK_N = 32 positions a tile, 8 warps, 2 pipeline stages. The
+loop does little arithmetic per byte it loads, so two stages (tile n+1 in
+flight while tile n is used) keep the loads going; a third stage only held
+more registers and shared memory. 8 warps spread the [GROUP_PAD, D] accumulator
+and the [BLOCK_N, D] tiles over twice the threads of 4, so a thread holds less
+of them: at least as many warps stay resident on an SM (registers decide), and
+a program has twice the loads in flight when a small batch gives too few
+programs to fill the GPU. A float32 cache keeps 3 stages: with 2, ptxas keeps
+two float32 shapes at 64 registers on sm_90 by spilling 4 bytes (to fit a
+fourth program on the SM); with 3, no shape of the full grid spills
+(`python -m nanoserve.kernels.triton_shapes --full`).
+The measured registers and occupancy, before and after, are on the kernels
+page (docs/concepts/kernels.md, from benchmarks/kernel_resources.py).
 """
 
 from __future__ import annotations
@@ -35,6 +53,10 @@ import triton.language as tl
 
 from nanoserve.kernels.checks import check_paged_args
 from nanoserve.kernels.triton_common import load_kv_tile, online_softmax_step
+
+NUM_WARPS = 8                    # the launch shape (module docstring: why)
+NUM_STAGES = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 3}   # by cache dtype
+SPLIT_TOKENS = 256               # positions per split (module docstring: why a constant)
 
 
 @triton.jit
@@ -90,7 +112,7 @@ def _paged_decode_kernel(
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + b * stride_btb, offs_n, mask_n,
                             kv_head, offs_d, mask_d, stride_kn, stride_kt, stride_kh,
                             stride_vn, stride_vt, stride_vh, BLOCK_SIZE)                 # [BLOCK_N, D] each
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale                     # [GROUP_PAD, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale      # [GROUP_PAD, BLOCK_N]
         s = tl.where(mask_n[None, :], s, float("-inf"))                        # positions past the end
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v)
 
@@ -112,23 +134,29 @@ def _combine_splits_kernel(
     stride_lb, stride_lh,
     stride_ob, stride_oh,
     num_splits,
-    SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    mask_s = offs_s < num_splits
     mask_d = offs_d < HEAD_DIM
-    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
-    weight = tl.exp(lse - tl.max(lse, axis=0))        # empty splits (lse = -inf) get weight 0
-    weight = weight / tl.sum(weight, axis=0)
-    parts = tl.load(part_out_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-                    mask=mask_s[:, None] & mask_d[None, :], other=0.0)             # [SPLITS_PAD, D]
-    out = tl.sum(parts * weight[:, None], axis=0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
+    lse_row = lse_ptr + b * stride_lb + h * stride_lh
+    part_row = part_out_ptr + b * stride_pb + h * stride_ph
+    # Two passes over the splits in order: the largest lse, then the weighted sum. Summed one split
+    # after the other, the result has the same bits however many empty splits (lse = -inf, weight 0,
+    # output 0) follow the real ones, so it does not depend on how wide the block table was padded.
+    lse_max = float("-inf")
+    for s in range(num_splits):
+        lse_max = tl.maximum(lse_max, tl.load(lse_row + s))
+    acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
+    total = 0.0
+    for s in range(num_splits):
+        weight = tl.exp(tl.load(lse_row + s) - lse_max)
+        acc += weight * tl.load(part_row + s * stride_ps + offs_d, mask=mask_d, other=0.0)
+        total += weight
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, (acc / total).to(out_ptr.dtype.element_ty),
+             mask=mask_d)
 
 
 def decode_attention(
@@ -139,7 +167,7 @@ def decode_attention(
     seq_lens: torch.Tensor,      # [B] int
     scale: float,
     mask: torch.Tensor | None = None,   # unused: the kernel masks by seq_lens itself (same signature as reference)
-    num_splits: int | None = None,      # None: choose from the longest sequence
+    num_splits: int | None = None,      # None: one split per SPLIT_TOKENS positions of the table
     block_n: int = 32,
 ) -> torch.Tensor:
     """Paged decode attention with Triton; same contract as `reference.decode_attention`."""
@@ -150,9 +178,11 @@ def decode_attention(
                          f"must have one row per query ({B})")
     Hkv, bs = k_cache.shape[2], k_cache.shape[1]
     max_len = block_tables.shape[1] * bs
-    if num_splits is None:   # about 256 positions per split, at most 16 splits
-        num_splits = max(1, min(16, triton.cdiv(max_len, 256)))
-    tokens_per_split = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
+    if num_splits is None:
+        tokens_per_split = triton.cdiv(SPLIT_TOKENS, block_n) * block_n
+        num_splits = max(1, triton.cdiv(max_len, tokens_per_split))
+    else:
+        tokens_per_split = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
     part = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
     q = q.contiguous()
@@ -169,6 +199,7 @@ def decode_attention(
         scale, tokens_per_split,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=bs, BLOCK_N=block_n,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES[k_cache.dtype],
     )
     out = torch.empty_like(q)
     if num_splits == 1:          # one split: its output is already normalised
@@ -178,6 +209,6 @@ def decode_attention(
         part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
-        num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=D, HEAD_DIM_PAD=d_pad,
+        num_splits, HEAD_DIM=D, HEAD_DIM_PAD=d_pad,
     )
     return out

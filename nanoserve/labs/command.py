@@ -2,16 +2,21 @@
 
     nanoserve lab list
     nanoserve lab start block-pool              writes ./block-pool/block_pool.py and README.md
+    nanoserve lab start block-pool --mode design   the same file with the contracts only, no step-by-step TODOs
     nanoserve lab check block-pool              checks ./block-pool/block_pool.py (or a FILE you name)
     nanoserve lab grade block-pool submissions/ one row per .py file, a table and submissions/grades.csv
 
-`check` exits 0 only when every check passes (1 otherwise); bad input is a
-FieldError, which `cli.py` prints as one line with exit code 2.
+`check` exits 0 only when every check passes (1 otherwise), and then asks the
+lab's "why" questions; `--fail-fast` stops at the first failing check and
+`--json` prints one JSON object per check instead of the table (the mutation
+runs use both). Bad input is a FieldError, which `cli.py` prints as one line
+with exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from nanoserve.errors import FieldError
@@ -27,12 +32,17 @@ def add_lab_parser(sub) -> argparse.ArgumentParser:
     start = acts.add_parser("start", help="write a lab's starter file and README into DIR")
     start.add_argument("name", metavar="NAME")
     start.add_argument("dir", nargs="?", default=None, metavar="DIR", help="(default: ./NAME)")
+    start.add_argument("--mode", choices=("guided", "design"), default="guided",
+                       help="guided (default, for a first lab): a TODO that says how, in every body; "
+                            "design: each body's contract and the invariants only, the how is yours")
     check = acts.add_parser("check", help="run every check of a lab against your file")
     check.add_argument("name", metavar="NAME")
     check.add_argument("file", nargs="?", default=None, metavar="FILE",
                        help="(default: the starter's path under ./NAME)")
     check.add_argument("--time-limit", type=float, default=None, metavar="S",
                        help="seconds each check may run (default: each check's own limit)")
+    check.add_argument("--fail-fast", action="store_true", help="stop at the first check that does not pass")
+    check.add_argument("--json", action="store_true", help="one JSON object per check instead of the table")
     grade = acts.add_parser("grade", help="check every .py file in DIR; a table and DIR/grades.csv")
     grade.add_argument("name", metavar="NAME")
     grade.add_argument("dir", metavar="DIR")
@@ -43,6 +53,9 @@ def add_lab_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
+    # Triton on a CPU runs under its interpreter, which must be on before triton is first imported (loading a
+    # model imports it); no lab needs compiled Triton, and the triton-decode lab's engine uses the interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
     return {"list": lab_list, "start": lab_start, "check": lab_check, "grade": lab_grade}[args.lab_command](args)
 
 
@@ -62,12 +75,15 @@ def lab_list(args) -> int:
     return 0
 
 
-def readme(lab) -> str:
+def readme(lab, mode: str = "guided") -> str:
     checks = "\n".join(f"{i}. {c.name}" for i, c in enumerate(lab.checks, 1))
-    todo = "\n".join(f"- `{q}`: {t}" for q, t in lab.blanks.items())
+    texts = lab.contracts if mode == "design" else lab.blanks
+    todo = "\n".join(f"- `{q}`: {texts.get(q, lab.blanks[q])}" for q in lab.blanks)
+    rules = f"\n\nWhat must hold between calls:\n\n{lab.invariants.strip()}" if mode == "design" and lab.invariants \
+        else ""
     return (f"# Lab {lab.name}: {lab.title}\n\n{lab.intro.strip()}\n\n"
             f"Your file: `{lab.file_name}`, made from the engine's `{lab.module}`. Write these bodies:\n\n"
-            f"{todo}\n\nCheck your work (exit code 0 when everything passes):\n\n"
+            f"{todo}{rules}\n\nCheck your work (exit code 0 when everything passes):\n\n"
             f"    nanoserve lab check {lab.name} {lab.file_name}\n\n"
             f"Watch it run in the real engine:\n\n    nanoserve tui --lab {lab.name}={lab.file_name}\n\n"
             f"The checks:\n\n{checks}\n\nPrerequisites: {lab.prerequisites}. Rough time: {lab.minutes} minutes.\n")
@@ -81,7 +97,7 @@ def lab_start(args) -> int:
     folder = Path(args.dir if args.dir is not None else args.name)
     if folder.exists() and not folder.is_dir():
         raise FieldError("DIR", f"{folder} is a file, not a folder")
-    targets = {folder / lab.file_name: starter_source(lab), folder / "README.md": readme(lab)}
+    targets = {folder / lab.file_name: starter_source(lab, args.mode), folder / "README.md": readme(lab, args.mode)}
     present = [str(p) for p in targets if p.exists()]
     if present:
         raise FieldError("DIR", f"{' and '.join(present)} already exist{'s' if len(present) == 1 else ''}; nothing was overwritten "
@@ -89,8 +105,9 @@ def lab_start(args) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     for path, text in targets.items():
         path.write_text(text)
-    print(f"nanoserve: wrote {folder / lab.file_name} and {folder / 'README.md'}\n"
-          f"next: fill in the TODOs, then  nanoserve lab check {lab.name} {folder / lab.file_name}")
+    what = "write each body to its contract" if args.mode == "design" else "fill in the TODOs"
+    print(f"nanoserve: wrote {folder / lab.file_name} and {folder / 'README.md'} ({args.mode} mode)\n"
+          f"next: {what}, then  nanoserve lab check {lab.name} {folder / lab.file_name}")
     return 0
 
 
@@ -104,9 +121,28 @@ def lab_check(args) -> int:
     if not path.is_file():
         raise FieldError("FILE", f"{path} does not exist (start the lab with: nanoserve lab start {lab.name})")
     _check_limit(args.time_limit)
-    results = run_checks(lab, path, args.time_limit)
-    print_results(lab.name, str(path), results)
+    results = run_checks(lab, path, args.time_limit, fail_fast=args.fail_fast)
+    if args.json:
+        for r in results:
+            print(r.to_json())
+    else:
+        print_results(lab.name, str(path), results)
+        if all(r.passed for r in results):
+            print_why(lab)
     return 0 if all(r.passed for r in results) else 1
+
+
+PASS_MEANS = "every rule of the lab holds on these checks"
+
+
+def print_why(lab) -> None:
+    """After a full pass: what it means, and the lab's "why" questions (answers folded on its page)."""
+    print(f"nanoserve: {PASS_MEANS}: your {lab.file_name} does what the engine's own does, on every "
+          f"scenario the checks run.")
+    if lab.why:
+        print(f"Now say why (the answers are on the lab's page, folded: docs/labs/{lab.name}.md):")
+        for i, (question, _) in enumerate(lab.why, 1):
+            print(f"  {i}. {question}")
 
 
 def _check_limit(seconds: float | None) -> None:
@@ -137,5 +173,6 @@ def lab_grade(args) -> int:
     out = Path(args.csv) if args.csv else folder / "grades.csv"
     write_csv(rows, out)
     Console().print(grade_table(lab, rows))
-    print(f"nanoserve: wrote {out}")
+    print(f"nanoserve: wrote {out}. A submission that passes all {len(lab.checks)} checks: {PASS_MEANS} "
+          "(behaviour, not authorship: see the teacher's page)")
     return 0

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from nanoserve.labs.lab import Check, CheckFailed, Context
-from nanoserve.labs.starter import signature_mismatches
 
 
 def _signatures(ctx: Context) -> None:
-    bad = signature_mismatches(ctx.lab, ctx.module)
+    bad = ctx.helper("nanoserve.labs.starter:signature_mismatches_of", ctx.lab.module, list(ctx.lab.blanks),
+                     ctx.module)
+    if not isinstance(bad, list) or not all(isinstance(line, str) for line in bad):
+        raise CheckFailed("the signature check got no list of names back")
     if bad:
         raise CheckFailed("; ".join(bad))
 

@@ -1,23 +1,181 @@
 """Lab cow-fork: forking a sequence by sharing its blocks, and copy-on-write (nanoserve/kv_manager.py).
 
-The student writes `KVManager.fork`, `_shared_write_block` and
-`copy_on_write`. A fork shares every block of its parent (ref count + 1,
-nothing copied). Full blocks are never written again, so sharing them is
-free forever; the partly filled last block is written by both, so the first
-one to write gets its own copy (and the runner copies the KV into it before
-the forward). The checks fork real requests in the real engine, at a
-partial block and at a block boundary, and look at the tables, ref counts,
-the copies handed to the runner, and the tokens.
+The student writes `KVManager._shared_write_block`, `copy_on_write` and
+`fork`. A fork shares every block of its parent (ref count + 1, nothing
+copied). Full blocks are never written again, so sharing them is free
+forever; the partly filled last block is written by both, so the first one to
+write gets its own copy (and the runner copies the KV into it before the
+forward). The first checks call each function on sequences and a pool the
+check sets up (the pool and the sequences are the engine's, in the checker;
+the KV manager is the student's), in the order the functions build on each
+other; then the real engine forks requests at a partial block and at a block
+boundary, and the tables, ref counts, copies handed to the runner and tokens
+are compared with the engine's own.
 """
 
 from __future__ import annotations
 
+from nanoserve.block_pool import BlockPool
 from nanoserve.components import Components
+from nanoserve.events import CowCopied, Forked, RadixLocked, StepClock
+from nanoserve.kv_manager import BlockMoves
 from nanoserve.labs.common import SIGNATURES
 from nanoserve.labs.drive import TINY, prompts, reference_invariants, same_as_engine
-from nanoserve.labs.lab import Check, Context, Lab, expect
+from nanoserve.labs.lab import Check, Context, Lab, expect, raises
+from nanoserve.radix_cache import RadixCache
 
 BS = TINY["block_size"]
+
+
+class Setup:
+    """The engine's pool, sequences and clock (here) and the student's KV manager (in the worker)."""
+
+    def __init__(self, ctx: Context, num_blocks: int = 12, cache: bool = False) -> None:
+        self.pool = BlockPool(num_blocks, BS)
+        self.events: list = []
+        self.clock = StepClock()
+        self.clock.step = 4
+        self.cache = RadixCache(self.pool, self.events.append, clock=self.clock) if cache else None
+        self.kv = ctx.module.KVManager(self.pool, self.cache, None, self.events.append, clock=self.clock)
+        self.moves = BlockMoves()                  # the plan's (the scheduler's, here): the runner reads it
+        self.kv.begin_step(self.moves)
+
+    def seq(self, seq_id: str, num_tokens: int, num_blocks: int, computed: int):
+        """A running sequence of `num_tokens` prompt tokens holding `num_blocks` fresh blocks, `computed` of KV."""
+        from nanoserve.sampling_params import SamplingParams
+        from nanoserve.sequence import Sequence, SequenceStatus
+        seq = Sequence(seq_id, None, list(range(10, 10 + num_tokens)), SamplingParams(max_tokens=4),
+                       status=SequenceStatus.RUNNING)
+        seq.block_table = self.pool.allocate(num_blocks)
+        seq.num_computed_tokens = computed
+        return seq
+
+    def refs(self) -> list[int]:
+        return [b.ref_count for b in self.pool.blocks]
+
+
+SHARED_HINT = ("_shared_write_block: i = the block holding position num_computed_tokens; it needs a copy only if "
+               "it is partly filled (num_computed_tokens % block_size != 0), exists in the table, and another "
+               "table holds it too (ref_count > 1); else None")
+
+
+def shared_write_block(ctx: Context) -> None:
+    s = Setup(ctx)
+    seq = s.seq("a", 11, 3, 6)                       # 6 computed: the next write is position 6, block 1 offset 2
+    for computed, shared, want, why in ((6, None, None, "block 1 is partly filled but held only by this table"),
+                                        (6, 1, 1, "block 1 is partly filled and held twice"),
+                                        (8, 2, None, "position 8 opens block 2: a boundary, nothing to copy"),
+                                        (0, 0, None, "position 0 opens block 0"),
+                                        (9, 2, 2, "block 2 is partly filled and held twice"),
+                                        (9, 1, None, "block 1 is shared but full; the write goes to block 2"),
+                                        (13, 2, None, "position 13 is in block 3, past the table's 3 blocks")):
+        refs = [1] * 3
+        if shared is not None:
+            refs[shared] = 2
+        for b, r in zip(seq.block_table, refs):
+            s.pool.blocks[b].ref_count = r
+        seq.num_computed_tokens = computed
+        before = (list(seq.block_table), s.refs())
+        got = s.kv._shared_write_block(seq)
+        expect(got == want, f"_shared_write_block with {computed} tokens computed and ref counts {refs} returned "
+               f"{got}, expected {want} ({why})", SHARED_HINT)
+        expect((list(seq.block_table), s.refs()) == before, "_shared_write_block changed the table or ref counts",
+               "_shared_write_block only looks")
+
+
+COW_HINT = ("copy_on_write: when _shared_write_block gives an index i, take a fresh block (self._take(1)), drop this "
+            "sequence's hold on the shared one (pool.free([src])), put the new id at table[i], append (src, dst) to "
+            "self.moves.copies, emit CowCopied; return (src, dst). Otherwise change nothing and return None")
+
+
+def copy_on_write(ctx: Context) -> None:
+    s = Setup(ctx)
+    seq = s.seq("a", 11, 3, 6)
+    before = (list(seq.block_table), s.refs())
+    expect(s.kv.copy_on_write(seq) is None and (list(seq.block_table), s.refs()) == before and
+           list(s.moves.copies) == [] and not s.events,
+           "copy_on_write of a sequence whose write block is not shared changed something or returned a value",
+           COW_HINT)
+    src = seq.block_table[1]
+    s.pool.share([src])                               # a fork holds block 1 too
+    table, refs = list(seq.block_table), s.refs()
+    free_before = s.pool.free_queue.ids()
+    got = s.kv.copy_on_write(seq)
+    expect(isinstance(got, tuple) and len(got) == 2 and got[0] == src,
+           f"copy_on_write of a shared partial block {src} returned {got}, expected ({src}, the new block)", COW_HINT)
+    dst = got[1]
+    expect(dst == free_before[0], f"the copy went to block {dst}, expected a fresh block from the pool "
+           f"({free_before[0]}, the head of the free queue)", "take the copy with self._take(1) (the pool's allocate)")
+    expect(list(seq.block_table) == [table[0], dst, table[2]],
+           f"after copy_on_write the table is {list(seq.block_table)}, expected {[table[0], dst, table[2]]}",
+           "only the block being written moves to its copy; the rest of the table stays")
+    expect(s.pool.blocks[src].ref_count == refs[src] - 1 and s.pool.blocks[dst].ref_count == 1,
+           f"after copy_on_write block {src} has ref count {s.pool.blocks[src].ref_count} (expected "
+           f"{refs[src] - 1}) and the copy {dst} has {s.pool.blocks[dst].ref_count} (expected 1)",
+           "the sequence that moved to its copy is no longer a holder of the shared block: free it once")
+    expect([tuple(c) for c in s.moves.copies] == [(src, dst)], f"the step's copies for the runner are "
+           f"{list(s.moves.copies)}, expected [({src}, {dst})]", "append (src, dst) to self.moves.copies: the runner "
+           "copies the shared block's KV into the new one before the forward, or the copy holds garbage")
+    cow = [e for e in s.events if isinstance(e, CowCopied)]
+    expect(len(cow) == 1 and (cow[0].seq_id, cow[0].index, cow[0].src, cow[0].dst, cow[0].step) ==
+           ("a", 1, src, dst, 4), f"copy_on_write emitted {s.events}, expected CowCopied(4, 'a', 1, {src}, {dst})",
+           "emit CowCopied(step, seq_id, index, src, dst): the TUI and the traces show every copy")
+    s.pool.check_invariants([seq.block_table, [src]])
+
+    t = Setup(ctx, num_blocks=3)
+    seq = t.seq("b", 10, 3, 6)
+    t.pool.share([seq.block_table[1]])
+    table, refs = list(seq.block_table), t.refs()
+    raises(MemoryError, lambda: t.kv.copy_on_write(seq), "copy_on_write with no free block for the copy",
+           "no block for the copy: MemoryError from the pool")
+    expect((list(seq.block_table), t.refs(), list(t.moves.copies)) == (table, refs, []),
+           f"a copy_on_write that found no free block changed the table to {list(seq.block_table)} and the ref "
+           f"counts to {t.refs()}", "take the new block BEFORE letting go of the shared one: when there is no "
+                                    "block, nothing may have changed")
+
+
+FORK_HINT = ("fork: share the parent's blocks (pool.share), give the child its own copy of the table and the "
+             "parent's num_computed_tokens, emit Forked, and lock the parent's cache node for the child (self._relock)")
+
+
+def fork(ctx: Context) -> None:
+    import torch
+    s = Setup(ctx)
+    parent = s.seq("p", 7, 2, 6)
+    child = parent.fork("p.1", torch.Generator())
+    refs = s.refs()
+    s.kv.fork(parent, child, 42)
+    expect(list(child.block_table) == list(parent.block_table),
+           f"after fork the child's table is {list(child.block_table)}, the parent's {list(parent.block_table)}",
+           "fork gives the child the parent's block ids (a copy of the list, not new blocks)")
+    expect(child.block_table is not parent.block_table, "the child and the parent hold the same list object",
+           "give the child its own list: list(parent.block_table); appending to one must not grow the other")
+    want = [r + (1 if i in parent.block_table else 0) for i, r in enumerate(refs)]
+    expect(s.refs() == want, f"after fork the ref counts are {s.refs()}, expected {want} (one more on each of the "
+           f"parent's blocks {list(parent.block_table)})", "fork must share: one more holder (pool.share) on every "
+                                                            "block of the parent")
+    expect(child.num_computed_tokens == 6, f"the child has {child.num_computed_tokens} tokens computed, the parent 6",
+           "the child's KV is the parent's: it starts with the parent's num_computed_tokens")
+    forked = [e for e in s.events if isinstance(e, Forked)]
+    expect(len(forked) == 1 and (forked[0].parent_id, forked[0].seq_id, tuple(forked[0].block_ids),
+                                 forked[0].seed) == ("p", "p.1", tuple(parent.block_table), 42),
+           f"fork emitted {s.events}, expected Forked(4, 'p', 'p.1', {tuple(parent.block_table)}, 42)",
+           "emit Forked(step, parent id, child id, the child's blocks, seed)")
+
+    c = Setup(ctx, cache=True)
+    parent = c.seq("q", 9, 2, 8)
+    node, _ = c.cache.insert("q", parent.all_token_ids, parent.block_table)
+    c.cache.lock(node)
+    parent.cache_node = node
+    child = parent.fork("q.1", torch.Generator())
+    c.events.clear()
+    c.kv.fork(parent, child, 1)
+    expect(child.cache_node is node and node.lock_count == 2,
+           f"after fork of a sequence that holds radix node {node.node_id} locked, the child holds "
+           f"{getattr(child.cache_node, 'node_id', None)} and the node's lock count is {node.lock_count}",
+           "the child uses the parent's cached prefix too: lock it for the child (self._relock(child, node))")
+    expect(any(isinstance(e, RadixLocked) for e in c.events), "fork of a sequence with a cached prefix emitted no "
+           "RadixLocked", "lock with self._relock: it emits the event")
 
 
 def _forked(ctx: Context, prompt_len: int):
@@ -108,17 +266,53 @@ LAB = Lab(
                           "the parent's num_computed_tokens, emit Forked, and lock the parent's cache node for "
                           "the child too (self._relock)",
     },
+    contracts={
+        "KVManager._shared_write_block": "The index of the block `seq` writes next (the one holding position "
+                                         "num_computed_tokens) when it is partly filled, in the table, and held "
+                                         "by another table too; else None. Changes nothing.",
+        "KVManager.copy_on_write": "When `seq` is about to write into a shared block, it gets its own fresh copy "
+                                   "in that table slot (the shared block keeps its other holders), the runner is "
+                                   "asked to copy the KV (self.moves.copies), CowCopied is emitted; returns "
+                                   "(src, dst). Otherwise None and nothing changes; no free block: MemoryError "
+                                   "and nothing changes.",
+        "KVManager.fork": "Afterwards `child` holds the same blocks as `parent` in a list of its own (one more "
+                          "holder on each), the same number of computed tokens, and the parent's cached prefix "
+                          "locked for it too; Forked is emitted.",
+    },
+    invariants="A block's ref_count is the number of tables (and the radix tree) holding it. A full block is "
+               "never written again; the block a sequence writes next is held by that sequence alone before "
+               "the forward (copy-on-write). self.moves lists this step's KV copies for the runner.",
     components=lambda m: Components(kv_manager=m.KVManager),
     checks=(
         SIGNATURES,
-        Check("fork shares every block", fork_shares,
+        Check("KVManager._shared_write_block: a shared, partly filled block", shared_write_block, SHARED_HINT, 30,
+              function="KVManager._shared_write_block"),
+        Check("KVManager.copy_on_write: a fresh copy, the shared one kept", copy_on_write, COW_HINT, 30,
+              function="KVManager.copy_on_write"),
+        Check("KVManager.fork: shares every block, its own table", fork, FORK_HINT, 30, function="KVManager.fork"),
+        Check("real engine: a fork shares every block", fork_shares,
               "fork shares the parent's blocks: same ids, ref count + 1, its own list", 60),
-        Check("first write into a shared partial block copies it", cow_partial,
+        Check("real engine: first write into a shared partial block copies it", cow_partial,
               "copy-on-write the partly filled last block before either sequence writes into it", 60),
-        Check("fork at a block boundary copies nothing", cow_boundary,
+        Check("real engine: a fork at a block boundary copies nothing", cow_boundary,
               "only a partly filled block needs a copy", 60),
         Check("real engine: n > 1 and forks, same tokens", engine_runs,
               "run the engine with your KV manager; fork a request after a few steps and watch CowCopied", 240),
+    ),
+    why=(
+        ("Why is only the partly filled last block ever copied, never a full one?",
+         "KV at a position never changes once written, and a full block has no free slot: neither sequence "
+         "ever writes into it again, so sharing it is free for as long as both live. Only the block with free "
+         "slots is written next, by both."),
+        ("Why does the copy happen in the scheduler's plan, before the forward, and not when the fork is made?",
+         "Most forks never diverge inside the shared block before one of them finishes or is preempted, or "
+         "they diverge at a boundary: copying at fork time would pay for copies nobody needs. Deciding at the "
+         "first write, and letting the runner copy the KV just before the forward that writes, copies exactly "
+         "once, exactly when needed."),
+        ("Why must copy_on_write take the new block before it lets go of the shared one?",
+         "Taking can fail (MemoryError, or an eviction). Had the shared block already lost this holder, the "
+         "sequence would keep a block in its table that no longer counts it: freed too early, handed out, "
+         "overwritten."),
     ),
     prerequisites="the block-pool lab; lesson 5 (fork and copy-on-write)",
     minutes=40,

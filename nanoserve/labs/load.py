@@ -50,15 +50,29 @@ def where(exc: BaseException, path: str | Path) -> str:
     chain, seen = exc, set()
     while chain is not None and id(chain) not in seen:   # follow `raise ... from` back to the student's raise
         seen.add(id(chain))
-        if any(str(Path(f.filename).resolve()) == target for f in traceback.extract_tb(chain.__traceback__)):
+        if any(_resolved(f[0]) == target for f in frames_of(chain)):
             exc = chain
         chain = chain.__cause__ or chain.__context__
-    frames = traceback.extract_tb(exc.__traceback__)
-    mine = [f for f in frames if str(Path(f.filename).resolve()) == target]
+    frames = frames_of(exc)
+    mine = [f for f in frames if _resolved(f[0]) == target]
     frame = (mine or frames or [None])[-1]
     text = f"{type(exc).__name__}: {exc}".strip()
     if isinstance(exc, NotImplementedError):
         text = f"not written yet ({exc})"
     if frame is None:
         return " ".join(text.split())
-    return " ".join(f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}: {text}".split())
+    return " ".join(f"{Path(frame[0]).name}:{frame[1]} in {frame[2]}: {text}".split())
+
+
+def frames_of(exc: BaseException) -> list[tuple]:
+    """(file, line, function, source) of every frame `exc` went through, outermost first: here, then
+    (an exception that came over the lab's channel carries them as `lab_frames`) in the other process."""
+    return [(f.filename, f.lineno, f.name, f.line) for f in traceback.extract_tb(exc.__traceback__)] + \
+        [tuple(f) for f in getattr(exc, "lab_frames", ())]
+
+
+def _resolved(filename: str) -> str:
+    try:
+        return str(Path(filename).resolve())
+    except (OSError, RuntimeError, ValueError):
+        return filename

@@ -63,19 +63,24 @@ def gather(ctx: Context) -> None:
            "j % block_size; keep the table's order (a table is not sorted)")
 
 
-def masks(ctx: Context) -> None:
-    got = ctx.module.decode_mask(torch.tensor([5, 2]), 8)
-    want = torch.tensor([[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)[:, None, None, :]
-    expect(tuple(got.shape) == (2, 1, 1, 8) and torch.equal(got.bool(), want),
-           f"decode_mask([5, 2], 8) is {got.reshape(2, -1).int().tolist()}",
-           "a decode sees only the first seq_lens[b] positions of its gathered row (the rest is padding or "
-           "unused slots of its last block); shape [B, 1, 1, L]")
-    got = ctx.module.prefill_mask(3, 7, "cpu")
-    want = torch.arange(7)[None, :] <= torch.arange(4, 7)[:, None]
-    expect(tuple(got.shape) == (3, 7) and torch.equal(got.bool(), want),
-           f"prefill_mask(3, 7) is {got.int().tolist()}",
-           "query i of a chunk sits at absolute position context_len - num_q + i: it sees the whole cached "
-           "prefix plus the chunk up to itself (causal over the cached prefix)")
+def decode_mask(ctx: Context) -> None:
+    for lens, L in (([5, 2], 8), ([8], 8), ([1, 3, 4], 4)):
+        got = ctx.module.decode_mask(torch.tensor(lens), L)
+        want = (torch.arange(L)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+        expect(tuple(got.shape) == (len(lens), 1, 1, L) and torch.equal(got.bool(), want),
+               f"decode_mask({lens}, {L}) is {got.reshape(len(lens), -1).int().tolist()} (shape {tuple(got.shape)})",
+               "a decode sees only the first seq_lens[b] positions of its gathered row (the rest is padding or "
+               "unused slots of its last block); shape [B, 1, 1, L]")
+
+
+def prefill_mask(ctx: Context) -> None:
+    for num_q, context_len in ((3, 7), (4, 4), (1, 5)):
+        got = ctx.module.prefill_mask(num_q, context_len, "cpu")
+        want = torch.arange(context_len)[None, :] <= torch.arange(context_len - num_q, context_len)[:, None]
+        expect(tuple(got.shape) == (num_q, context_len) and torch.equal(got.bool(), want),
+               f"prefill_mask({num_q}, {context_len}) is {got.int().tolist()}",
+               "query i of a chunk sits at absolute position context_len - num_q + i: it sees the whole cached "
+               "prefix plus the chunk up to itself (causal over the cached prefix)")
 
 
 def dense(ctx: Context) -> None:
@@ -121,16 +126,44 @@ LAB = Lab(
         "decode_mask": "valid[b, j] = j < seq_lens[b]; return it as [B, 1, 1, L]",
         "prefill_mask": "query i is at position context_len - num_q + i; it may see keys 0..that position",
     },
+    contracts={
+        "store_kv": "Afterwards row slot_mapping[t] of each cache, viewed as [num_blocks * block_size, H, D] "
+                    "(slot = block * block_size + offset), holds k[t] (v[t]); no other slot changes.",
+        "gather_kv": "Returns [B, nb * block_size, H, D]: position j of row b is slot j % block_size of block "
+                     "block_tables[b][j // block_size], in the table's order.",
+        "decode_mask": "[B, 1, 1, L] bool: True exactly at positions j < seq_lens[b].",
+        "prefill_mask": "[num_q, context_len] bool: query i (absolute position context_len - num_q + i) sees "
+                        "keys 0..its own position, and nothing after it.",
+    },
+    invariants="Token t of a sequence lives in block table[t // block_size] at offset t % block_size. "
+               "Attention through the paged cache equals dense causal attention over the sequence's tokens.",
     components=lambda m: Components(attention_backend=_backend_for(m)),
     checks=(
         SIGNATURES,
-        Check("store_kv: each token at its slot", store, "write token t at slot_mapping[t], k and v", 30),
-        Check("gather_kv: blocks in table order", gather, "read blocks through the table, in its order", 30),
-        Check("masks: padding and the cached prefix", masks,
-              "decode: only the first seq_lens[b] positions; prefill: causal after the cached prefix", 30),
+        Check("store_kv: each token at its slot", store, "write token t at slot_mapping[t], k and v", 30,
+              function="store_kv"),
+        Check("gather_kv: blocks in table order", gather, "read blocks through the table, in its order", 30,
+              function="gather_kv"),
+        Check("decode_mask: only a row's real tokens", decode_mask,
+              "decode: only the first seq_lens[b] positions", 30, function="decode_mask"),
+        Check("prefill_mask: causal over the cached prefix", prefill_mask,
+              "prefill: the cached prefix, then causal over the chunk", 30, function="prefill_mask"),
         Check("paged = dense attention", dense, "store, gather and mask must agree with dense attention", 60),
         Check("real engine: same tokens (fast and plain paths)", engine_runs,
               "run the engine with your attention and compare", 240),
+    ),
+    why=(
+        ("Why does a decode need a mask at all, when its block table lists only its own blocks?",
+         "Rows of a batch are padded to the longest table, and a sequence's last block is usually partly "
+         "filled: the gathered row holds stale KV of whoever used those slots before. Without the mask the "
+         "query attends to another request's tokens."),
+        ("Why is a prefill chunk's mask not a plain lower triangle?",
+         "The chunk's queries start at position context_len - num_q, not 0: every one of them must see the "
+         "whole cached prefix (earlier chunks, or a prefix-cache hit), and causality applies only within the "
+         "chunk."),
+        ("Why write the step's K/V into the cache before attending, not after?",
+         "Every query attends to itself: a decode's own token and each chunk token's predecessors in the "
+         "same chunk are in the cache only once they are written."),
     ),
     prerequisites="torch tensors; lesson 9 (the runner and attention)",
     minutes=45,

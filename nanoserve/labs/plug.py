@@ -46,3 +46,39 @@ def components_from(specs: list[str] | None):
             raise FieldError("lab", f"two labs replace the same part ({', '.join(sorted(clash))})")
         replaced.update(part)
     return dataclasses.replace(Components(), **replaced)
+
+
+def explain_failure(exc: BaseException) -> tuple[str, str]:
+    """A step that failed in a student's component, as the checks would say it: (where and what, a hint).
+
+    `where` is `file.py:LINE in function: Error: message` at the deepest frame outside nanoserve (the
+    student's file); the hint is that of the lab check judging that function (`nanoserve lab check`
+    names it too), or a pointer to the checks when no check judges it.
+    """
+    import traceback
+    from pathlib import Path
+
+    import nanoserve
+    from nanoserve.labs import get_lab, lab_names
+    from nanoserve.labs.load import where
+
+    package = str(Path(nanoserve.__file__).resolve().parent)
+    chain, frames, seen = exc, [], set()
+    while chain is not None and id(chain) not in seen:       # the student's raise, behind StepFailed
+        seen.add(id(chain))
+        mine = [f for f in traceback.extract_tb(chain.__traceback__)
+                if not str(Path(f.filename).resolve()).startswith(package)]
+        if mine:
+            exc, frames = chain, mine
+        chain = chain.__cause__ or chain.__context__
+    if not frames:
+        return " ".join(f"{type(exc).__name__}: {exc}".split()), "the engine's own code raised: press q and " \
+                                                                   "report it"
+    frame = frames[-1]
+    text = where(exc, frame.filename)
+    for name in lab_names():
+        lab = get_lab(name)
+        for check in lab.checks:
+            if check.function and check.function.rsplit(".", 1)[-1] == frame.name:
+                return text, f"{check.hint} (`nanoserve lab check {name} {Path(frame.filename).name}` says more)"
+    return text, "run `nanoserve lab check LAB FILE`: its first failing row names the function at fault"

@@ -12,8 +12,10 @@ with an error instead of waiting forever.
 
 from __future__ import annotations
 
+from nanoserve.block_pool import BlockPool
 from nanoserve.components import Components
-from nanoserve.events import Preempted
+from nanoserve.events import Preempted, StepClock
+from nanoserve.kv_manager import BlockMoves
 from nanoserve.labs.common import SIGNATURES
 from nanoserve.labs.drive import prompts, run_engine
 from nanoserve.labs.lab import Check, CheckFailed, Context, Lab, expect
@@ -25,8 +27,184 @@ VICTIM_HINT = ("the victim is chosen by preemption_policy among running sequence
 
 
 BOOKKEEPING_HINT = ("a preempted request must come back with every token it had: with recompute, release its "
-                    "blocks (self.kv.release), set num_computed_tokens to 0 (its KV is computed again) and keep "
+                    "blocks (self.kv.release(seq, cache_kv=True)), set num_computed_tokens to 0 (its KV is computed again) and keep "
                     "its tokens")
+
+
+class Setup:
+    """The engine's config, pools, KV manager and sequences (here); the student's scheduler (in the worker)."""
+
+    def __init__(self, ctx: Context, num_blocks: int = 16, num_cpu_blocks: int = 0, **config) -> None:
+        from nanoserve.config import EngineConfig
+        from nanoserve.kv_manager import KVManager
+        self.config = EngineConfig(model="tiny-llama", block_size=4, num_blocks=num_blocks,
+                                   num_cpu_blocks=num_cpu_blocks, **config)
+        self.pool = BlockPool(num_blocks, 4)
+        self.cpu_pool = BlockPool(num_cpu_blocks, 4) if num_cpu_blocks else None
+        self.events: list = []
+        self.clock = StepClock()
+        self.clock.step = 7
+        self.kv = KVManager(self.pool, None, self.cpu_pool, self.events.append, clock=self.clock)
+        self.moves = BlockMoves()
+        self.kv.begin_step(self.moves)
+        self.sched = ctx.module.Scheduler(self.config, self.kv, self.events.append, clock=self.clock)
+
+    def seq(self, seq_id: str, computed: int, output: int = 1, priority: int = 0, max_tokens: int = 20,
+            request_id: str = ""):
+        """A running decode: `computed` tokens with KV (and their blocks), `output` of them generated."""
+        from nanoserve.sampling_params import SamplingParams
+        from nanoserve.sequence import Sequence, SequenceStatus
+        seq = Sequence(seq_id, None, list(range(10, 10 + computed + 1 - output)), SamplingParams(max_tokens=max_tokens),
+                       status=SequenceStatus.RUNNING, output_token_ids=list(range(50, 50 + output)),
+                       priority=priority, request_id=request_id)
+        seq.block_table = self.pool.allocate(self.pool.blocks_needed(0, computed))
+        seq.num_computed_tokens = computed
+        self.sched.running.append(seq)
+        return seq
+
+    def plan(self):
+        from nanoserve.scheduler import StepPlan
+        return StepPlan()
+
+
+def _ids(seqs) -> list[str]:
+    return [s.seq_id for s in seqs]
+
+
+def victim(ctx: Context) -> None:
+    for policy, cases in (("newest", (((), "e"), (("e",), "d"), (("d", "e"), "c"))),
+                          ("priority", (((), "c"), (("c",), "b"), (("b", "c"), "a"))),
+                          ("shortest_remaining", (((), "b"), (("b",), "e"), (("b", "e"), "d"),
+                                                  (("b", "d", "e"), "a")))):
+        s = Setup(ctx, preemption_policy=policy)
+        a = s.seq("a", 8, output=5, priority=2)           # remaining 15
+        s.seq("b", 8, output=1, priority=0)               # remaining 19
+        s.seq("c", 8, output=10, priority=0)              # remaining 10
+        s.seq("d", 8, output=2, priority=3)               # remaining 18
+        s.seq("e", 8, output=2, priority=3, max_tokens=20)   # remaining 18, like d, admitted after it
+        for scheduled, want in cases:
+            got = s.sched._victim(a, set(scheduled))
+            expect(got is not None and got.seq_id == want,
+                   f"preemption_policy={policy!r}: running a (priority 2, 15 tokens to go), b (0, 19), c (0, 10), "
+                   f"d (3, 18), e (3, 18), admitted in that order, {sorted(scheduled) or 'none'} already in this "
+                   "step's batch: "
+                   f"the victim for a was {getattr(got, 'seq_id', got)}, expected {want}", VICTIM_HINT)
+    s = Setup(ctx)
+    a = s.seq("a", 8)
+    stuck = []
+    for beam_id in ("e.1", "e.3"):
+        beam = s.seq(beam_id, 9, output=2, request_id="e")
+        beam.num_computed_tokens = beam.num_tokens      # nothing left to compute: it waits for its sibling
+        stuck.append(beam)
+    s.seq("f", 8)
+    from nanoserve.sampling_params import SamplingParams
+    from nanoserve.sequence import Sequence
+    s.sched.waiting.append(Sequence("e.2", None, [1, 2, 3], SamplingParams(max_tokens=4), request_id="e"))
+    got = s.sched._victim(a, set())
+    expect(got is stuck[-1], f"two running beams (e.1, then e.3) wait for a preempted sibling (stuck): the victim "
+           f"was {getattr(got, 'seq_id', got)}, expected e.3", "a stuck beam of another request is preempted first "
+           "(self._stuck_beams), the newest of them: it holds blocks and makes no progress")
+
+
+PREEMPT_HINT = ("_preempt: remove it from running, append it to plan.preempted; in swap mode (it has blocks and "
+                "self.kv.can_swap_out) status SWAPPED, emit Preempted(.., 'swap', 0), self.kv.swap_out, append to "
+                "self.swapped; else status WAITING, emit Preempted(.., 'recompute', tokens lost), self.kv.release(seq, cache_kv=True), "
+                "num_computed_tokens = 0, appendleft to self.waiting")
+
+
+def preempt(ctx: Context) -> None:
+    from nanoserve.sequence import SequenceStatus
+    for mode, cpu_blocks, want in (("recompute", 0, "recompute"), ("swap", 8, "swap"), ("swap", 1, "recompute")):
+        s = Setup(ctx, num_cpu_blocks=cpu_blocks, preemption_mode=mode)
+        s.seq("a", 8)
+        b = s.seq("b", 10, output=3)
+        blocks, tokens = list(b.block_table), b.all_token_ids
+        queued = s.seq("w", 0)
+        s.sched.running.remove(queued)
+        queued.block_table, queued.status = [], SequenceStatus.WAITING
+        s.sched.waiting.append(queued)
+        plan = s.plan()
+        s.sched._preempt(b, plan)
+        what = f"_preempt(b) in {mode} mode with {cpu_blocks} CPU blocks ({len(blocks)} needed)"
+        expect(_ids(s.sched.running) == ["a"] and _ids(plan.preempted) == ["b"],
+               f"{what}: running is {_ids(s.sched.running)} and plan.preempted {_ids(plan.preempted)}", PREEMPT_HINT)
+        pre = [e for e in s.events if isinstance(e, Preempted)]
+        lost = 0 if want == "swap" else 10
+        expect(len(pre) == 1 and (pre[0].step, pre[0].seq_id, pre[0].mode, pre[0].num_tokens_lost) ==
+               (7, "b", want, lost), f"{what} emitted {pre}, expected Preempted(7, 'b', {want!r}, {lost})",
+               PREEMPT_HINT)
+        expect(b.all_token_ids == tokens, f"{what} changed b's tokens", "a preempted sequence keeps every token")
+        if want == "swap":
+            expect(b.status is SequenceStatus.SWAPPED and _ids(s.sched.swapped) == ["b"] and
+                   _ids(s.sched.waiting) == ["w"] and not b.block_table and len(b.cpu_block_table) == len(blocks)
+                   and b.num_computed_tokens == 10,
+                   f"{what}: status {b.status.name}, swapped {_ids(s.sched.swapped)}, waiting "
+                   f"{_ids(s.sched.waiting)}, {len(b.cpu_block_table)} CPU blocks, {b.num_computed_tokens} computed",
+                   "with room in the CPU pool, swap: status SWAPPED, self.kv.swap_out(seq) (its KV moves to the "
+                   "CPU pool and stays computed), then append it to self.swapped")
+        else:
+            expect(b.status is SequenceStatus.WAITING and _ids(s.sched.waiting) == ["b", "w"] and
+                   not b.block_table and b.num_computed_tokens == 0 and
+                   all(s.pool.blocks[x].ref_count == 0 for x in blocks),
+                   f"{what}: status {b.status.name}, waiting {_ids(s.sched.waiting)}, table {list(b.block_table)}, "
+                   f"{b.num_computed_tokens} computed", BOOKKEEPING_HINT + ", and wait at the FRONT of the queue "
+                   "(appendleft): it was running before anyone waiting")
+    s = Setup(ctx, num_cpu_blocks=8, preemption_mode="swap")
+    b = s.seq("b", 0, output=0)
+    s.sched._preempt(b, s.plan())
+    expect(b.status is SequenceStatus.WAITING, f"a victim with no blocks in swap mode became {b.status.name}",
+           "only a victim that has blocks is swapped (nothing to move otherwise): recompute it")
+
+
+RESERVE_HINT = ("_reserve: while self.kv.blocks_to_write(seq, num_new) > self.kv.num_available_blocks: pick a "
+                "victim (self._victim); if it is seq and seq would not fit even in an empty pool, remove it from "
+                "running and self._fail it (return False); else preempt the victim, and return False if it was seq. "
+                "With room: self.kv.grow(seq, num_new) and True")
+
+
+def reserve(ctx: Context) -> None:
+    from nanoserve.sequence import SequenceStatus
+    s = Setup(ctx, num_blocks=10)
+    a = s.seq("a", 8)
+    plan = s.plan()
+    got = s.sched._reserve(a, 1, {"a"}, plan)
+    expect(got is True and len(a.block_table) == 3 and not plan.preempted,
+           f"_reserve(a, 1) with 8 free blocks returned {got}, a holds {len(a.block_table)} blocks, preempted "
+           f"{_ids(plan.preempted)}", "with room, grow the table (self.kv.grow) and return True, preempting nobody")
+
+    s = Setup(ctx, num_blocks=5)
+    a = s.seq("a", 12)
+    s.seq("b", 4)
+    s.seq("c", 4)
+    plan = s.plan()
+    got = s.sched._reserve(a, 8, {"a"}, plan)
+    expect(got is True and _ids(plan.preempted) == ["c", "b"] and len(a.block_table) == 5,
+           f"_reserve(a, 8 tokens = 2 blocks) in a full 5-block pool returned {got}, preempted "
+           f"{_ids(plan.preempted)}, a holds {len(a.block_table)} blocks; expected True, [c, b] (newest first, "
+           "until it fits) and 5", RESERVE_HINT)
+
+    s = Setup(ctx, num_blocks=4)
+    s.seq("b", 4)
+    a = s.seq("a", 8)
+    plan = s.plan()
+    got = s.sched._reserve(a, 8, {"b"}, plan)
+    expect(got is False and _ids(plan.preempted) == ["a"] and a.status is SequenceStatus.WAITING,
+           f"_reserve(a, 8) where the only victim is a itself (and its 16 tokens would fill the empty 4-block pool "
+           f"exactly) returned {got}, preempted {_ids(plan.preempted)}, a is {a.status.name}",
+           "when the victim is seq itself and it would fit in an empty pool (exactly full counts as fitting), "
+           "preempt it and return False: it waits for room")
+
+    s = Setup(ctx, num_blocks=4)
+    a = s.seq("a", 16)
+    plan = s.plan()
+    got = s.sched._reserve(a, 1, set(), plan)
+    expect(got is False and _ids(plan.failed) == ["a"] and not s.sched.running and not s.sched.waiting and
+           a.status is SequenceStatus.FINISHED_ABORTED and a.error and not a.block_table,
+           f"_reserve(a, 1) for a sequence of 16 tokens in a 4-block pool (it needs 5 blocks even alone) returned "
+           f"{got}; failed {_ids(plan.failed)}, running {_ids(s.sched.running)}, waiting {_ids(s.sched.waiting)}, "
+           f"status {a.status.name}", "a lone request too big for the pool livelocks the scheduler: when the only "
+           "victim is the sequence itself and it would not fit even in an empty pool, remove it from running and "
+           "fail it (self._fail) instead of waiting for room that never comes")
 
 
 def _pressure():
@@ -108,21 +286,58 @@ LAB = Lab(
         "Scheduler._victim": "a stuck beam of another request first (self._stuck_beams); else among running "
                              "sequences not in `scheduled`, the max by policy: newest = admission index, priority "
                              "= (-priority, index), shortest_remaining = (max_tokens - num_output_tokens, index)",
-        "Scheduler._preempt": "remove from running, append to out.preempted; swap mode (and it has blocks and "
+        "Scheduler._preempt": "remove from running, append to plan.preempted; swap mode (and it has blocks and "
                               "self.kv.can_swap_out): status SWAPPED, emit Preempted(..., 'swap', 0), "
                               "self.kv.swap_out, append to self.swapped. Else: status WAITING, emit "
-                              "Preempted(..., 'recompute', tokens lost), self.kv.release, num_computed_tokens = 0, "
+                              "Preempted(..., 'recompute', tokens lost), self.kv.release(seq, cache_kv=True), num_computed_tokens = 0, "
                               "appendleft to self.waiting",
     },
+    contracts={
+        "Scheduler._reserve": "Afterwards `seq` holds blocks for num_new more tokens (self.kv.grow) and True is "
+                              "returned, having preempted as few victims as needed (self._victim, "
+                              "self._preempt); or `seq` itself was the victim (False); or `seq` could not fit "
+                              "even alone in the pool, and it is out of running and failed (self._fail, False).",
+        "Scheduler._victim": "The running sequence to preempt for `seq`, never one in `scheduled`: a stuck beam "
+                             "of another request first (self._stuck_beams), else by preemption_policy: newest = "
+                             "the most recently admitted; priority = the lowest priority, ties the newest; "
+                             "shortest_remaining = the most tokens still to generate, ties the newest.",
+        "Scheduler._preempt": "`seq` leaves running and joins plan.preempted. In swap mode, when it has blocks "
+                              "and they fit in the CPU pool: its KV moves there (self.kv.swap_out), status "
+                              "SWAPPED, at the end of self.swapped. Else: its blocks are released, nothing is "
+                              "computed, status WAITING, at the FRONT of self.waiting. Its tokens are kept; "
+                              "Preempted is emitted with the mode and the tokens of KV lost.",
+    },
+    invariants="A running sequence holds blocks for every token it has KV for; a waiting one holds none and has "
+               "0 tokens computed; a swapped one holds CPU blocks for its computed tokens. A sequence in this "
+               "step's batch (`scheduled`) is never preempted.",
     components=lambda m: Components(scheduler=m.Scheduler),
     checks=(
         SIGNATURES,
-        Check("a lone request too big for the pool ends, with an error", lone_too_big,
+        Check("Scheduler._victim: by policy, never one in the batch", victim, VICTIM_HINT, 60,
+              function="Scheduler._victim"),
+        Check("Scheduler._preempt: recompute or swap, tokens kept", preempt, PREEMPT_HINT, 60,
+              function="Scheduler._preempt"),
+        Check("Scheduler._reserve: blocks, victims, or a failure", reserve, RESERVE_HINT, 60,
+              function="Scheduler._reserve"),
+        Check("real engine: a lone request too big for the pool ends, with an error", lone_too_big,
               "a sequence that cannot fit even alone in the pool must be failed, not retried", 120),
-        Check("victim: the newest, never one in this step's batch", newest, VICTIM_HINT, 180),
-        Check("victim by priority and by shortest remaining", policies, VICTIM_HINT, 240),
-        Check("swap mode: KV to the CPU pool and back", swap,
+        Check("real engine: the newest is preempted, never one in this step's batch", newest, VICTIM_HINT, 180),
+        Check("real engine: victims by priority and by shortest remaining", policies, VICTIM_HINT, 240),
+        Check("real engine: swap mode, KV to the CPU pool and back", swap,
               "with preemption_mode='swap' the victim's KV moves to the CPU pool", 180),
+    ),
+    why=(
+        ("Why preempt the newest request by default, and not the one holding the most blocks?",
+         "The newest has had the least work done for it, so recomputing it throws away the least; the oldest "
+         "requests keep going and finish, which frees their blocks for good. Preempting the biggest would "
+         "punish exactly the requests closest to being done."),
+        ("Why does a recomputed victim wait at the front of the queue, not the back?",
+         "It was running before anyone in the queue was admitted: first come, first served. At the back it "
+         "could be overtaken again and again by newer requests and starve."),
+        ("Why can a lone request too big for the pool not simply wait for room?",
+         "Room comes only from other requests finishing. When it is the only one running and would not fit "
+         "even in an empty pool, nothing will ever free enough: the scheduler preempts it, readmits it, preempts "
+         "it, forever (a livelock). Failing it with an error is the only step that makes progress."),
     ),
     prerequisites="the block-pool lab; lesson 6 (preemption)",
     minutes=50,

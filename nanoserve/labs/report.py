@@ -6,11 +6,13 @@ import csv
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from nanoserve.labs.run import CheckResult, Status
 
-MARK = {Status.PASS: "[green]pass[/]", Status.FAIL: "[red]fail[/]", Status.TIMEOUT: "[yellow]timeout[/]"}
+MARK = {Status.PASS: "[green]pass[/]", Status.FAIL: "[red]fail[/]", Status.TIMEOUT: "[yellow]timeout[/]",
+        Status.SKIPPED: "[dim]not run[/]"}
 
 
 def results_table(lab_name: str, path: str, results: list[CheckResult]) -> Table:
@@ -22,8 +24,10 @@ def results_table(lab_name: str, path: str, results: list[CheckResult]) -> Table
     table.add_column("result", no_wrap=True)
     table.add_column("what happened / hint", max_width=90)
     for r in results:
-        note = "" if r.passed else f"{r.detail}\n[dim]hint:[/] {r.hint}"
-        table.add_row(r.check, MARK[r.status], note)
+        # (escaped: an exception's message is the student's text, and may hold [brackets])
+        note = "" if r.passed else escape(r.detail) if r.status is Status.SKIPPED else \
+            f"{escape(r.detail)}\n[dim]hint:[/] {escape(r.hint)}"
+        table.add_row(escape(r.check), MARK[r.status], note)
     return table
 
 
@@ -56,6 +60,7 @@ def grade_table(lab, rows: list[dict]) -> Table:
         table.add_column(str(i), justify="center")
     for row in rows:
         marks = [MARK[Status(row[c.name])].replace("pass", "✓").replace("fail", "✗").replace("timeout", "⏱")
+                 .replace("not run", "·")
                  for c in lab.checks]
         table.add_row(row["submission"], f"{row['passed']}/{row['total']}", *marks)
     table.caption = "  ".join(f"{i}: {c.name}" for i, c in enumerate(lab.checks, 1))

@@ -1,41 +1,52 @@
-"""Running a lab's checks against a student's file, each with a time limit.
+"""Running a lab's checks on a student's file: the checks and the verdict here, the student's code in a worker.
 
-The checks run in a worker process (`python -m nanoserve.labs.worker`) that
-imports the student's file once and runs the checks in order, reporting
-each result as one JSON line. The parent gives every check its own time
-limit: a check that never returns (an endless loop in the student's free
-queue, a scheduler that livelocks) is reported as timed out, the worker is
-stopped, and a fresh worker goes on with the next check. A student's file
-therefore cannot hang the grader, crash it, or leak state between checks
-(every check builds its own engine).
+The checker (this process) holds every check and decides pass or fail. The
+student's file is imported in a worker process (`sandbox.py`, `worker.py`)
+that only answers requests: the engine a check builds lives here, and the
+student's component in it is a handle to the object in the worker
+(`remote.py`). So the checks cannot be patched from the student's file (they
+are not in its process), and nothing the worker writes on the channel is a
+verdict: it is at most a wrong answer to a call.
 
-`run_in_process` runs the same checks without the worker, for tests of
-files known to return (a check that hangs there hangs the caller).
+Time: each check may keep the student's code busy for its time limit
+(`--time-limit` replaces every check's own), counted while this process
+waits for the worker; importing the student's file gets the same limit.
+A check that runs over is stopped (the worker and everything it started is
+killed) and reported as a timeout, and a fresh worker goes on with the next
+check. `fail_fast` stops at the first check that does not pass (the
+mutation runs: one failing check kills a mutant).
+
+`run_checks(..., loopback=True)` runs the same checks through the same
+channel code with the worker's side in this process (tests of files known
+to return: no process, no time limits).
 """
 
 from __future__ import annotations
 
 import enum
 import json
-import os
-import queue
-import subprocess
-import sys
+import signal
 import threading
-import traceback
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from nanoserve.labs import wire
 from nanoserve.labs.lab import CheckFailed, Context, Lab
-from nanoserve.labs.load import LoadError, load_student, where
+from nanoserve.labs.load import frames_of, where
+from nanoserve.labs.remote import Endpoint, Loopback, Proxy
+from nanoserve.labs.sandbox import WorkerProcess
+from nanoserve.labs.wire import ChannelBroken, Deadline
 
-STARTUP_S = 300.0   # importing torch and the student's file, before the first check starts (shared machines)
+STARTUP_S = 180.0      # the worker importing the engine's modules (torch, Triton), before the student's file
+OWN_TIME_S = 120.0     # what a check may spend in this process on top of its limit (building engines, the model)
 
 
 class Status(enum.Enum):
     PASS = "pass"
     FAIL = "fail"
     TIMEOUT = "timeout"
+    SKIPPED = "not run"
 
 
 @dataclass(slots=True)
@@ -46,6 +57,7 @@ class CheckResult:
     status: Status
     detail: str = ""     # what went wrong (empty when it passed)
     hint: str = ""       # what to look at (empty when it passed)
+    function: str = ""   # the function the check judges ("" for a check of the whole component)
 
     @property
     def passed(self) -> bool:
@@ -54,95 +66,183 @@ class CheckResult:
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "status": self.status.value})
 
-    @classmethod
-    def from_json(cls, line: str) -> CheckResult:
-        d = json.loads(line)
-        return cls(d["check"], Status(d["status"]), d["detail"], d["hint"])
-
-
-def run_one(ctx: Context, index: int) -> CheckResult:
-    """Run check `index`; any exception becomes a failed row naming the student's file and line."""
-    check = ctx.lab.checks[index]
-    try:
-        check.run(ctx)
-    except CheckFailed as exc:
-        return CheckResult(check.name, Status.FAIL, " ".join(str(exc).split()), exc.hint or check.hint)
-    except AssertionError as exc:   # check_invariants() and the pool's own checks
-        return CheckResult(check.name, Status.FAIL, f"invariant broken: {invariant_text(exc)}", check.hint)
-    except BaseException as exc:    # the student's code raised (or called exit)
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        return CheckResult(check.name, Status.FAIL, where(exc, ctx.path), check.hint)
-    return CheckResult(check.name, Status.PASS)
-
 
 def invariant_text(exc: AssertionError) -> str:
     """An assertion's message, or (a bare `assert`) where it stands and its source line."""
     if str(exc).strip():
         return " ".join(str(exc).split())
-    frames = traceback.extract_tb(exc.__traceback__)
+    frames = frames_of(exc)
     if not frames:
         return "an assertion failed"
-    f = frames[-1]
-    return f"{Path(f.filename).name}:{f.lineno} in {f.name}: {(f.line or 'assert').strip()}"
+    filename, lineno, name, line = frames[-1]
+    return f"{Path(filename).name}:{lineno} in {name}: {(line or 'assert').strip()}"
 
 
-def load_failed(lab: Lab, message: str) -> list[CheckResult]:
-    return [CheckResult(c.name, Status.FAIL, message, "fix the file so that `python FILE` runs, then check again")
-            for c in lab.checks]
+class Session:
+    """One student's file on the checker's side: the worker (started when needed), the channel, the module."""
+
+    def __init__(self, lab: Lab, path: Path, loopback: bool = False, time_limit_s: float | None = None) -> None:
+        self.lab, self.path, self.loopback = lab, path.resolve(), loopback
+        # the worker's CPU-time cap: twice every check's limit, and the imports (a last line of defence:
+        # the limits above stop a check first)
+        self.cpu_s = int(2 * sum(time_limit_s or c.time_limit_s for c in lab.checks) + 3 * STARTUP_S)
+        self.process: WorkerProcess | None = None
+        self.ep: Endpoint | None = None
+        self.module: Proxy | None = None
+
+    def start(self, limit_s: float) -> Proxy:
+        """The student's module, imported in a (fresh) worker within `limit_s`. Raises LoadFailed."""
+        if self.module is not None:
+            return self.module
+        if self.loopback:
+            from nanoserve.labs import worker
+            pair = Loopback()
+            worker.install(pair.worker)
+            self.ep = pair.parent
+        else:
+            self.process = WorkerProcess([self.lab.module, *self.lab.worker_imports], cpu_s=self.cpu_s)
+            read_fd, write_fd = self.process.start()
+            self.ep = Endpoint(send=lambda m: wire.send(write_fd, m),
+                               recv=lambda deadline: wire.recv(read_fd, deadline), strict=True)
+            try:
+                ready = wire.recv(read_fd, time.monotonic() + STARTUP_S)
+            except (Deadline, ChannelBroken) as exc:
+                self.stop()
+                raise LoadFailed(Status.FAIL, f"the lab's worker process did not start ({exc.__class__.__name__}): "
+                                 "is nanoserve installed for this Python?") from None
+            if "ready" not in ready:
+                self.stop()
+                raise LoadFailed(Status.FAIL, "the lab's worker process did not start")
+        self.ep.budget_s = None if self.loopback else limit_s
+        try:
+            module = self.ep.request({"op": "load", "path": str(self.path)})
+        except Deadline:
+            self.stop()
+            raise LoadFailed(Status.TIMEOUT, f"importing {self.path.name} did not finish within {limit_s:g} s "
+                             "(it blocks at import: input(), time.sleep, a lock, an endless loop?); stopped") from None
+        except ChannelBroken:
+            self.stop()
+            raise LoadFailed(Status.FAIL, f"the worker process ended while importing {self.path.name}: "
+                             "sys.exit or os._exit at import?") from None
+        except Exception as exc:   # noqa: BLE001 -- the worker's LoadError, one line with file and line
+            self.stop()
+            text = str(exc) if type(exc).__name__ == "LoadError" else where(exc, self.path)
+            raise LoadFailed(Status.FAIL, text) from None
+        finally:
+            if self.ep is not None:
+                self.ep.budget_s = None
+        if not (isinstance(module, Proxy) and module._rpc_kind == "module"):
+            self.stop()
+            raise LoadFailed(Status.FAIL, f"importing {self.path.name} answered something that is not a module: "
+                             "the file wrote to the lab's channel?")
+        self.module = module
+        return self.module
+
+    def helper(self, name: str, *args, **kwargs):
+        """Run the lab helper `name` ("module:function") in the worker, next to the student's code."""
+        return self.ep.call({"op": "helper", "f": name}, args, kwargs)
+
+    def end_check(self) -> None:
+        """Forget the check's objects on both sides (the module stays)."""
+        if self.ep is None or self.module is None:
+            return
+        try:
+            self.ep.budget_s = None if self.loopback else 30.0
+            self.ep.request({"op": "reset"})
+        except (ChannelBroken, Deadline, Exception):   # noqa: BLE001 -- a worker that cannot reset is replaced
+            self.stop()
+            return
+        finally:
+            if self.ep is not None:
+                self.ep.budget_s = None
+        keep = self.module._rpc_h
+        self.ep.exports, self.ep.handles = {}, {}
+        self.ep.proxies = {keep: self.module}
+
+    def stop(self) -> None:
+        """End the worker and everything it started."""
+        if self.process is not None:
+            self.process.stop()
+        self.process, self.ep, self.module = None, None, None
 
 
-def run_in_process(lab: Lab, path: str | Path) -> list[CheckResult]:
-    """Every check, in this process (no time limits)."""
-    try:
-        module = load_student(path)
-    except LoadError as exc:
-        return load_failed(lab, str(exc))
-    ctx = Context(lab, module, str(path))
-    return [run_one(ctx, i) for i in range(len(lab.checks))]
+class LoadFailed(Exception):
+    def __init__(self, status: Status, text: str) -> None:
+        super().__init__(text)
+        self.status = status
 
 
-def run_checks(lab: Lab, path: str | Path, time_limit_s: float | None = None) -> list[CheckResult]:
-    """Every check of `lab` on the file at `path`, in worker processes, each within its time limit
-    (`time_limit_s` replaces every check's own limit, e.g. a teacher's slower machine)."""
+_models: dict = {}     # model name -> LoadedModel: loaded once per checker process (a grade run checks many files)
+
+
+def run_checks(lab: Lab, path: str | Path, time_limit_s: float | None = None, fail_fast: bool = False,
+               loopback: bool = False) -> list[CheckResult]:
+    """Every check of `lab` on the file at `path`; `time_limit_s` replaces every check's own limit."""
+    session = Session(lab, Path(path), loopback, time_limit_s)
     results: list[CheckResult] = []
-    while len(results) < len(lab.checks):
-        results += _worker_run(lab, Path(path), len(results), time_limit_s)
+    load_failed: LoadFailed | None = None     # an import that failed or blocked fails every check the same way
+    try:
+        for check in lab.checks:
+            if fail_fast and any(not r.passed for r in results):
+                results.append(CheckResult(check.name, Status.SKIPPED, "not run (stopped at the first failure)",
+                                           "", check.function))
+                continue
+            limit = time_limit_s or check.time_limit_s
+            try:
+                if load_failed is not None:
+                    raise load_failed
+                module = session.start(limit)
+            except LoadFailed as exc:
+                load_failed = exc
+                hint = ("a file that does not import cannot be checked: fix it so that `python FILE` runs"
+                        if exc.status is Status.FAIL else "run `python FILE`: it should return at once")
+                results.append(CheckResult(check.name, exc.status, str(exc), hint, check.function))
+                continue
+            ctx = Context(lab, module, str(session.path), _models, session.helper)
+            results.append(_run_one(ctx, check, session, limit, loopback))
+            session.end_check()
+    finally:
+        session.stop()
     return results
 
 
-def _worker_run(lab: Lab, path: Path, start: int, override: float | None) -> list[CheckResult]:
-    """Run checks from `start` in one worker until they end, the worker dies, or one overruns."""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.Popen([sys.executable, "-m", "nanoserve.labs.worker", lab.name, str(path), str(start)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)], daemon=True).start()
-    results: list[CheckResult] = []
-    limit = STARTUP_S + lab.checks[start].time_limit_s
+def run_in_process(lab: Lab, path: str | Path, fail_fast: bool = False) -> list[CheckResult]:
+    """The checks with the worker's side in this process (tests: files known to return)."""
+    return run_checks(lab, path, fail_fast=fail_fast, loopback=True)
+
+
+def _run_one(ctx: Context, check, session: Session, limit: float, loopback: bool) -> CheckResult:
+    """One check; whatever it raises becomes its row. Timeouts and a dead worker end the worker."""
+    ep = session.ep
+    ep.budget_s = None if loopback else limit
+    alarm = not loopback and threading.current_thread() is threading.main_thread()
+    if alarm:
+        def overran(signum, frame):
+            raise Deadline()
+        old = signal.signal(signal.SIGALRM, overran)
+        signal.setitimer(signal.ITIMER_REAL, limit + OWN_TIME_S)
     try:
-        while True:
-            try:
-                line = lines.get(timeout=limit)
-            except queue.Empty:    # the running check overran its limit
-                check = lab.checks[start + len(results)]
-                return results + [CheckResult(check.name, Status.TIMEOUT,
-                                              f"still running after {override or check.time_limit_s:g} s (stopped)",
-                                              "a loop that never ends: " + check.hint)]
-            if line is None:       # the worker died (the student's code killed the process?)
-                if start + len(results) < len(lab.checks):
-                    check = lab.checks[start + len(results)]
-                    return results + [CheckResult(check.name, Status.FAIL, "the check's process died "
-                                                  f"(exit code {proc.wait()})", check.hint)]
-                return results
-            msg = json.loads(line)
-            if "load_error" in msg:
-                return load_failed(lab, msg["load_error"])[start:]
-            if "started" in msg:
-                limit = override or lab.checks[msg["started"]].time_limit_s
-            else:
-                results.append(CheckResult.from_json(line))
-                limit = STARTUP_S
+        check.run(ctx)
+    except Deadline:
+        session.stop()
+        return CheckResult(check.name, Status.TIMEOUT, f"still running after {limit:g} s (stopped)",
+                           "a loop that never ends: " + check.hint, check.function)
+    except ChannelBroken as exc:
+        session.stop()
+        return CheckResult(check.name, Status.FAIL, "the worker process ended during this check, or wrote something "
+                           f"else on the lab's channel ({exc}): sys.exit, os._exit, a crash?", check.hint,
+                           check.function)
+    except CheckFailed as exc:
+        return CheckResult(check.name, Status.FAIL, " ".join(str(exc).split()), exc.hint or check.hint, check.function)
+    except AssertionError as exc:   # the engine's invariant checks, or the student's own assert
+        return CheckResult(check.name, Status.FAIL, f"invariant broken: {invariant_text(exc)}", check.hint,
+                           check.function)
+    except Exception as exc:       # noqa: BLE001 -- the student's code raised: one line naming file and line
+        return CheckResult(check.name, Status.FAIL, where(exc, ctx.path), check.hint, check.function)
     finally:
-        proc.kill()
-        proc.wait()
+        if alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        if session.ep is not None:
+            session.ep.budget_s = None
+    return CheckResult(check.name, Status.PASS, function=check.function)

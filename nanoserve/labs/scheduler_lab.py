@@ -1,22 +1,164 @@
 """Lab scheduler-budget: the token budget, decodes first, chunked prefill (nanoserve/scheduler.py).
 
-The student writes `Scheduler._schedule_running` (passes 1 and 2 of a step:
-running sequences, decodes before prefill chunks, within the budget) and
-`_chunk_size` (how much of a prompt fits: cut to the budget with chunked
-prefill, or wait for a step with room without it). Admission, preemption
-and the block work stay the engine's. The checks watch every step of the
-real engine: its token count, which requests it left out, its chunks.
+The student writes `Scheduler._chunk_size` (how much of a prompt fits: cut to
+the budget with chunked prefill, or wait for a step with room without it)
+and `_schedule_running` (passes 1 and 2 of a step: running sequences,
+decodes before prefill chunks, within the budget). Admission, preemption
+and the block work stay the engine's. The first checks call each function
+directly, on sequences, a pool and a KV manager of the engine's (in the
+checker) that the check sets up; then every step of the real engine is
+watched: its token count, which requests it left out, its chunks.
 """
 
 from __future__ import annotations
 
+from nanoserve.block_pool import BlockPool
 from nanoserve.components import Components
-from nanoserve.events import ChunkScheduled
+from nanoserve.events import ChunkScheduled, StepClock
 from nanoserve.labs.common import SIGNATURES
 from nanoserve.labs.drive import prompts, run_engine, same_as_engine
 from nanoserve.labs.lab import Check, CheckFailed, Context, Lab, expect
 
 BUDGET = 8
+
+
+class Setup:
+    """The engine's config, pool, KV manager and sequences (here); the student's scheduler (in the worker)."""
+
+    def __init__(self, ctx: Context, chunked: bool = True, num_blocks: int = 32, **config) -> None:
+        from nanoserve.config import EngineConfig
+        from nanoserve.kv_manager import KVManager
+        self.config = EngineConfig(model="tiny-llama", block_size=4, num_blocks=num_blocks,
+                                   max_num_batched_tokens=BUDGET, enable_chunked_prefill=chunked, **config)
+        self.pool = BlockPool(num_blocks, 4)
+        self.events: list = []
+        self.clock = StepClock()
+        self.kv = KVManager(self.pool, None, None, self.events.append, clock=self.clock)
+        self.sched = ctx.module.Scheduler(self.config, self.kv, self.events.append, clock=self.clock)
+
+    def seq(self, seq_id: str, prompt: int, output: int = 0, computed: int = 0, running: bool = True):
+        """A sequence with `prompt` prompt and `output` generated tokens, `computed` of them with KV (and blocks)."""
+        from nanoserve.sampling_params import SamplingParams
+        from nanoserve.sequence import Sequence, SequenceStatus
+        seq = Sequence(seq_id, None, list(range(10, 10 + prompt)), SamplingParams(max_tokens=20),
+                       status=SequenceStatus.RUNNING if running else SequenceStatus.WAITING,
+                       output_token_ids=list(range(50, 50 + output)))
+        seq.block_table = self.pool.allocate(self.pool.blocks_needed(0, computed)) if running else []
+        seq.num_computed_tokens = computed
+        if running:
+            self.sched.running.append(seq)
+        return seq
+
+    def planning(self, budget: int, drafts: dict | None = None):
+        from nanoserve.scheduler import Planning, StepPlan
+        return Planning(StepPlan(), budget, drafts or {})
+
+
+def _chunks_of(planning) -> list[tuple]:
+    return [(c.seq.seq_id, c.num_tokens, c.is_prefill, list(c.draft_token_ids)) for c in planning.plan.chunks]
+
+
+CHUNK_HINT = ("_chunk_size: the tokens not yet computed (nor cached) = num_tokens - max(num_cached, "
+              "num_computed_tokens); more than the budget: the budget with chunked prefill, else 0 (wait)")
+
+
+def chunk_size(ctx: Context) -> None:
+    for chunked in (True, False):
+        s = Setup(ctx, chunked=chunked)
+        for args, want, what in (((s.seq("a", 10, running=False), 16), 10, "a 10-token prompt, budget 16"),
+                                 ((s.seq("b", 10, running=False), 10), 10, "a 10-token prompt, budget 10"),
+                                 ((s.seq("c", 10, running=False), 8), 8 if chunked else 0,
+                                  "a 10-token prompt, budget 8"),
+                                 ((s.seq("d", 10, running=False), 16, 8), 2, "10 tokens, 8 of them cached"),
+                                 ((s.seq("e", 10, output=1, computed=10), 16), 1, "a decode"),
+                                 ((s.seq("f", 12, computed=8), 16, 4), 4, "12 tokens, 8 computed, 4 cached"),
+                                 ((s.seq("g", 12, computed=4), 16, 8), 4, "12 tokens, 4 computed, 8 cached"),
+                                 ((s.seq("h", 21, computed=8), 8), 8 if chunked else 0,
+                                  "21 tokens, 8 computed, budget 8")):
+            got = s.sched._chunk_size(*args)
+            expect(got == want, f"_chunk_size({what}) with enable_chunked_prefill={chunked} returned {got}, "
+                   f"expected {want}", CHUNK_HINT)
+
+
+RUNNING_HINT = ("_schedule_running: decodes (1 uncomputed token) first, then prefills, in admission order; while "
+                "budget is left: skip one that is no longer RUNNING; num_new = min(uncomputed + drafts, budget); "
+                "keep the drafts that fit; if self._reserve(...) gives blocks, add the chunk and subtract num_new")
+
+
+def schedule_running(ctx: Context) -> None:
+    for budget, want in ((8, [("d1", 1, False, []), ("d2", 1, False, []), ("p1", 6, True, [])]),
+                         (20, [("d1", 1, False, []), ("d2", 1, False, []), ("p1", 10, True, []),
+                               ("p2", 6, True, [])])):
+        s = Setup(ctx)
+        s.seq("p1", 10)
+        s.seq("d1", 10, output=1, computed=10)
+        s.seq("p2", 6)
+        s.seq("d2", 7, output=2, computed=8)
+        planning = s.planning(budget)
+        s.sched._schedule_running(planning)
+        got = _chunks_of(planning)
+        expect(got == want, f"with budget {budget}, running [p1 (prefill 10), d1 (decode), p2 (prefill 6), d2 "
+               f"(decode)] got chunks {got} (id, tokens, prefill, drafts); expected {want}", RUNNING_HINT)
+        left = budget - sum(c[1] for c in want)
+        expect(planning.budget == left, f"with budget {budget} the plan has {planning.budget} left after the chunks "
+               f"{[c[:2] for c in got]}, expected {left}", "subtract every chunk's tokens from planning.budget")
+        for seq in s.sched.running:
+            expect(len(seq.block_table) == s.pool.blocks_needed(0, seq.num_computed_tokens + sum(
+                c[1] for c in got if c[0] == seq.seq_id)), f"{seq.seq_id} holds {len(seq.block_table)} blocks "
+                "for its scheduled tokens", "get the blocks with self._reserve(seq, num_new, ...) before adding "
+                                            "the chunk")
+
+    s = Setup(ctx)
+    s.seq("d1", 10, output=1, computed=10)
+    s.seq("d2", 10, output=1, computed=10)
+    s.seq("p1", 9)
+    planning = s.planning(8, {"d1": [5, 6, 7], "p1": [1]})
+    s.sched._schedule_running(planning)
+    want = [("d1", 4, False, [5, 6, 7]), ("d2", 1, False, []), ("p1", 3, True, [])]
+    expect(_chunks_of(planning) == want, f"with drafts d1: [5, 6, 7] and budget 8 got chunks {_chunks_of(planning)}, "
+           f"expected {want}", "a decode computes its token plus its drafts (1 + len(drafts)), as far as the budget "
+                               "goes; a prefill has no drafts")
+    s = Setup(ctx)
+    s.seq("d1", 10, output=1, computed=10)
+    s.seq("d2", 10, output=1, computed=10)
+    planning = s.planning(3, {"d1": [5, 6, 7], "d2": [8]})
+    s.sched._schedule_running(planning)
+    want = [("d1", 3, False, [5, 6])]
+    expect(_chunks_of(planning) == want, f"with drafts d1: [5, 6, 7], d2: [8] and budget 3 got chunks "
+           f"{_chunks_of(planning)}, expected {want}", "keep only the drafts that fit in the budget "
+                                                   "(draft[:num_new - uncomputed]); nothing is scheduled with no "
+                                                   "budget left")
+
+    from nanoserve.sequence import SequenceStatus
+    s = Setup(ctx)
+    s.seq("d1", 10, output=1, computed=10)
+    gone = s.seq("d2", 10, output=1, computed=10)
+    gone.status = SequenceStatus.WAITING            # preempted earlier in this pass (still in the list it walks)
+    s.seq("beam", 8, output=1, computed=9)          # 0 uncomputed: a beam waiting for its siblings
+    s.seq("d3", 10, output=1, computed=10)
+    planning = s.planning(8)
+    s.sched._schedule_running(planning)
+    want = [("d1", 1, False, []), ("d3", 1, False, [])]
+    expect(_chunks_of(planning) == want, f"running d1, d2 (no longer RUNNING), beam (nothing to compute), d3 got "
+           f"chunks {_chunks_of(planning)}, expected {want}", "skip (continue past) a sequence that is no longer "
+           "RUNNING (preempted earlier in this loop) and one with no uncomputed token; the others still run")
+    s = Setup(ctx)
+    s.seq("d1", 10, output=1, computed=10)
+    planning = s.planning(1, {"d1": [5, 6]})
+    s.sched._schedule_running(planning)
+    expect(_chunks_of(planning) == [("d1", 1, False, [])], f"a decode with drafts [5, 6] and budget 1 got chunks "
+           f"{_chunks_of(planning)}, expected [('d1', 1, False, [])]", "the budget left has room for the decode's own "
+           "token only: no draft fits (draft[:num_new - uncomputed] is empty)")
+
+    s = Setup(ctx, num_blocks=3)
+    s.seq("p1", 8)
+    s.seq("p2", 8)
+    planning = s.planning(20)
+    s.sched._schedule_running(planning)
+    expect(_chunks_of(planning) == [("p1", 8, True, [])] and planning.budget == 12,
+           f"two 8-token prompts in a 3-block pool: chunks {_chunks_of(planning)}, {planning.budget} budget left; expected "
+           "only p1's chunk and 12 left (p2 could not get blocks)", "when self._reserve returns False (no blocks: the "
+           "sequence was preempted) add no chunk and spend no budget")
 
 
 def _params(n: int):
@@ -109,25 +251,56 @@ LAB = Lab(
     module="nanoserve.scheduler",
     blanks={
         "Scheduler._schedule_running": "decodes = running sequences with 1 uncomputed token, prefills = those "
-                                       "still prefilling; for each (decodes first) while plan.budget > 0: skip "
+                                       "still prefilling; for each (decodes first) while planning.budget > 0: skip "
                                        "one that is no longer RUNNING; num_new = min(uncomputed + drafts, "
-                                       "plan.budget); keep the drafts that fit; if self._reserve(...) add the "
-                                       "chunk (self._add_chunk) and subtract num_new from plan.budget",
+                                       "planning.budget); keep the drafts that fit; if self._reserve(...) add the "
+                                       "chunk (self._add_chunk) and subtract num_new from planning.budget",
         "Scheduler._chunk_size": "num_new = tokens not yet computed (nor cached); if it exceeds the budget: the "
                                  "budget with chunked prefill on, else 0 (wait for a step with room)",
     },
+    contracts={
+        "Scheduler._schedule_running": "Adds a chunk to planning.plan for every running sequence with tokens to "
+                                       "compute, as far as planning.budget goes: decodes (one uncomputed token, plus "
+                                       "the drafts that fit) before prefill chunks, each in admission order, a "
+                                       "chunk never larger than the budget left, only with blocks reserved "
+                                       "(self._reserve); a sequence no longer RUNNING is skipped. planning.budget "
+                                       "drops by every chunk's tokens.",
+        "Scheduler._chunk_size": "The tokens of `seq` to compute this step: those without KV and not cached, "
+                                 "cut to `budget` with chunked prefill; without it, 0 when they do not all fit.",
+    },
+    invariants="A step computes at most max_num_batched_tokens tokens. A running sequence holds blocks for every "
+               "token it has KV for, and reserves blocks for the tokens of its chunk before the chunk is added. "
+               "Decodes come before prefill chunks.",
     components=lambda m: Components(scheduler=m.Scheduler),
     checks=(
         SIGNATURES,
-        Check("never more tokens than the budget", budget_respected,
+        Check("Scheduler._chunk_size: the budget, with and without chunking", chunk_size, CHUNK_HINT, 60,
+              function="Scheduler._chunk_size"),
+        Check("Scheduler._schedule_running: decodes first, within the budget", schedule_running, RUNNING_HINT, 60,
+              function="Scheduler._schedule_running"),
+        Check("real engine: never more tokens than the budget", budget_respected,
               "cut every chunk to the budget that is left", 120),
-        Check("decodes first", decodes_first, "schedule decodes before prefill chunks", 120),
-        Check("chunked prefill splits a long prompt", chunked_prefill,
+        Check("real engine: decodes first", decodes_first, "schedule decodes before prefill chunks", 120),
+        Check("real engine: chunked prefill splits a long prompt", chunked_prefill,
               "with chunked prefill, a prompt longer than the budget is cut to the budget each step", 120),
-        Check("without chunked prefill prompts run whole", whole_prompts,
+        Check("real engine: without chunked prefill prompts run whole", whole_prompts,
               "without chunked prefill a prompt that does not fit waits for a step with room", 120),
         Check("real engine: same tokens (with speculation, small pool)", engine_runs,
               "run the engine with your scheduler and compare its StepResult.stats with the engine's own", 240),
+    ),
+    why=(
+        ("Why do decodes go before prefill chunks?",
+         "A decode is one token for a request that is already streaming to a user; a prefill chunk is many "
+         "tokens for one that has not started. Starving the decode stalls a visible stream for the sake of "
+         "a first token that can wait a step: decodes first keeps the time between tokens flat."),
+        ("Why cut a long prompt into chunks instead of running it whole?",
+         "A whole 2000-token prompt in one step makes every decoding request wait for that step: their "
+         "inter-token latency spikes. Chunks of the budget spread the prompt over steps that still carry "
+         "every decode."),
+        ("Without chunked prefill, why does a prompt that does not fit wait instead of taking what is left?",
+         "Its whole prompt must be computed in one step (that is what switching chunking off means), so taking "
+         "part of the budget would leave it half-computed; it waits for a step with room, and the requests "
+         "behind it in the queue wait too (first come, first served)."),
     ),
     prerequisites="the block-pool lab; lesson 1 (paged KV and batching)",
     minutes=45,

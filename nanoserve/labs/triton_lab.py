@@ -3,12 +3,13 @@
 The student writes `online_softmax_step(m_i, l_i, acc, s, v)` in a copy of
 nanoserve/kernels/triton_common.py: fold one tile of scores into the
 running max, sum and output, so that after the last tile acc / l is
-softmax(all scores) @ V. The engine's own decode and prefill kernels are then
-built around the student's step: `kernels_with` loads the kernels' source
-files as fresh modules whose `online_softmax_step` (and `load_kv_tile`) come
-from the student's file; the engine's modules are not touched. The checks
-compare those kernels with the torch reference (short and long sequences,
-several splits, a split past a sequence's end) and run the engine on them.
+softmax(all scores) @ V. Triton inlines the step into the kernels that call
+it, so every kernel around it is built and run in the lab's worker
+(`triton_kernels.py`); the checks here send tensors, get tensors back and
+compare them with torch: one step on its own (new max, sum and output
+separately), several tiles, a fully masked tile, then the engine's own decode
+kernel (short and long sequences, several splits, a split past a sequence's
+end) and the engine on the Triton backend.
 
 Triton runs on the CPU under its interpreter (TRITON_INTERPRET=1, which the
 lab's worker sets before triton is imported): about 2-3 ms per tile.
@@ -16,94 +17,72 @@ lab's worker sets before triton is imported): about 2-3 ms per tile.
 
 from __future__ import annotations
 
-import importlib.util
-import itertools
-import os
-import sys
-from types import ModuleType
-
 import torch
 
 from nanoserve.components import Components
 from nanoserve.labs.common import SIGNATURES
 from nanoserve.labs.drive import prompts, same_as_engine
 from nanoserve.labs.lab import Check, Context, Lab, expect
+from nanoserve.labs.remote import worker_helper
 
-_count = itertools.count()
-IMPORT = "from nanoserve.kernels.triton_common import load_kv_tile, online_softmax_step"
-
-
-def _load_with(name: str, student: ModuleType) -> ModuleType:
-    """A fresh copy of the engine's module `name` whose shared Triton helpers are the student's."""
-    spec = importlib.util.find_spec(name)
-    with open(spec.origin) as f:
-        source = f.read()
-    assert IMPORT in source, f"{name} no longer imports its helpers as the lab expects"
-    module = ModuleType(f"{name}_lab{next(_count)}")
-    module.__file__ = spec.origin
-    sys.modules[module.__name__] = module            # triton's interpreter reads a function's module
-    module.__dict__.update(load_kv_tile=student.load_kv_tile, online_softmax_step=student.online_softmax_step)
-    exec(compile(source.replace(IMPORT, ""), spec.origin, "exec"), module.__dict__)
-    return module
+KERNELS = "nanoserve.labs.triton_kernels"
+INF = float("inf")
 
 
-def kernels_with(student: ModuleType) -> tuple[ModuleType, ModuleType]:
-    """(decode module, prefill module) built around the student's helpers."""
-    return _load_with("nanoserve.kernels.triton_decode", student), _load_with("nanoserve.kernels.triton_prefill", student)
+def _reference_step(m, l, acc, s, v):
+    """online_softmax_step in torch, with the safe max (rows that saw only -inf stay at l = 0, acc = 0)."""
+    m_new = torch.maximum(m, s.max(dim=1).values)
+    m_safe = torch.where(m_new == -INF, torch.zeros_like(m_new), m_new)
+    p = torch.exp(s - m_safe[:, None])
+    alpha = torch.exp(m - m_safe)
+    return m_new, l * alpha + p.sum(dim=1), acc * alpha[:, None] + p @ v
 
 
-FOLD = """
-import triton
-import triton.language as tl
+STEP_HINT = ("m_new = max(m_i, rowmax s); m_safe = 0 where m_new is -inf, else m_new; p = exp(s - m_safe); alpha = "
+             "exp(m_i - m_safe); l = l_i * alpha + rowsum p; acc = acc * alpha + p @ v; return (m_new, l, acc)")
 
 
-@triton.jit
-def fold_kernel(s_ptr, v_ptr, out_ptr, TILES: tl.constexpr, R: tl.constexpr, N: tl.constexpr, D: tl.constexpr):
-    # Fold TILES tiles of scores [R, N] and values [N, D] with online_softmax_step; store acc / l.
-    offs_r, offs_n, offs_d = tl.arange(0, R), tl.arange(0, N), tl.arange(0, D)
-    m = tl.full([R], float("-inf"), dtype=tl.float32)
-    l = tl.zeros([R], dtype=tl.float32)
-    acc = tl.zeros([R, D], dtype=tl.float32)
-    for t in range(TILES):
-        s = tl.load(s_ptr + t * R * N + offs_r[:, None] * N + offs_n[None, :])
-        v = tl.load(v_ptr + t * N * D + offs_n[:, None] * D + offs_d[None, :])
-        m, l, acc = online_softmax_step(m, l, acc, s, v)
-    tl.store(out_ptr + offs_r[:, None] * D + offs_d[None, :], acc / l[:, None])
-"""
-
-
-def _fold(student: ModuleType, s: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Run the student's step over tiles s [T, R, N], v [T, N, D] inside a one-program kernel."""
-    module = ModuleType(f"nanoserve_lab_fold{next(_count)}")
-    module.__file__ = __file__
-    sys.modules[module.__name__] = module
-    module.online_softmax_step = student.online_softmax_step
-    exec(compile(FOLD, f"<{module.__name__}>", "exec"), module.__dict__)
-    out = torch.empty(s.shape[1], v.shape[2])
-    module.fold_kernel[(1,)](s.contiguous(), v.contiguous(), out, TILES=s.shape[0], R=s.shape[1], N=s.shape[2],
-                             D=v.shape[2])
-    return out
+def one_step(ctx: Context) -> None:
+    """The step alone: its three outputs against torch, from an empty state, a running one, and masked rows."""
+    g = torch.Generator().manual_seed(3)
+    R = N = D = 16
+    s, v = torch.randn(R, N, generator=g), torch.randn(N, D, generator=g)
+    empty = (torch.full((R,), -INF), torch.zeros(R), torch.zeros(R, D))
+    m = torch.randn(R, generator=g) + torch.tensor([3.0, -3.0] * (R // 2))     # above and below the tile's max
+    running = (m, torch.rand(R, generator=g) + 0.5, torch.randn(R, D, generator=g))
+    masked_s = s.clone()
+    masked_s[::2] = -INF                           # even rows: a fully masked tile
+    half_empty = (torch.where(torch.arange(R) % 4 == 0, torch.tensor(-INF), m), running[1] *
+                  (torch.arange(R) % 4 != 0), running[2] * (torch.arange(R) % 4 != 0)[:, None])
+    for state, tile, what in ((empty, s, "the first tile (m = -inf, l = 0, acc = 0)"),
+                              (running, s, "a tile after others (m above and below the tile's max)"),
+                              (half_empty, masked_s, "fully masked rows (s = -inf), some with nothing seen yet")):
+        got = ctx.helper(f"{KERNELS}:step_once", ctx.module, *state, tile, v)
+        want = _reference_step(*state, tile, v)
+        for name, g_, w, why in (("m_new", got[0], want[0], "m_new = max(m_i, rowmax s)"),
+                                 ("l", got[1], want[1], "l = l_i * alpha + rowsum p, alpha = exp(m_i - m_safe)"),
+                                 ("acc", got[2], want[2], "acc = acc * alpha + p @ v (p cast to v's dtype)")):
+            expect(not torch.isnan(g_).any(), f"one step on {what}: {name} holds NaN",
+                   "a row that has seen only masked (-inf) scores has m = -inf, and exp(-inf - -inf) is NaN: use a "
+                   "safe max (0 where the new max is -inf) in both exponents, so p and alpha are 0 there")
+            close = torch.allclose(g_, w, rtol=1e-4, atol=1e-4, equal_nan=False) or torch.equal(g_, w)
+            expect(close, f"one step on {what}: {name} differs from torch by {float((g_ - w).abs().nan_to_num(INF).max()):.3g}",
+                   f"{why}. The whole step: {STEP_HINT}")
 
 
 def masked_tile(ctx: Context) -> None:
     """A tile whose scores are all masked (-inf) first, then a real one: the result is the real tile's."""
-    _require_interpreter()
     g = torch.Generator().manual_seed(7)
     s = torch.randn(2, 16, 16, generator=g)
     s[0] = float("-inf")                       # every position of the first tile masked
     v = torch.randn(2, 16, 16, generator=g)
-    got = _fold(ctx.module, s, v)
+    got = ctx.helper(f"{KERNELS}:fold", ctx.module, s, v)
     want = torch.softmax(s[1], dim=-1) @ v[1]
     expect(not torch.isnan(got).any(), "after a fully masked tile the output holds NaN",
            "a row that has seen only masked (-inf) scores has m = -inf, and exp(-inf - -inf) is NaN: use a safe "
            "max (0 where the new max is -inf) in both exponents, so p and alpha are 0 there")
     expect(torch.allclose(got, want, atol=1e-4), "a masked tile followed by a real one does not give the real "
            "tile's softmax @ V", "masked positions must add nothing: p = exp(-inf) = 0")
-
-
-def _require_interpreter() -> None:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("this lab runs Triton under its interpreter: start with TRITON_INTERPRET=1")
 
 
 def _case(seed: int, lens: list[int], bs: int = 4, hq: int = 4, hkv: int = 2, d: int = 16):
@@ -119,11 +98,9 @@ def _case(seed: int, lens: list[int], bs: int = 4, hq: int = 4, hkv: int = 2, d:
 
 def _compare(ctx: Context, lens: list[int], what: str, hint: str, **kw) -> None:
     from nanoserve.kernels import reference
-    _require_interpreter()
-    decode, _ = kernels_with(ctx.module)
     q, k_cache, v_cache, tables, seq_lens = _case(len(lens), lens)
     want = reference.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25)
-    got = decode.decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, **kw)
+    got = ctx.helper(f"{KERNELS}:decode", ctx.module, q, k_cache, v_cache, tables, seq_lens, 0.25, **kw)
     expect(not torch.isnan(got).any(), f"{what}: the output holds NaN",
            "a row that has seen only masked (-inf) scores has m = -inf: exp(-inf - -inf) is NaN. Use a safe max "
            "(0 where the new max is -inf) in the exponents")
@@ -152,20 +129,19 @@ def splits(ctx: Context) -> None:
 
 def engine_runs(ctx: Context) -> None:
     from nanoserve.sampling_params import SamplingParams
-    _require_interpreter()
     reqs = [(f"r{i}", p, SamplingParams(max_tokens=4, temperature=0)) for i, p in enumerate(prompts(2, 11, seed=5))]
     same_as_engine(ctx, reqs, {"num_blocks": 16, "max_num_batched_tokens": 16, "attention_backend": "triton"},
                    "the engine's tokens differ with your step inside its Triton kernels")
 
 
-def _components(m: ModuleType) -> Components:
+def _components(m) -> Components:
     from nanoserve.kernels.backends import make_backend
     from nanoserve.kernels.triton_backend import TritonBackend
 
     def make(name: str, fast_paths: bool):
         if name != "triton":
             return make_backend(name, fast_paths)
-        decode, prefill = kernels_with(m)
+        decode, prefill = worker_helper(m, f"{KERNELS}:kernels_with")   # built where the student's code runs
         return TritonBackend(decode, prefill)
     return Components(attention_backend=make)
 
@@ -177,15 +153,42 @@ LAB = Lab(
     blanks={"online_softmax_step": "m_new = max(m_i, rowmax s); m_safe = 0 where m_new is -inf else m_new; "
                                    "p = exp(s - m_safe); alpha = exp(m_i - m_safe); l = l * alpha + rowsum p; "
                                    "acc = acc * alpha + dot(p, v) (p cast to v's dtype); return m_new, l, acc"},
+    contracts={"online_softmax_step": "Given the running row max m_i, row sum l_i and output acc of the tiles "
+                                      "so far, and a new tile of scores s (-inf where masked) and values v, "
+                                      "returns them for all tiles so far, so that after the last tile acc / l "
+                                      "is softmax(all scores) @ V. A row that has seen only -inf keeps l = 0 "
+                                      "and acc = 0, never NaN."},
+    invariants="After any number of tiles: m = the max score seen per row; l = sum of exp(score - m); acc = "
+               "sum of exp(score - m) * v. Masked scores are -inf and add nothing.",
+    worker_imports=("triton", KERNELS),
     components=_components,
     checks=(
         SIGNATURES,
-        Check("one tile equals the reference", one_tile, "fold one tile into (m, l, acc)", 120),
-        Check("many tiles equal the reference", many_tiles, "rescale the old l and acc by alpha", 180),
-        Check("split-K with empty splits: no NaN", splits, "keep fully masked rows at l = 0 without NaN", 180),
-        Check("a fully masked tile: no NaN", masked_tile, "a safe max keeps fully masked rows at 0", 120),
+        Check("online_softmax_step: one step, m, l and acc", one_step, STEP_HINT, 120,
+              function="online_softmax_step"),
+        Check("online_softmax_step: a fully masked tile, no NaN", masked_tile,
+              "a safe max keeps fully masked rows at 0", 120, function="online_softmax_step"),
+        Check("online_softmax_step: one tile in the decode kernel", one_tile, "fold one tile into (m, l, acc)", 120,
+              function="online_softmax_step"),
+        Check("online_softmax_step: many tiles in the decode kernel", many_tiles,
+              "rescale the old l and acc by alpha", 180, function="online_softmax_step"),
+        Check("online_softmax_step: split-K with empty splits, no NaN", splits,
+              "keep fully masked rows at l = 0 without NaN", 180, function="online_softmax_step"),
         Check("real engine on the Triton backend: same tokens", engine_runs,
               "run the engine with attention_backend='triton' (TRITON_INTERPRET=1) and your step", 300),
+    ),
+    why=(
+        ("Why keep a running max at all, instead of exp(s) directly?",
+         "exp of a score of 90 overflows float32 (and float16 overflows above about 11): subtracting the row "
+         "max keeps every exponent at or below 0. The max changes tile by tile, so the sums so far are "
+         "rescaled by alpha = exp(m_old - m_new) whenever it does."),
+        ("Why does a fully masked row need a 'safe' max?",
+         "Its max is -inf, and exp(-inf - (-inf)) is exp(NaN). With 0 in place of the max, p = exp(-inf) = 0 "
+         "and alpha = exp(-inf) = 0: the row keeps l = 0 and acc = 0, and the split-K combine simply ignores "
+         "it."),
+        ("Why does this make split-K possible?",
+         "(m, l, acc) of two halves of a row combine exactly like a step does: rescale both to the larger max "
+         "and add. Splits of a long sequence run in parallel programs and are merged at the end."),
     ),
     prerequisites="softmax and its max trick; lesson 3 (the decode kernel)",
     minutes=40,

@@ -1,41 +1,91 @@
-"""The process that runs a lab's checks: `python -m nanoserve.labs.worker LAB FILE FIRST_CHECK`.
+"""The process that holds a student's code: `python -m nanoserve.labs.worker READ_FD WRITE_FD CPU_S MODULE...`.
 
-It writes one JSON line when a check starts and one with its result; the
-student's own prints go to stderr so they cannot garble that stream.
-`run.py` reads it and enforces the time limits.
+It is started by `sandbox.py` (in its own session, in a scratch folder, with
+resource limits), imports the engine modules the lab needs, then answers the
+checker's requests on the channel (`remote.py`) until the channel closes:
+
+    load PATH      import the student's file; a handle to the module (or LoadError, one line)
+    helper F ARGS  run a lab's helper here, next to the student's code (the Triton lab builds
+                   its kernels around the student's function here, never in the checker)
+    reset          forget the objects of the last check
+
+and every request on the objects it handed out. It decides nothing: the
+checker holds the checks and the verdict. Its stdin, stdout and stderr are
+/dev/null (a student's prints, however many, go nowhere and cannot reach the channel).
 """
 
 from __future__ import annotations
 
-import json
+import importlib
 import os
+import resource
+import signal
 import sys
+
+MEMORY_BYTES = 4 << 30      # address space: torch and Triton's interpreter fit well inside; a huge allocation fails
+FILE_BYTES = 64 << 20       # the largest file the student's code may write (in its scratch folder, or anywhere)
+OPEN_FILES = 256
+
+
+def limit(cpu_s: int) -> None:
+    """Resource limits for this process and everything it starts (hard limits: the code cannot raise them)."""
+    for what, value in ((resource.RLIMIT_AS, MEMORY_BYTES), (resource.RLIMIT_FSIZE, FILE_BYTES),
+                        (resource.RLIMIT_NOFILE, OPEN_FILES), (resource.RLIMIT_CORE, 0),
+                        (resource.RLIMIT_CPU, cpu_s)):
+        soft, hard = resource.getrlimit(what)
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        try:
+            resource.setrlimit(what, (value, value))
+        except (ValueError, OSError):
+            pass
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)     # a write past the limit fails (EFBIG); it does not kill
 
 
 def main(argv: list[str]) -> int:
-    lab_name, path, first = argv[0], argv[1], int(argv[2])
-    # Triton on a CPU runs under its interpreter, which must be on before triton is first imported
-    # (torch and transformers import it). No lab needs compiled Triton, so the worker always sets it.
+    read_fd, write_fd, cpu_s = int(argv[0]), int(argv[1]), int(argv[2])
+    limit(cpu_s)
+    # Triton on a CPU runs under its interpreter, which must be on before triton is first imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    out = os.fdopen(os.dup(1), "w", buffering=1)   # our channel; fd 1 now goes to stderr for the student
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    from nanoserve.labs import get_lab
-    from nanoserve.labs.lab import Context
-    from nanoserve.labs.load import LoadError, load_student
-    from nanoserve.labs.run import run_one
+    for name in ["nanoserve.labs.starter", *argv[3:]]:   # the engine's modules: imported before the student's
+        importlib.import_module(name)
+    from nanoserve.labs import wire
+    from nanoserve.labs.remote import Endpoint
 
-    lab = get_lab(lab_name)
-    try:
-        module = load_student(path)
-    except LoadError as exc:
-        out.write(json.dumps({"load_error": str(exc)}) + "\n")
-        return 0
-    ctx = Context(lab, module, path)
-    for i in range(first, len(lab.checks)):
-        out.write(json.dumps({"started": i}) + "\n")
-        out.write(run_one(ctx, i).to_json() + "\n")
-    return 0
+    ep = Endpoint(send=lambda m: wire.send(write_fd, m), recv=lambda deadline: wire.recv(read_fd, deadline))
+    install(ep)
+    wire.send(write_fd, {"ready": os.getpid()})
+    while True:
+        try:
+            message = wire.recv(read_fd)
+        except wire.ChannelBroken:
+            return 0
+        wire.send(write_fd, ep.serve(message))
+
+
+def install(ep) -> None:
+    """The worker's own requests (load, helper, reset) on endpoint `ep`."""
+    pinned: dict[int, object] = {}
+
+    def load(ep, m):
+        from nanoserve.labs.load import load_student
+        module = load_student(str(m.get("path")))
+        pinned[ep.export(module)] = module
+        return module
+
+    def helper(ep, m):
+        module_name, _, name = str(m.get("f")).partition(":")
+        if not module_name.startswith("nanoserve.labs."):
+            raise ValueError(f"no helper {m.get('f')!r}")
+        fn = getattr(importlib.import_module(module_name), name)
+        return fn(*[ep.decode(a) for a in m.get("a") or []], **{k: ep.decode(v) for k, v in (m.get("k") or {}).items()})
+
+    def reset(ep, m):
+        ep.exports = dict(pinned)
+        ep.handles = {id(obj): h for h, obj in pinned.items()}
+        ep.proxies.clear()
+        return None
+
+    ep.serve_ops.update(load=load, helper=helper, reset=reset)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,13 @@
 The modules, one concept each:
 
     app.py            the FastAPI app: routes for watching, auth, error bodies, lifespan
-    openai_routes.py  /v1/models, /v1/completions, /v1/chat/completions (streaming or not)
+    openai_routes.py  /v1/models, /v1/completions (batches of prompts), /v1/chat/completions (streaming or not)
+    vllm_routes.py    vLLM's routes beside the OpenAI API: /tokenize, /detokenize, /tokenizer_info, /version,
+                      /reset_prefix_cache
     protocol.py       request bodies (pydantic) and ApiError, the OpenAI-style error
-    responses.py      engine outputs as OpenAI JSON and stream chunks
+    unsupported.py    the fields refused with a 400 rather than ignored (vLLM extras nanoserve has no use for)
+    structured.py     structured output's request fields (response_format, guided_*) -> structured_outputs
+    responses.py      engine outputs as OpenAI JSON and stream chunks (echo, prompt log-probabilities)
     engine_loop.py    the thread that owns the engine; queues to and from the handlers
     event_stream.py   GET /events: the engine's events as server-sent events (trace lines)
     clients.py        who is connected (the TUI's clients panel)

@@ -1,6 +1,7 @@
 """The ASGI app of `nanoserve serve`: FastAPI routes in front of one engine loop.
 
     POST /v1/completions, /v1/chat/completions, GET /v1/models    openai_routes.py
+    POST /tokenize, /detokenize, /reset_prefix_cache, GET /tokenizer_info, /version   vllm_routes.py
     GET  /events        the engine's events as SSE, in the trace's JSONL schema   event_stream.py
     GET  /snapshot      engine.snapshot(), taken between two steps
     GET  /clients       who is connected (the TUI's clients panel)                clients.py
@@ -38,7 +39,8 @@ from nanoserve.serve.engine_loop import EngineLoop
 from nanoserve.serve.event_stream import EventHub, event_stream
 from nanoserve.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from nanoserve.serve.openai_routes import router as openai_router
-from nanoserve.serve.protocol import ApiError, validation_error
+from nanoserve.serve.protocol import ApiError, ChatTemplateOptions, template_variables, validation_error
+from nanoserve.serve.vllm_routes import router as vllm_router
 from nanoserve.trace import JsonlRecorder
 
 
@@ -52,7 +54,7 @@ class Server:
         self.implementation = engine.implementation.as_dict()   # fixed once the engine is built
         self.tokenizer = engine.tokenizer           # for chat templates and token texts (read-only here)
         self.max_model_len = engine.config.max_model_len
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(self.model_name)
         self.engine_loop = EngineLoop(engine, self.metrics, max_waiting, step_delay)
         self.hub = EventHub(self.engine_loop)
         self.book = ClientBook()
@@ -75,12 +77,17 @@ class Server:
     def next_request_id(self, chat: bool) -> str:
         return f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}"
 
-    def chat_prompt(self, dialog: list[dict]) -> str:
-        """The messages through the tokenizer's chat template, ending where the assistant speaks."""
+    def chat_prompt(self, dialog: list[dict], options: ChatTemplateOptions | None = None) -> str:
+        """The messages through the tokenizer's chat template, ending where the assistant speaks
+        (or, with `options`, going on with the last message; with more template variables)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, f"model {self.model_name!r} has no chat template: use /v1/completions", "messages")
+        options = options or ChatTemplateOptions()
+        variables = template_variables(self.tokenizer, options.chat_template_kwargs)
         try:
-            return self.tokenizer.apply_chat_template(dialog, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(
+                dialog, tokenize=False, add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message, **variables)
         except Exception as exc:  # noqa: BLE001 -- a template's own error (e.g. roles it refuses)
             raise ApiError(400, f"the chat template refused these messages: {exc}", "messages") from None
 
@@ -119,6 +126,7 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
     app = FastAPI(title="nanoserve", summary="An OpenAI-compatible server you can watch", lifespan=lifespan)
     app.state.server = server
     app.include_router(openai_router)
+    app.include_router(vllm_router)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:

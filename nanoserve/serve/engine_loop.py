@@ -160,6 +160,8 @@ class EngineLoop:
                 idle = not self.engine.has_unfinished_requests() or not self._running.is_set()
                 self._drain(block=idle)
                 if self._stop or not self._running.is_set() or not self.engine.has_unfinished_requests():
+                    if self.metrics:     # no step will refresh the gauges (e.g. after an abort): do it here
+                        self.metrics.refresh(self.engine)
                     self._flush_watchers()
                     continue
                 self._step()
@@ -210,7 +212,7 @@ class EngineLoop:
             num_prompt = self._add(sub)
         except ApiError as exc:
             if exc.status == 429 and self.metrics:
-                self.metrics.rejected.inc()
+                self.metrics.rejected_request()
             sub.admitted.set_exception(exc)
             return
         self._sinks[sub.request_id] = sub.sink

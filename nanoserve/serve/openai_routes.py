@@ -1,4 +1,4 @@
-"""The OpenAI routes: /v1/models, /v1/completions, /v1/chat/completions.
+"""The OpenAI routes: /v1/models (and /v1/models/{id}), /v1/completions, /v1/chat/completions.
 
 A request's way through the server:
 
@@ -13,7 +13,10 @@ A request's way through the server:
     body's disconnect message) -> EngineLoop.abort ------> engine.abort_request (blocks freed/cached)
 
 Response ids double as engine request ids (`cmpl-7`, `chatcmpl-8`): what the
-client sees is what the TUI and the trace show.
+client sees is what the TUI and the trace show. A completions request with a
+batch of prompts runs one engine request per prompt (`cmpl-7-0`, `cmpl-7-1`,
+...), all admitted in the same pass of the engine loop, all or none (a prompt
+that does not fit aborts the rest of its batch), answered together.
 """
 
 from __future__ import annotations
@@ -23,26 +26,48 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from nanoserve.errors import FieldError
 from nanoserve.outputs import RequestOutput
 from nanoserve.serve.engine_loop import Sink, Submission
 from nanoserve.serve.protocol import ApiError, ChatRequest, CompletionRequest
-from nanoserve.serve.responses import ChunkWriter, chat_body, completion_body, sse
+from nanoserve.serve.responses import ChunkWriter, Shape, chat_body, completion_body, prompt_text, sse
 
 router = APIRouter()
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
+    return {"object": "list", "data": [_model_card(request.app.state.server)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> dict:
+    """One model (`client.models.retrieve`): the served one, or 404."""
     server = request.app.state.server
-    return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.started,
-                                        "owned_by": "nanoserve", "max_model_len": server.max_model_len}]}
+    _check_model(server, model_id)
+    return _model_card(server)
+
+
+def _model_card(server) -> dict:
+    return {"id": server.model_name, "object": "model", "created": server.started, "owned_by": "nanoserve",
+            "max_model_len": server.max_model_len}
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     body.check_supported()
-    params = {**body.sampling_fields(), "max_tokens": body.max_tokens, "logprobs": body.logprobs}
-    return await _generate(request, body, body.prompt, params, chat=False, top_logprobs=body.logprobs or 0)
+    server = request.app.state.server
+    prompts = body.prompts()
+    # echo with logprobs needs the prompt's log-probabilities; max_tokens=0 (echo only) still samples one
+    # token, which the answer leaves out (as vLLM does)
+    k = max(body.prompt_logprobs or 0, body.logprobs or 0) \
+        if body.prompt_logprobs is not None or (body.echo and body.logprobs is not None) else None
+    params = {**body.sampling_fields(), "max_tokens": 1 if body.echo_only else body.max_tokens,
+              "logprobs": body.logprobs, "prompt_logprobs": k}
+    echo = [prompt_text(server.tokenizer, p) for p in prompts] if body.echo else None
+    shape = Shape(n=body.n, logprobs=body.logprobs, echo=echo, echo_only=body.echo_only,
+                  prompt_logprobs=body.prompt_logprobs)
+    return await _generate(request, body, prompts, params, chat=False, shape=shape)
 
 
 @router.post("/v1/chat/completions")
@@ -50,9 +75,10 @@ async def chat_completions(body: ChatRequest, request: Request):
     body.check_supported()
     server = request.app.state.server
     _check_model(server, body.model)
-    prompt = server.chat_prompt(body.dialog())
+    prompt = server.chat_prompt(body.dialog(), body.template_options())
     params = {**body.sampling_fields(), "max_tokens": body.requested_max_tokens, "logprobs": body.num_logprobs}
-    return await _generate(request, body, prompt, params, chat=True, top_logprobs=body.top_logprobs or 0)
+    shape = Shape(top_logprobs=body.top_logprobs or 0, echo=[body.echo_text], prompt_logprobs=body.prompt_logprobs)
+    return await _generate(request, body, [prompt], params, chat=True, shape=shape)
 
 
 def _check_model(server, model: str) -> None:
@@ -61,81 +87,107 @@ def _check_model(server, model: str) -> None:
                        "model", "model_not_found")
 
 
-async def _generate(request: Request, body, prompt, params: dict, chat: bool, top_logprobs: int):
+async def _generate(request: Request, body, prompts: list, params: dict, chat: bool, shape: Shape):
+    """Submit each prompt as its own engine request (`<id>-<i>` in a batch), then answer them together."""
     server = request.app.state.server
     _check_model(server, body.model)
+    try:                                             # structured output (structured.py): checked before queueing
+        params["structured_outputs"] = body.structured_outputs_params()
+    except FieldError as exc:
+        raise ApiError(400, str(exc), exc.field) from None
     rid = server.next_request_id(chat)
+    ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
     client = f"{request.client.host}:{request.client.port}" if request.client else "?"
     server.book.open(rid, client, body.user, "chat" if chat else "completions", body.stream)
-    sink = Sink(asyncio.get_running_loop())
-    try:
-        await asyncio.wrap_future(server.engine_loop.submit(Submission(rid, prompt, params, sink)))
-    except ApiError as exc:
-        server.book.close(rid, "rejected" if exc.status == 429 else "error", exc.message)
-        raise
-    writer = ChunkWriter(rid, server.model_name, chat, server.tokenizer, top_logprobs)
+    sink = Sink(asyncio.get_running_loop())       # one for the whole batch: outputs carry their request id
+    futures = [server.engine_loop.submit(Submission(i, p, params, sink)) for i, p in zip(ids, prompts)]
+    results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
+    refused = next((r for r in results if isinstance(r, BaseException)), None)
+    if refused is not None:                       # all or nothing: the admitted ones of the batch go too
+        for i, r in zip(ids, results):
+            if not isinstance(r, BaseException):
+                server.engine_loop.abort(i)
+        server.book.close(rid, "rejected" if getattr(refused, "status", None) == 429 else "error", str(refused))
+        if len(prompts) > 1 and isinstance(refused, ApiError):
+            which = next(n for n, r in enumerate(results) if r is refused)
+            refused.message = f"prompt {which} of the batch: {refused.message}"
+        raise refused
+    writer = ChunkWriter(rid, server.model_name, chat, server.tokenizer, shape)
     if body.stream:
-        return StreamingResponse(_stream(server, rid, sink, writer, body.n, body.include_usage),
+        return StreamingResponse(_stream(server, rid, ids, sink, writer, body.n, body.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    out = await _collect(request, server, rid, sink)
-    if out is None:                                  # the client left; nobody reads this
+    outs = await _collect(request, server, rid, ids, sink)
+    if outs is None:                                 # the client left; nobody reads this
         return JSONResponse({}, status_code=499)
-    make = chat_body if chat else completion_body
-    args = (top_logprobs,) if chat else ()
-    return make(out, rid, server.model_name, writer.created, server.tokenizer, *args)
+    if chat:
+        return chat_body(outs[0], rid, server.model_name, writer.created, server.tokenizer, shape)
+    return completion_body(outs, rid, server.model_name, writer.created, server.tokenizer, shape)
 
 
-async def _stream(server, rid: str, sink: Sink, writer: ChunkWriter, n: int, include_usage: bool):
-    """The SSE body: chunks as tokens come, [DONE] at the end; a cancelled stream aborts the request."""
+async def _stream(server, rid: str, ids: list[str], sink: Sink, writer: ChunkWriter, n: int, include_usage: bool):
+    """The SSE body: chunks as tokens come, [DONE] at the end; a cancelled stream aborts the requests."""
     state, detail = "disconnected", ""
+    index = {i: k for k, i in enumerate(ids)}        # engine request id -> prompt index
+    latest: dict[str, RequestOutput] = {}
     try:
         for chunk in writer.first(n):
             yield chunk
-        while True:
+        while len(latest) < len(ids) or not all(out.finished for out in latest.values()):
             try:
                 out = await sink.get()
             except ApiError as exc:                  # the engine gave up on it: say so in the stream
                 state, detail = "error", exc.message
                 yield sse(exc.body())
                 break
-            for chunk in writer.update(out):
+            latest[out.request_id] = out
+            for chunk in writer.update(out, index[out.request_id]):
                 yield chunk
-            server.book.update(rid, state="running", tokens=_tokens(out))
-            if out.finished:
-                state = "done"
-                if include_usage:
-                    yield writer.usage_chunk(out)
-                break
+            server.book.update(rid, state="running", tokens=_tokens(latest.values()))
+        else:
+            state = "done"
+            if include_usage:
+                yield writer.usage_chunk([latest[i] for i in ids])
         yield sse("[DONE]")
     finally:                                          # also on cancellation: the client hung up
-        if state == "disconnected":
-            server.engine_loop.abort(rid)
+        if state != "done":
+            for i in ids:
+                if i not in latest or not latest[i].finished:
+                    server.engine_loop.abort(i)
         server.book.close(rid, state, detail)
 
 
-async def _collect(request: Request, server, rid: str, sink: Sink) -> RequestOutput | None:
-    """Wait for the finished output; None (and the request aborted) if the client disconnects first."""
+async def _collect(request: Request, server, rid: str, ids: list[str], sink: Sink) -> list[RequestOutput] | None:
+    """Wait for every prompt's finished output (in prompt order); None (and the requests aborted) if the
+    client disconnects first."""
     gone = asyncio.ensure_future(_disconnected(request))
+    latest: dict[str, RequestOutput] = {}
     try:
-        while True:
+        while len(latest) < len(ids) or not all(out.finished for out in latest.values()):
             get = asyncio.ensure_future(sink.get())
             await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not get.done():
                 get.cancel()
-                server.engine_loop.abort(rid)
+                _abort_unfinished(server, ids, latest)
                 server.book.close(rid, "disconnected")
                 return None
             try:
                 out = get.result()
             except ApiError as exc:
+                _abort_unfinished(server, ids, latest)
                 server.book.close(rid, "error", exc.message)
                 raise
-            server.book.update(rid, state="running", tokens=_tokens(out))
-            if out.finished:
-                server.book.close(rid, "done")
-                return out
+            latest[out.request_id] = out
+            server.book.update(rid, state="running", tokens=_tokens(latest.values()))
+        server.book.close(rid, "done")
+        return [latest[i] for i in ids]
     finally:
         gone.cancel()
+
+
+def _abort_unfinished(server, ids: list[str], latest: dict[str, RequestOutput]) -> None:
+    for i in ids:
+        if i not in latest or not latest[i].finished:
+            server.engine_loop.abort(i)
 
 
 async def _disconnected(request: Request) -> None:
@@ -144,5 +196,5 @@ async def _disconnected(request: Request) -> None:
         await asyncio.sleep(0)
 
 
-def _tokens(out: RequestOutput) -> int:
-    return sum(len(c.token_ids) for c in out.outputs)
+def _tokens(outs) -> int:
+    return sum(len(c.token_ids) for out in outs for c in out.outputs)

@@ -10,20 +10,28 @@ body:
 
 The models are pydantic in strict mode, so `"max_tokens": "5"` is an error
 naming the field instead of a silent conversion. Fields the OpenAI API has
-and nanoserve cannot honour (`echo`, `best_of`, `suffix`, `logit_bias`,
-tools) are rejected with a sentence rather than ignored; unknown extra fields
-are ignored, as the OpenAI server does. A few fields from vLLM's extended API
-(`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
-`stop_token_ids`) map to the engine settings of the same names.
+and nanoserve cannot honour (`best_of`, `suffix`, `logit_bias`, tools) are
+rejected with a sentence rather than ignored, and so are the fields of
+`unsupported.py`'s table (`response_format` other than text, vLLM's guided
+decoding, ...); other unknown fields are ignored, as the OpenAI server does.
+Fields from vLLM's extended API (`top_k`, `min_p`, `repetition_penalty`,
+`min_tokens`, `ignore_eos`, `stop_token_ids`, `prompt_logprobs`,
+`skip_special_tokens`, `include_stop_str_in_output`) map to the engine
+settings of the same names; chat's `echo`, `add_generation_prompt`,
+`continue_final_message` and `chat_template_kwargs` are honoured as vLLM does.
 
 Building responses lives in `responses.py`.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from nanoserve.serve.structured import StructuredFields
+from nanoserve.serve.unsupported import unsupported_field
 
 MAX_N = 128            # OpenAI's own upper bound on `n`; the engine's max_num_seqs is usually lower
 MAX_LOGPROBS = 20      # top log-probabilities per token, as in the OpenAI API
@@ -49,10 +57,11 @@ class StreamOptions(BaseModel):
     include_usage: bool = False        # a last chunk with `usage` and no choices
 
 
-class _Sampling(BaseModel):
-    """The fields both endpoints share; each maps to the SamplingParams field of the same meaning."""
+class _Sampling(StructuredFields):
+    """The fields both endpoints share; each maps to the SamplingParams field of the same meaning
+    (and structured output's: response_format, vLLM's structured_outputs and guided_*: structured.py)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")   # extras: refused (unsupported.py) or ignored
 
     model: str                                             # must name the served model (else 404)
     n: int = Field(1, ge=1, le=MAX_N)
@@ -72,6 +81,9 @@ class _Sampling(BaseModel):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)   # per prompt token (not with stream)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def sampling_fields(self) -> dict:
         """SamplingParams keyword arguments, except max_tokens and logprobs (the endpoints differ)."""
@@ -80,7 +92,17 @@ class _Sampling(BaseModel):
                     stop=stop, seed=self.seed, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                     min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-                    stop_token_ids=list(self.stop_token_ids or []))
+                    stop_token_ids=list(self.stop_token_ids or []), prompt_logprobs=self.prompt_logprobs,
+                    skip_special_tokens=self.skip_special_tokens,
+                    include_stop_str_in_output=self.include_stop_str_in_output)
+
+    def check_common(self) -> None:
+        """What both endpoints refuse: the fields of unsupported.py's table, prompt log-probabilities in a stream."""
+        refused = unsupported_field(self.model_extra or {})
+        if refused is not None:
+            raise ApiError(400, refused[1], refused[0])
+        if self.prompt_logprobs is not None and self.stream:
+            raise ApiError(400, "prompt_logprobs cannot be streamed (as in vLLM): use stream=false", "prompt_logprobs")
 
     @property
     def include_usage(self) -> bool:
@@ -88,19 +110,36 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    """`POST /v1/completions`: complete a prompt (a string, or a list of token ids)."""
+    """`POST /v1/completions`: complete a prompt or a batch of prompts (text, or token ids).
 
-    prompt: str | list[int]
-    max_tokens: int | None = Field(16, ge=1)               # OpenAI's default for completions; None: fill the context
+    Each prompt of a batch is its own engine request; the n completions of prompt i are the choices
+    i * n .. i * n + n - 1, as in OpenAI's and vLLM's servers.
+    """
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)               # OpenAI's default; None: fill the context; 0: echo only
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)   # top log-probabilities per token
-    echo: bool = False
+    echo: bool = False                                     # the prompt (and with logprobs its tokens) first
     best_of: int | None = None
     suffix: str | None = None
     logit_bias: dict | None = None
 
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: one, or a batch."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens=0: the prompt (and its log-probabilities) back, nothing generated."""
+        return self.echo and self.max_tokens == 0
+
     def check_supported(self) -> None:
-        if self.echo:
-            raise ApiError(400, "echo is not supported by nanoserve", "echo")
+        self.check_common()
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "max_tokens=0 generates nothing: it needs echo=true (the prompt's log-probabilities "
+                                "back, as vLLM does)", "max_tokens")
         if self.best_of not in (None, self.n):
             raise ApiError(400, "best_of is not supported by nanoserve (use n, or beam search offline)", "best_of")
         if self.suffix:
@@ -108,9 +147,21 @@ class CompletionRequest(_Sampling):
         if self.logit_bias:
             raise ApiError(400, "logit_bias is not supported by nanoserve", "logit_bias")
         if isinstance(self.prompt, list) and not self.prompt:
-            raise ApiError(400, "prompt is an empty list of token ids", "prompt")
-        if isinstance(self.prompt, str) and not self.prompt:
-            raise ApiError(400, "prompt is empty", "prompt")
+            raise ApiError(400, "prompt is an empty list", "prompt")
+        prompts = self.prompts()
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                where = "prompt" if len(prompts) == 1 else f"prompt {i} of the batch"
+                raise ApiError(400, f"{where} is empty", "prompt")
+
+
+class ChatTemplateOptions(BaseModel):
+    """How the messages become the prompt (vLLM's chat extras), passed to `apply_chat_template`."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    add_generation_prompt: bool = True       # end where the assistant starts to speak
+    continue_final_message: bool = False     # or: go on with the last (assistant) message, unterminated
+    chat_template_kwargs: dict | None = None  # more variables for the template (e.g. enable_thinking)
 
 
 class TextPart(BaseModel):
@@ -138,8 +189,19 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     logit_bias: dict | None = None
     tools: list | None = None
+    echo: bool = False                       # vLLM: the last message's text first, if it is the assistant's
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
 
     def check_supported(self) -> None:
+        self.check_common()
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ApiError(400, "continue_final_message=true continues the last message: it needs "
+                                "add_generation_prompt=false", "continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ApiError(400, "continue_final_message=true needs the last message to be the assistant's",
+                           "continue_final_message")
         if self.logit_bias:
             raise ApiError(400, "logit_bias is not supported by nanoserve", "logit_bias")
         if self.tools:
@@ -160,6 +222,32 @@ class ChatRequest(_Sampling):
         """The messages as the chat template takes them (`developer` is the newer name for `system`)."""
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
+    def template_options(self) -> ChatTemplateOptions:
+        return ChatTemplateOptions(add_generation_prompt=self.add_generation_prompt,
+                                   continue_final_message=self.continue_final_message,
+                                   chat_template_kwargs=self.chat_template_kwargs)
+
+    @property
+    def echo_text(self) -> str:
+        """vLLM's chat echo: the last message's text when it is the assistant's (the reply continues it)."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
+
+
+def template_variables(tokenizer, kwargs: dict | None) -> dict:
+    """chat_template_kwargs as variables for the template. A name that `apply_chat_template` takes itself
+    (`tokenize`, `chat_template`, `tools`, ...) is refused: it would change what the server does rather
+    than what the template says."""
+    if not kwargs:
+        return {}
+    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"self", "kwargs"}
+    for name in kwargs:
+        if name in own:
+            raise ApiError(400, f"chat_template_kwargs.{name} is an argument of apply_chat_template, not a "
+                                "template variable (add_generation_prompt and continue_final_message are fields "
+                                "of the request)", f"chat_template_kwargs.{name}")
+    return dict(kwargs)
+
 
 def validation_error(errors: list[dict]) -> ApiError:
     """A 400 for pydantic/FastAPI validation errors: the first one, naming its field."""
@@ -168,8 +256,8 @@ def validation_error(errors: list[dict]) -> ApiError:
     if first.get("type") == "json_invalid":
         return ApiError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
     # union members show up in the location ("prompt.str"); keep the field path only
-    loc = [x for x in loc if x not in ("str", "list[int]", "list[str]", "list[TextPart]", "StreamOptions", "int",
-                                       "float", "bool", "dict", "list")]
+    loc = [x for x in loc if x not in ("str", "list[int]", "list[str]", "list[list[int]]", "list[TextPart]",
+                                       "StreamOptions", "int", "float", "bool", "dict", "list")]
     param = ".".join(loc) or None
     if first.get("type") == "missing":
         return ApiError(400, f"{param} is required", param)

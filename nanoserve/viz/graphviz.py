@@ -28,11 +28,11 @@ import html
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 from graphviz import Digraph
 
+from nanoserve.errors import FieldError
 from nanoserve.events import StepFinished, StepStarted
 from nanoserve.trace import ViewState, fold, read_trace, synced_event
 from nanoserve.trace_check import check_trace
@@ -254,12 +254,10 @@ def export_trace(trace: str | Path, step: int | None = None, what: str = "tables
     if output is None:
         output = trace.with_name(f"{trace.stem}-{what}-{'end' if step is None else step}.{fmt}")
     output = Path(output)
-    if fmt != "dot" and dot_program() is None:
-        output = output.with_suffix(".dot")
-        print(f"nanoserve: Graphviz `dot` not found, so wrote the DOT source to {output} instead of {fmt}. "
-              f"Install Graphviz (`apt-get install graphviz` or `brew install graphviz`), or render it "
-              f"online by pasting the file into a Graphviz viewer.", file=sys.stderr)
-        fmt = "dot"
+    if fmt != "dot" and dot_program() is None:   # fail, and write nothing: a script expecting the file must see it
+        raise FieldError("format", f"{fmt} needs Graphviz's `dot` program, which is not installed: "
+                                   "apt-get install graphviz (Debian, Ubuntu) or brew install graphviz (macOS); "
+                                   "--format dot writes the DOT source without it")
     output.write_bytes(source.encode() if fmt == "dot" else render(source, fmt))
     return output
 

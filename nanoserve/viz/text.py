@@ -1,16 +1,22 @@
 """How model text is shown, the same way in every viewer (TUI, REPL, Graphviz).
 
 Generated text holds newlines, tabs, control bytes (random tiny models emit
-any byte) and tokens that add no text at all (special tokens such as
-`<|im_end|>`, or the first bytes of a character still being spelled). A
-viewer draws one cell per character and must not be broken by any of them:
+any byte), pieces of characters (a character is several bytes, and a token,
+or a block of tokens, may end in the middle of one) and tokens that add no
+text at all (special tokens such as `<|im_end|>`, or the first bytes of a
+character still being spelled). A viewer draws one cell per character and
+must not be broken by any of them, nor make them look like an encoding bug:
 
     >>> shown("Hi\\n\\tthere\\x07")
     'Hi⏎→there·'
+    >>> shown("llo.O\\t\\ufffd\\ufffd")
+    'llo.O→⟨bytes⟩'
     >>> token_text("")
     '⟨no text⟩'
 
 * a newline is `⏎` and a tab `→`, so the line structure stays visible;
+* bytes that are not a whole character (the decoder's U+FFFD, one per stray
+  byte) are one `⟨bytes⟩` per run, a visible marker rather than `�`;
 * any other control, combining or double-width character is `·`;
 * a token that added no text is `⟨no text⟩` (it was still generated: see its id).
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 import unicodedata
 
 NEWLINE, TAB, OTHER = "⏎", "→", "·"
+FRAGMENT = "⟨bytes⟩"        # a run of bytes that spell no whole character (U+FFFD from the decoder)
 NO_TEXT = "⟨no text⟩"
 
 
@@ -27,7 +34,10 @@ def shown(text: str) -> str:
     """`text` with one printable, single-width character per character (see the module docstring)."""
     out = []
     for c in text:
-        if c == "\n":
+        if c == "\ufffd":
+            if not out or out[-1] != FRAGMENT:
+                out.append(FRAGMENT)
+        elif c == "\n":
             out.append(NEWLINE)
         elif c == "\t":
             out.append(TAB)

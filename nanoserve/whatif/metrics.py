@@ -59,6 +59,8 @@ class RequestRow:
     finish_step: int | None = None
     finish_reason: str | None = None
     token_steps: list[int] = field(default_factory=list)   # the step of each output token
+    # structured output: per constrained token, (tokens the mask allowed, forced, the model's top choice masked)
+    masks: list[tuple[int, bool, bool]] = field(default_factory=list)
     phases: dict[int, str] = field(default_factory=dict)   # step -> one of PHASES
 
     @property
@@ -123,6 +125,8 @@ def measure(events) -> RunMetrics:
             requests[event.seq_id] = RequestRow(event.seq_id, event.step)
         elif isinstance(event, ev.ChunkScheduled):
             scheduled[event.seq_id] = scheduled.get(event.seq_id, False) or event.is_prefill
+        elif isinstance(event, ev.TokenConstrained):
+            requests[event.seq_id].masks.append((event.num_allowed, event.forced, event.top_masked))
         elif isinstance(event, ev.TokenSampled):
             row = requests[event.seq_id]
             row.token_steps.append(event.step)
@@ -148,9 +152,8 @@ def measure(events) -> RunMetrics:
 
 
 def _step_row(state: ViewState, event: ev.StepFinished, counts: dict) -> StepRow:
-    kinds = state.block_kinds()
-    free, cached = kinds.count("free"), kinds.count("cached")
-    return StepRow(event.step, free, state.num_blocks - free - cached, cached, state.cpu_blocks_used(),
+    usage = state.kv_usage()                       # the TUI's and /metrics' definitions (kv_usage.py)
+    return StepRow(event.step, usage.free, usage.used, usage.cached, state.cpu_blocks_used(),
                    event.num_prefill_tokens, event.num_decode_tokens, event.duration_s,
                    prefix_hit_tokens=state.cache_hit_tokens, **counts)
 

@@ -4,7 +4,7 @@
     figure(run, "timeline")                  # a Run, events, a trace path ... or a Comparison:
     figure(compare(a, b), "blocks")          # the two runs side by side, same axes
 
-Four figures, each split into the numbers it shows (`data`, checked by
+Five figures, each split into the numbers it shows (`data`, checked by
 tests/test_whatif_plots.py against the engine) and the drawing (`draw`):
 
 * `blocks`    device blocks after each step: used, cached (evictable), free;
@@ -13,6 +13,9 @@ tests/test_whatif_plots.py against the engine) and the drawing (`draw`):
               idle (no budget left), preempted, swapped
 * `tokens`    tokens computed per step, prefill and decode stacked
 * `latency`   time to first token and inter-token latency, in measured ms
+* `grammar`   structured output: per constrained request, how many tokens its
+              grammar's mask allowed at each output token (log scale), forced
+              tokens (one allowed) marked
 
 matplotlib is imported only when a figure is drawn, so `nanoserve --help`
 stays instant.
@@ -99,6 +102,26 @@ def draw_latency(ax, d: dict, m: RunMetrics) -> None:
     ax.legend(loc="upper right", fontsize="small")
 
 
+def grammar_data(m: RunMetrics) -> dict[str, list[tuple[int, bool, bool]]]:
+    """Sequence id -> (tokens allowed, forced, top choice masked) per constrained output token."""
+    return {rid: list(r.masks) for rid, r in m.requests.items() if r.masks}
+
+
+def draw_grammar(ax, d: dict, m: RunMetrics) -> None:
+    if not d:
+        ax.text(0.5, 0.5, "no structured output in this trace", ha="center", va="center", transform=ax.transAxes)
+        return
+    for rid, masks in d.items():
+        allowed = [n for n, _, _ in masks]
+        line, = ax.step(range(1, len(allowed) + 1), allowed, where="mid", label=rid)
+        forced = [i + 1 for i, (_, f, _) in enumerate(masks) if f]
+        ax.plot(forced, [1] * len(forced), "o", ms=3, color=line.get_color())
+    ax.set_yscale("log")
+    ax.set_xlabel("output token (dots: forced, 1 allowed)")
+    ax.set_ylabel("tokens the mask allowed")
+    ax.legend(loc="upper right", fontsize="small")
+
+
 @dataclass(frozen=True, slots=True)
 class Figure:
     title: str
@@ -112,6 +135,7 @@ FIGURES = {
     "timeline": Figure("what each request does at each step", timeline_data, draw_timeline),
     "tokens": Figure("tokens computed per step, prefill and decode", tokens_data, draw_tokens),
     "latency": Figure("time to first token and inter-token latency", latency_data, draw_latency),
+    "grammar": Figure("structured output: tokens each grammar's mask allowed", grammar_data, draw_grammar),
 }
 
 

@@ -45,20 +45,28 @@ def describe_block(state: ViewState, block_id: int, rank=None) -> Text:
         lock = state.lock_counts()[node]
         text.append(f" · in radix node {node} (one ref), " + (f"locked by {lock}" if lock else
                                                                "unlocked: evictable" if not owners else "unlocked"))
-    colours = request_colours(state)
+    # One line for the owners (the panel has room for two): owners holding the same positions share them,
+    # as the requests sharing a prompt's blocks do.
+    colours, spans = request_colours(state), {}
     for rid in owners:
-        text.append("\n  ")
-        text.append(f" {rid} ", Style.parse(f"#000000 on {colours[rid]}"))
-        text.append(" " + token_span(state, rid, block_id))
+        spans.setdefault(token_span(state, rid, block_id), []).append(rid)
+    if spans:
+        text.append("\n")
+    for i, (span, rids) in enumerate(spans.items()):
+        text.append("  ·  " if i else " ")
+        for rid in rids:
+            text.append(f" {rid} ", Style.parse(f"#000000 on {colours[rid]}"))
+            text.append(" ")
+        text.append(span)
     return text
 
 
 def legend(state: ViewState | None) -> Text:
     """The colour key; "cached" only when the engine has a prefix cache."""
-    parts = [("   ", Style.parse(f"on {FREE}")), " free  ", ("   ", Style.parse(f"on {SHARED}")), " shared  "]
+    parts = [("  ", Style.parse(f"on {FREE}")), " free  ", ("  ", Style.parse(f"on {SHARED}")), " shared  "]
     if state is not None and state.prefix_caching:
-        parts += [("   ", Style.parse(f"on {CACHED}")), " cached  "]
-    parts += [("   ", Style.parse("on #61afef")), ("   ", Style.parse("on #98c379")), " per request  ",
+        parts += [("  ", Style.parse(f"on {CACHED}")), " cached  "]
+    parts += [("  ", Style.parse("on #61afef")), ("  ", Style.parse("on #98c379")), " per request  ",
               ("underlined", Style.parse("bold underline")), " = this step"]
     return Text.assemble(*parts)
 

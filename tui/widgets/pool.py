@@ -42,6 +42,12 @@ from nanoserve_tui.palette import CACHED, CURSOR, FREE, HELD, SHARED, TOUCHED, r
 from nanoserve_tui.widgets.block_info import cpu_strip, describe_block, legend
 from nanoserve_tui.widgets.ranks import rank_title, ranks_text
 
+# What the block details show before a block is selected (two lines): how to select one, and what "x6" means;
+# the second for panels under 70 columns.
+HINT = Text.assemble(("click a block, or tab + arrows: its ref count, owners, tokens\n", "dim"),
+                     ("x6", "bold"), (" on a white cell: 6 holders, the tables sharing it (+1 if cached)", "dim"))
+SHORT_HINT = Text.assemble(("click a block (or tab + arrows) for details\n", "dim"),
+                           ("x6", "bold"), (": 6 holders (the tables, +1 if cached)", "dim"))
 NUMBERED_MAX = 1000   # up to this many blocks a cell shows its id; above, one character per block
 
 
@@ -264,7 +270,9 @@ class PoolGrid(ScrollView, can_focus=True):
 
 
 class PoolPanel(Vertical):
-    """Grid + legend + details of the selected block."""
+    """Grid + details of the selected block; the colour key is the panel's bottom border (when it fits).
+
+    Everything under the grid has a fixed height, so selecting a block never changes the grid's layout."""
 
     state: reactive[ViewState | None] = reactive(None, always_update=True)
 
@@ -274,17 +282,13 @@ class PoolPanel(Vertical):
         yield PoolGrid(id="pool-grid")
         yield Static(id="cpu-pool")
         yield Static(id="ranks")
-        yield Static(legend(None), id="pool-legend")
-        yield Static(Text("click a block, or tab + arrows, for details", style="dim"),
-                     id="block-info")
+        yield Static(HINT, id="block-info")
 
     def watch_state(self, state: ViewState | None) -> None:
         grid = self.query_one(PoolGrid)
         grid.state = state
         if state is not None:
-            if state.prefix_caching != getattr(self, "_legend_for", None):   # it changes only with the engine
-                self._legend_for = state.prefix_caching
-                self.query_one("#pool-legend", Static).update(legend(state), layout=False)   # fixed height
+            self._show_legend()
             self._show_cpu()
             self._show_ranks()
         self._show_block(grid.selected)
@@ -305,7 +309,20 @@ class PoolPanel(Vertical):
         self.border_title = rank_title(self.state, rank) if self.state.ranks else "KV block pool"
 
     def on_resize(self) -> None:
+        self._show_legend()
         self._show_cpu()
+        if self.query_one(PoolGrid).selected is None:
+            self.query_one("#block-info", Static).update(HINT if self.size.width >= 70 else SHORT_HINT)
+
+    def _show_legend(self) -> None:
+        """The colour key in the bottom border, when it fits whole (under 130 columns it does not)."""
+        if self.state is None:
+            return
+        key = legend(self.state)
+        fits = key.cell_len + 4 <= self.size.width
+        if (self.state.prefix_caching, fits) != getattr(self, "_legend_for", None):   # changes with the engine
+            self._legend_for = (self.state.prefix_caching, fits)
+            self.border_subtitle = key if fits else None
 
     def _show_cpu(self) -> None:
         """The CPU swap strip, as wide as the panel; hidden when the engine does not swap."""

@@ -3,7 +3,9 @@
 Each request takes two lines: its colour and id, status, a bar of
 `num_output_tokens/max_tokens`, its prompt tokens and its tokens with K/V in
 the cache ("KV");
-then the newest generated text that fits. A request can be selected (click
+then the newest generated text that fits. A request with structured output
+has a third: its grammar's mask at the last token and how many tokens the
+grammar forced ("grammar json: 3 of 49,152 allowed · forced 5 of 12"). A request can be selected (click
 it, or ↑/↓ when the list has focus) for the abort and fork controls.
 
 A Line API view (see `lines.py`): with 256 requests each changing every
@@ -30,8 +32,9 @@ EMPTY_BAR = Style.parse("#444444")
 SELECTED = Style.parse("on #2c4a6e")
 
 
-def request_lines(state: ViewState, rid: str, colour: str, width: int) -> tuple[Strip, Strip]:
-    """Two lines: id, status, progress; then the newest generated text that fits."""
+def request_lines(state: ViewState, rid: str, colour: str, width: int) -> tuple[Strip, ...]:
+    """Two lines: id, status, progress; then the newest generated text that fits (and a third with
+    structured output: the grammar's mask)."""
     req = state.sequences[rid]
     total = str(req.max_tokens) if req.max_tokens else "?"
     bar = BAR if width >= 60 else BAR // 2                       # narrow panels: a shorter bar
@@ -52,7 +55,14 @@ def request_lines(state: ViewState, rid: str, colour: str, width: int) -> tuple[
     out = printable(req.output_text)
     out = out if len(out) <= room else "…" + out[-(room - 1):]   # the newest text stays visible
     second = Strip([Segment("   "), Segment(out, ITALIC) if out else Segment("(no output yet)", DIM)]).crop(0, width)
-    return first, second
+    if req.grammar is None:
+        return first, second
+    return first, second, Strip([Segment("   "), Segment(req.grammar.summary(), DIM)]).crop(0, width)
+
+
+def num_lines(state: ViewState, rid: str) -> int:
+    """Lines a request takes: 3 with structured output, else 2."""
+    return 2 if state.sequences[rid].grammar is None else 3
 
 
 class QueueLayout:
@@ -70,14 +80,16 @@ class QueueLayout:
             self.headers[len(self.owners)] = Strip([Segment(f"{name.upper()} ({len(ids)})", BOLD)])
             self.owners.append(None)
             for rid in ids:
-                self.owners += (rid, rid)
+                self.owners += [rid] * num_lines(state, rid)
 
     def line(self, index: int) -> Strip:
         rid = self.owners[index]
         if rid is None:
             return self.headers[index]
-        first = index == 0 or self.owners[index - 1] != rid
-        strip = request_lines(self.state, rid, self.colours[rid], self.width)[0 if first else 1]
+        offset = 0                                    # which of the request's lines this is
+        while index - offset > 0 and self.owners[index - offset - 1] == rid:
+            offset += 1
+        strip = request_lines(self.state, rid, self.colours[rid], self.width)[offset]
         if rid == self.selected:
             strip = strip.extend_cell_length(self.width).apply_style(SELECTED)
         return strip
@@ -108,7 +120,8 @@ class RequestList(LinesView, can_focus=True):
     def watch_selected(self, rid: str | None) -> None:
         self._rebuild()
         if rid in self._owners:
-            self.scroll_to_region(Region(0, self._owners.index(rid), 1, 2), animate=False, immediate=True)
+            self.scroll_to_region(Region(0, self._owners.index(rid), 1, self._owners.count(rid)), animate=False,
+                                  immediate=True)
 
     def on_resize(self) -> None:
         self._rebuild()
