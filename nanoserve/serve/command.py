@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
-import socket
 import sys
 
 API_KEY_ENV = "NANOSERVE_API_KEY"
@@ -88,7 +87,7 @@ def run_serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from nanoserve.serve.app import build_app
-        from nanoserve.serve.background import Uvicorn
+        from nanoserve.serve.background import Uvicorn, tcp_listener
     except ImportError as exc:
         raise RuntimeError(f"`nanoserve serve` needs {exc.name}: pip install fastapi uvicorn prometheus-client "
                            "(they come with `pip install nanoserve`)") from None
@@ -103,7 +102,7 @@ def run_serve(args: argparse.Namespace) -> int:
         num_speculative_tokens=args.num_speculative_tokens, seed=args.seed, fast_paths=args.fast_paths,
     )
     try:   # bind first: a port in use should not cost a model load
-        sock = socket.create_server((args.host, args.port), reuse_port=False)
+        sock = tcp_listener(args.host, args.port)          # TCP_NODELAY on every connection
     except OSError as exc:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     engine = LLMEngine(config)
