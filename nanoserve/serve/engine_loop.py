@@ -2,7 +2,8 @@
 
     HTTP handlers (asyncio thread)            engine loop (its own thread)
     ------------------------------            ----------------------------
-    loop.submit(...)  --- command queue --->  admit: tokenize, check, engine.add_request
+    loop.submit(...)  --- tokenizer thread: a text prompt's ids --- command queue --->
+                                              admit: check, intake.prepare, engine.enqueue
     await sink.get()  <-- call_soon_threadsafe --  after each engine.step(): the request's RequestOutput
     loop.abort(rid)   --- command queue --->  engine.abort_request (the client went away)
     loop.call(fn)     --- command queue --->  fn(engine) between two steps (/snapshot, /events subscribe)
@@ -19,7 +20,11 @@ scheduler needs. nanoserve serves a classroom, not thousands: a thread keeps
 outputs and events as plain Python objects (no serialization), lets /events
 subscribe to the very EventBus the TUI uses, and torch releases the GIL
 inside the model's forward, which is where a step spends its time. The
-price: heavy HTTP traffic slows the Python parts of a step.
+price: heavy HTTP traffic slows the Python parts of a step. So text prompts
+are tokenized on a thread of their own ("nanoserve-tokenize", with a copy of
+the tokenizer: a fast tokenizer must not run on two threads at once), not on
+the engine's; every submission goes through that thread, so requests keep
+their order. (Detokenizing the generated tokens stays in the step.)
 
 Back-pressure: a request is admitted only while the engine's waiting queue
 holds fewer than `max_waiting` requests; past it the submit fails with HTTP 429
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import logging
 import queue
 import threading
@@ -38,6 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from nanoserve import intake
 from nanoserve.engine import LLMEngine
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
@@ -76,6 +83,7 @@ class Submission:
     sink: Sink
     arrival: float = field(default_factory=time.monotonic)
     admitted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)   # -> prompt tokens
+    token_ids: list[int] | None = None  # a text prompt's ids (set on the tokenizer thread)
 
 
 class EngineLoop:
@@ -98,6 +106,9 @@ class EngineLoop:
         self._running.set()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
+        # text prompts -> ids here, off the engine thread (module docstring); one worker keeps the order
+        self._tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
+        self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenize")
         self.error: str | None = None       # why the loop died, if it did
 
     # -- from other threads --------------------------------------------------------------
@@ -108,6 +119,7 @@ class EngineLoop:
     def stop(self, timeout: float = 10.0) -> None:
         self._stop = True
         self._running.set()
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
         self._commands.put(lambda: None)    # wake the thread
         self._thread.join(timeout)
 
@@ -141,8 +153,17 @@ class EngineLoop:
         if self.error is not None or not self.alive:
             sub.admitted.set_exception(ApiError(503, f"the engine loop is not running: {self.error or 'stopped'}"))
         else:
-            self._commands.put(lambda: self._admit(sub))
+            self._tokenizing.submit(self._tokenize_and_queue, sub)
         return sub.admitted
+
+    def _tokenize_and_queue(self, sub: Submission) -> None:
+        """(tokenizer thread) A text prompt's ids, then the request to the engine thread."""
+        if isinstance(sub.prompt, str) and sub.prompt and self._tokenizer is not None:
+            try:
+                sub.token_ids = list(self._tokenizer(sub.prompt).input_ids)
+            except Exception:   # noqa: BLE001 -- the engine thread tokenizes again and answers with the error
+                sub.token_ids = None
+        self._commands.put(lambda: self._admit(sub))
 
     def abort(self, request_id: str) -> None:
         """The client is gone: stop its request (if it is still running) at the next chance."""
@@ -230,9 +251,8 @@ class EngineLoop:
             if engine.tokenizer is None:
                 raise ApiError(400, f"model {engine.config.model!r} has no tokenizer: send the prompt as token ids",
                                "prompt")
-            # counted here to check the context (add_request tokenizes again: the engine keeps the text,
-            # which the TUI and the trace show, so it must get the prompt as text)
-            num_prompt = len(engine.tokenizer(sub.prompt).input_ids)
+            # counted here to check the context (the engine keeps the text too: the TUI and the trace show it)
+            num_prompt = len(sub.token_ids if sub.token_ids is not None else engine.tokenizer(sub.prompt).input_ids)
         else:
             num_prompt = len(sub.prompt)
         context = engine.config.max_model_len
@@ -247,7 +267,8 @@ class EngineLoop:
                                 f"{num_prompt + params['max_tokens']} ({num_prompt} in the prompt, "
                                 f"{params['max_tokens']} to generate)", "max_tokens", "context_length_exceeded")
         try:
-            engine.add_request(sub.request_id, sub.prompt, SamplingParams(**params), arrival_time=sub.arrival)
+            engine.enqueue(intake.prepare(engine, sub.request_id, sub.prompt, SamplingParams(**params),
+                                          arrival_time=sub.arrival, token_ids=sub.token_ids))
         except ValueError as exc:
             field_name = getattr(exc, "field", None) or _guess_field(str(exc))
             raise ApiError(400, str(exc), field_name) from None
