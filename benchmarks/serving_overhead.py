@@ -13,8 +13,9 @@ of each:
 
 The requests are `--num-prompts` random token-id prompts of `--input-len`
 tokens, each generating exactly `--output-len` tokens (greedy); every round
-draws new prompts (the prefix cache would otherwise skip the later rounds'
-prefills on the server) and gives the same ones to all three.
+draws new prompts and gives the same ones to all three; before each server
+pass the server's prefix cache is emptied (POST /reset_prefix_cache), or the
+second pass of a round would skip the prefills the first one cached.
 
 For each way it prints the wall clock and the CPU seconds: this process's
 for the engine alone, the server process's (read from /proc, so the client
@@ -91,6 +92,9 @@ async def _send_all(url: str, reqs: list[list[int]], max_tokens: int, stream: bo
 
 
 def server_pass(url: str, pid: int, reqs: list[list[int]], max_tokens: int, stream: bool) -> tuple[float, float, int]:
+    # the other server pass of this round sent the same prompts: empty the prefix cache first, or this
+    # pass would skip their prefills (the engine pass builds a new engine, with an empty cache)
+    httpx.post(url + "/reset_prefix_cache", timeout=60).raise_for_status()
     t0, c0 = time.perf_counter(), process_cpu_seconds(pid)
     tokens = asyncio.run(_send_all(url, reqs, max_tokens, stream))
     return time.perf_counter() - t0, process_cpu_seconds(pid) - c0, tokens
