@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 from nanoserve.errors import FieldError
@@ -37,6 +38,7 @@ from nanoserve.models.resolve import ACCEPTED, TINY_MODELS, resolve_model_path
 from nanoserve.scenarios import SCENARIOS
 from nanoserve.serve.command import add_serve_parser
 from nanoserve.threads import THREADS_ENV, apply_thread_policy
+from nanoserve.trace import TraceWarning
 from nanoserve.viz.text import plural
 
 ENGINE_GROUP, SAMPLING_GROUP = "engine", "sampling"   # `generate`'s argument groups
@@ -347,9 +349,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.trace:
         if len(args.trace) != 2 or args.set:
             raise FieldError("trace", "must be given exactly twice (A and B), without --set")
-        from nanoserve.trace import read_trace
+        from nanoserve.trace_check import load_trace
         from nanoserve.whatif.compare import compare
-        events = [read_trace(t) for t in args.trace]
+        events = [load_trace(t) for t in args.trace]
         return show_comparison(compare(*events, labels=tuple(Path(t).stem for t in args.trace)), *events, args.tui)
     from nanoserve.scenarios import get_scenario
     from nanoserve.whatif.workload import scenario_pair
@@ -397,6 +399,7 @@ def group_kwargs(parser: argparse.ArgumentParser, title: str, args: argparse.Nam
 def cmd_generate(args: argparse.Namespace) -> int:
     from nanoserve.config import EngineConfig
     from nanoserve.sampling_params import SamplingParams
+    from nanoserve.validation import well_formed
 
     parser = subparser(build_parser(), "generate")
     sampling = group_kwargs(parser, SAMPLING_GROUP, args)
@@ -404,6 +407,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sampling["n"] = max(args.beam_width, 1)
     params = SamplingParams(**sampling, structured_outputs=structured_flags(args))   # bad settings fail before
                                                                                      # the model loads
+    for i, prompt in enumerate(args.prompts):         # ... and so does a prompt with a byte that is not UTF-8
+        well_formed("PROMPT" if len(args.prompts) == 1 else f"PROMPT {i + 1}", prompt)
     config = EngineConfig(**group_kwargs(parser, ENGINE_GROUP, args))
     components = components_from(args.lab)            # a student's file that does not load fails here
     threads = apply_thread_policy(args.threads)
@@ -489,7 +494,16 @@ COMMANDS = {"generate": cmd_generate, "record": cmd_record, "export": cmd_export
             "lab": cmd_lab}
 
 
+def show_warning(message, category, *args, _default=warnings.showwarning, **kwargs) -> None:
+    """A repaired trace (its cut last line left out) says so in one line; other warnings as Python shows them."""
+    if issubclass(category, TraceWarning):
+        print(f"nanoserve: warning: {message}", file=sys.stderr)
+    else:
+        _default(message, category, *args, **kwargs)
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.showwarning = show_warning
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -101,6 +101,9 @@ class LLMEngine(Displayable):
         self.eos_token_id = self.loaded.eos_token_id
         model = self.loaded.model
         # (With tensor parallelism each rank's pool holds 1/N of every block: the budget is per rank.)
+        if config.tensor_parallel_size > 1:   # N must split the heads before a block is split by N
+            from nanoserve.distributed.sharding import check_shardable
+            check_shardable(model, config.tensor_parallel_size)
         block_bytes = kv_bytes_per_block(model, config.block_size, dtype) // config.tensor_parallel_size
         draft_bytes = 0   # the draft model's pool: as many blocks (a truncated target: fewer layers)
         if config.speculative_method == "draft":
@@ -217,6 +220,8 @@ class LLMEngine(Displayable):
             state = "is still computing its prompt" if seq.status is SequenceStatus.RUNNING else f"is {seq.status.value}"
             raise ValueError(f"{seq_id!r} {state}: only a running request that has started generating "
                              "can be forked")
+        if seq.seats > 1:   # (its first token comes with its n - 1 forks: forking it now would double them)
+            raise ValueError(f"{seq_id!r} has not forked its n={seq.params.n} completions yet")
         if self.scheduler.seats_used + 1 > self.config.max_num_seqs:
             raise ValueError(f"no free seat for a fork: max_num_seqs={self.config.max_num_seqs} sequences "
                              "already run")

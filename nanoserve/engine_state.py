@@ -79,6 +79,12 @@ def check_invariants(engine: LLMEngine) -> None:
                 f"{s.seq_id}: {len(s.prompt_logprobs)} prompt log-probabilities for {s.num_computed_tokens} computed"
     owners = {s.request_id for s in engine.sequences.values()}
     assert owners == set(engine.requests), f"sequences' requests {sorted(owners)} != requests {sorted(engine.requests)}"
+    for request in engine.requests.values():   # n > 1: the n first tokens are drawn together, then it forks
+        if request.needs_fork:
+            seqs = request.live
+            assert len(seqs) == 1 and not seqs[0].output_token_ids and seqs[0].seats == request.params.n, (
+                f"{request.request_id}: n={request.params.n} not forked yet, but its sequences are "
+                f"{[(s.seq_id, s.num_output_tokens, s.seats) for s in seqs]} (one, no output, n seats expected)")
     if not engine.sequences:   # nothing runs: the only blocks in use are the prefix cache's
         cached = engine.radix.num_cached_blocks if engine.radix else 0
         assert engine.pool.num_used_blocks == cached, \

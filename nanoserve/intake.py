@@ -46,12 +46,8 @@ class PreparedRequest:
     detokenizer: IncrementalDetokenizer
 
 
-def prepare(engine: LLMEngine, request_id, prompt, params, arrival_time=None, priority=0,
-            token_ids: list[int] | None = None) -> PreparedRequest:
-    """Check one request against the engine's model and limits; build it. Raises FieldError.
-
-    `token_ids`: a text prompt's ids, tokenized already by a copy of the engine's tokenizer (the
-    server tokenizes on a thread of its own, not the engine's); checked like given token ids."""
+def prepare(engine: LLMEngine, request_id, prompt, params, arrival_time=None, priority=0) -> PreparedRequest:
+    """Check one request against the engine's model and limits; build it. Raises FieldError."""
     v.text("request_id", request_id)
     if request_id in engine.sequences or request_id in engine.requests:
         raise FieldError("request_id", f"{request_id!r} is already in use")
@@ -64,12 +60,7 @@ def prepare(engine: LLMEngine, request_id, prompt, params, arrival_time=None, pr
     priority = v.integer("priority", priority)
     if arrival_time is not None:
         arrival_time = v.number("arrival_time", arrival_time)
-    if token_ids is not None and isinstance(prompt, str) and prompt:
-        text, token_ids = prompt, v.token_ids("prompt", token_ids, engine.vocab_size)
-        if not token_ids:
-            raise FieldError("prompt", "is empty after tokenization")
-    else:
-        text, token_ids = tokenize(engine, prompt)
+    text, token_ids = tokenize(engine, prompt)
     _check_limits(engine, params, token_ids)
     # An unseeded request gets its seed from the engine's RNG when it is queued (not here:
     # preparing changes nothing, not even that RNG).
@@ -96,6 +87,7 @@ def tokenize(engine: LLMEngine, prompt) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str):
         if not prompt:
             raise FieldError("prompt", "is empty")
+        v.well_formed("prompt", prompt)
         if engine.tokenizer is None:
             raise FieldError("prompt", f"is text, but model {engine.config.model!r} has no tokenizer: "
                                        "pass the prompt as token ids")

@@ -37,6 +37,8 @@ from nanoserve import structured_output
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.structured_output import MaskInfo
 
+FLOAT32 = torch.finfo(torch.float32)   # the sampler works in float32
+
 
 @dataclass(slots=True)
 class SamplingRow:
@@ -87,10 +89,13 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     if any(r.params.repetition_penalty != 1.0 for r in rows):
         # A token is "seen" if it is anywhere in the prompt or the output.
         seen = (_token_counts([r.prompt_token_ids for r in rows], V, logits.device) + out_counts) > 0
-        rep = _column(rows, "repetition_penalty", logits.device)      # [B, 1]
+        # (clamped into float32's finite range: 5e-324 is a valid penalty, and 0 in float32)
+        rep = _column(rows, "repetition_penalty", logits.device).clamp(FLOAT32.tiny, FLOAT32.max)   # [B, 1]
         # Push seen tokens towards "less likely": shrink positive logits, grow negative ones.
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(seen, penalised, logits)
+        # An extreme penalty overflows: a seen token becomes as likely as float32 allows, never +inf
+        # (softmax has no answer for +inf).
+        logits = torch.where(seen, penalised, logits).clamp(max=FLOAT32.max)
 
     freq = _column(rows, "frequency_penalty", logits.device)           # [B, 1]
     pres = _column(rows, "presence_penalty", logits.device)            # [B, 1]
@@ -116,9 +121,16 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
 
 
 def apply_temperature(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Divide each row by its temperature. Greedy rows (temperature 0) are left as they are."""
+    """Divide each row by its temperature. Greedy rows (temperature 0) are left as they are.
+
+    The row's maximum is subtracted first: softmax gives the same distribution, and a tiny
+    temperature (1e-30, or 5e-324, which is 0 in float32) then sends the other logits towards
+    -inf (the distribution tends to the argmax), instead of the maximum towards +inf (NaN)."""
     temp = _column(rows, "temperature", logits.device)                 # [B, 1]
-    return logits / torch.where(temp == 0, torch.ones_like(temp), temp)
+    greedy = torch.tensor([[r.params.greedy] for r in rows], device=logits.device)
+    temp = torch.where(greedy, torch.ones_like(temp), temp.clamp(min=FLOAT32.tiny))
+    top = logits.max(dim=-1, keepdim=True).values                      # [B, 1]
+    return (logits - torch.where(top.isfinite(), top, torch.zeros_like(top))) / temp
 
 
 def apply_top_k_top_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -142,6 +154,7 @@ def apply_top_k_top_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs            # [B, V]
     p = torch.tensor(ps, dtype=torch.float32, device=logits.device).unsqueeze(1)  # [B, 1]
     drop = (mass_before >= p) & (p < 1.0)   # top_p == 1 never drops (guards against rounding)
+    drop[:, 0] = False                       # the most likely token stays, even when top_p is 0 in float32
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
 
     # Undo the sort: position j of the sorted row goes back to column order[j].

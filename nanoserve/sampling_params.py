@@ -233,6 +233,7 @@ def _stop_strings(stop) -> list[str]:
                                      "token ids go in stop_token_ids")
         if not s:
             raise FieldError("stop", "strings must be non-empty")
+        v.well_formed("stop", s)
     return list(stop)
 
 

@@ -185,10 +185,17 @@ class Scheduler:
 
         They were running before anyone waiting, so they come first; but not in a step that just
         preempted: memory is short, and what came back would only be swapped out again (vLLM's
-        scheduler waits the same way).
+        scheduler waits the same way). One whose next token would not fit even in an empty pool
+        is failed: it was swapped out at the pool's size (sharing its blocks with a fork), and
+        waiting for it would stop every admission for good.
         """
         while self.swapped and planning.budget > 0 and not planning.plan.preempted:
             seq = self.swapped[0]
+            if self.pool.blocks_needed(0, seq.num_computed_tokens + min(1, seq.num_uncomputed_tokens)) \
+                    > self.pool.num_blocks:
+                self.swapped.popleft()
+                self._fail(seq, planning.plan, f"needs more than the {self.pool.num_blocks} blocks of the pool")
+                continue
             num_new = self._chunk_size(seq, planning.budget)
             need = len(seq.cpu_block_table) + self.pool.blocks_needed(len(seq.cpu_block_table),
                                                                        seq.num_computed_tokens + num_new)

@@ -286,8 +286,12 @@ def propose(proposer, running: list[Sequence], num_speculative_tokens: int, max_
 
     `pool_tokens` is what the whole device pool holds: a draft's KV must fit with its sequence's own.
     """
-    seqs = [s for s in running   # beams are scored together, one token per step
-            if s.num_uncomputed_tokens == 1 and not s.params.use_beam_search]
+    # Beams are scored together, one token per step. A sequence that still holds the seats of its
+    # forks-to-be (n > 1, first token not drawn yet) gets no drafts either: its first token must come
+    # from plain sampling, which draws the n first tokens together (token_choice.py) and forks at commit;
+    # a verified draft would give the request one first token, shared by every completion.
+    seqs = [s for s in running
+            if s.num_uncomputed_tokens == 1 and not s.params.use_beam_search and s.seats == 1]
     # Never draft past max_tokens or max_model_len: one step emits up to k + 1 tokens.
     limits = {s.seq_id: max(0, min(num_speculative_tokens, s.params.max_tokens - s.num_output_tokens - 1,
                                        max_model_len - s.num_tokens - 1, pool_tokens - s.num_tokens)) for s in seqs}

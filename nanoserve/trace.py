@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -27,7 +28,8 @@ from nanoserve.fold import fold, fold_all, synced_event
 from nanoserve.view import FINISHED_STATUS, HISTORY_LEN, ROOT, RadixNodeView, SequenceView, ViewState
 
 __all__ = [
-    "EventBus", "JsonlRecorder", "event_to_dict", "event_from_dict", "write_trace", "read_trace",
+    "EventBus", "JsonlRecorder", "TraceWarning", "event_to_dict", "event_from_dict", "write_trace", "read_trace",
+    "read_trace_lines",
     # the view state and its fold, here too so `from nanoserve.trace import fold, ViewState` keeps working
     "fold", "fold_all", "synced_event", "ViewState", "SequenceView", "RadixNodeView", "FINISHED_STATUS",
     "HISTORY_LEN", "ROOT",
@@ -137,18 +139,45 @@ def event_from_dict(d: dict) -> Event:
 
 
 class JsonlRecorder:
-    """Writes each event it is called with as one JSON line, flushed at once.
+    """Writes each event it is called with as one JSON line, straight to the file.
 
     Use it as a bus subscriber: `with JsonlRecorder(p) as rec: bus.subscribe(rec)`.
+    Each line goes out whole or not at all: when a write fails (a full disk), the
+    file is cut back to the last whole line, the recorder stops (`error` says why;
+    later events are not written) and the OSError is raised once. So a trace
+    always ends at a line boundary, and a crash mid-run leaves a readable trace.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._file = open(self.path, "w", encoding="utf-8")
+        self._file = open(self.path, "wb", buffering=0)   # unbuffered: a line is on disk when the call returns
+        self.lines = 0                 # whole lines written
+        self._size = 0                 # bytes in those lines
+        self.error: str | None = None  # why recording stopped, if it did
 
     def __call__(self, event: Event) -> None:
-        self._file.write(json.dumps(event_to_dict(event), ensure_ascii=False) + "\n")
-        self._file.flush()  # a crash mid-run still leaves a readable trace
+        if self.error is not None or self._file.closed:
+            return
+        d = event_to_dict(event)
+        try:
+            line = json.dumps(d, ensure_ascii=False).encode("utf-8") + b"\n"
+        except UnicodeEncodeError:     # text that is not valid Unicode: JSON escapes it, ASCII only
+            line = json.dumps(d).encode("ascii") + b"\n"
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[self._file.write(view):]
+        except OSError as exc:
+            self.error = f"{exc.strerror or exc} after {self.lines} events"
+            try:                        # give back the part of the line that made it to the disk
+                self._file.truncate(self._size)
+            except OSError:
+                pass
+            self._file.close()
+            raise OSError(exc.errno, f"recording to {self.path} stopped: {self.error} "
+                                     f"(the trace keeps them, whole)") from None
+        self.lines += 1
+        self._size += len(line)
 
     def close(self) -> None:
         self._file.close()
@@ -160,6 +189,10 @@ class JsonlRecorder:
         self.close()
 
 
+class TraceWarning(UserWarning):
+    """A trace was read with a repair: its cut last line was left out."""
+
+
 def write_trace(path: str | Path, events: Iterable[Event]) -> None:
     with JsonlRecorder(path) as rec:
         for event in events:
@@ -167,14 +200,34 @@ def write_trace(path: str | Path, events: Iterable[Event]) -> None:
 
 
 def read_trace(path: str | Path) -> list[Event]:
-    """All events of a JSONL trace; ValueError("path:lineno: ...") on a corrupt line."""
+    """All events of a JSONL trace; ValueError("path:lineno: ...") on a corrupt line.
+
+    A last line cut mid-way (no newline at its end, and not JSON: a recording that
+    stopped on a full disk or a crash) is left out with a `TraceWarning`."""
+    return [event for _, event in read_trace_lines(path)]
+
+
+def read_trace_lines(path: str | Path) -> list[tuple[int, Event]]:
+    """(line number, event) for every event of a trace: `read_trace` with the line numbers."""
+    with open(path, "rb") as f:      # FileNotFoundError propagates as is
+        lines = f.read().split(b"\n")
+    cut = lines.pop() if lines[-1] else None   # a last line without its newline
+    numbered = list(enumerate(lines, start=1)) + ([(len(lines) + 1, cut)] if cut is not None else [])
     events = []
-    with open(path, encoding="utf-8") as f:  # FileNotFoundError propagates as is
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    for lineno, raw in numbered:
+        try:
+            text = raw.decode("utf-8")
+            if not text.strip():
                 continue
-            try:
-                events.append(event_from_dict(json.loads(line)))
-            except ValueError as e:  # json.JSONDecodeError is a ValueError too
-                raise ValueError(f"{path}:{lineno}: {e}: {line.strip()[:200]}") from None
+            d = json.loads(text)
+        except ValueError as e:      # UnicodeDecodeError and json.JSONDecodeError are ValueErrors
+            if raw is cut:
+                warnings.warn(f"{path}: line {lineno} is cut short (the recording stopped mid-line); "
+                              f"reading the {len(events)} events before it", TraceWarning, stacklevel=3)
+                break
+            raise ValueError(f"{path}:{lineno}: {e}: {raw.strip()[:200].decode('utf-8', 'replace')}") from None
+        try:
+            events.append((lineno, event_from_dict(d)))
+        except ValueError as e:
+            raise ValueError(f"{path}:{lineno}: {e}: {text.strip()[:200]}") from None
     return events

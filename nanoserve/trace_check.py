@@ -1,40 +1,63 @@
-"""Checking a trace before a viewer draws it: field types and block ids.
+"""Checking a trace before anything draws it: one check for every consumer.
 
 A JSONL trace is a file, and files come from anywhere: an older version, a
-hand edit, a truncated copy. `read_trace` checks that each line names a known
-event with the right field *names*; this module checks the rest that a viewer
-relies on, so that a bad file gets one sentence instead of a traceback from
-deep inside `fold`:
+hand edit, a copy cut short by a full disk. `read_trace` checks that each line
+names a known event with the right field *names*; this module checks the rest
+that a viewer relies on, so that a bad file gets one sentence naming the line
+and the field instead of a traceback from deep inside `fold` or matplotlib:
 
-* every field holds the type its event declares (`tuple[int, ...]` is a list
-  of ints in JSON; an `int` is never a bool or a string), and
-* every block id lies inside the pool the trace's `EngineSynced` announced
-  (CPU block ids inside the CPU pool), and
-* the fields of some events agree with each other (`FIELD_CHECKS`: a
-  structured-output mask allows between 0 and V tokens).
+1. types: every field holds the type its event declares (`tuple[int, ...]` is
+   a list of ints in JSON; an `int` is never a bool, a float or a string);
+2. values: the closed sets (`Preempted.mode` is "recompute" or "swap") and
+   ranges (counts and block ids >= 0, times finite and >= 0, no NaN);
+3. order: one EngineSynced, first; step numbers never go back; a step's
+   events come between its StepStarted and StepFinished;
+4. block ids inside the pool the trace's EngineSynced announced;
+5. the pool's books (`PoolBooks`): no ref count below zero, a freed block was
+   held, the released blocks are exactly those that reached zero, once each;
+6. fields that must agree with each other (`FIELD_CHECKS`: a structured-output
+   mask allows between 0 and V tokens, forced meaning exactly one);
+7. the fold: the viewers' own `fold` applies every event (an event about a
+   sequence the trace never added is refused here, not in a viewer).
 
-    check_trace(read_trace(path), path)     # ValueError("pressure.jsonl: event 12 (BlocksAllocated) ...")
+    events = load_trace("pressure.jsonl")   # ValueError("pressure.jsonl: line 12 (BlocksFreed, step 3): ...")
 
-`nanoserve export` and `nanoserve tui --replay` call it on every trace they open.
+`load_trace` is what every consumer opens a trace with: `nanoserve export`,
+`tui --replay`, `plot`, `compare --trace` and the what-if comparisons and
+figures. A last line cut mid-way is salvaged with a warning (`read_trace`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 import typing
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from nanoserve import events as ev
+from nanoserve.fold import fold
 
 # Fields that hold ids of device (GPU/CPU pool) blocks, and of CPU swap blocks.
 BLOCK_FIELDS = ("block_ids", "free_queue", "kept", "dropped", "src", "dst")
 CPU_BLOCK_FIELDS = ("cpu_block_ids",)
-# EngineSynced.requests rows: index of the block table and the CPU block table
-SYNCED_TABLE, SYNCED_CPU_TABLE = 7, 10
+# EngineSynced.requests rows: index of the status, of the block table and of the CPU block table
+SYNCED_STATUS, SYNCED_TABLE, SYNCED_CPU_TABLE = 1, 7, 10
 SYNCED_RADIX_BLOCKS = 4    # EngineSynced.radix rows: index of the node's block ids
+
+# Fields with a closed set of values: (event type, field) -> the values.
+ENUMS = {
+    ("Preempted", "mode"): ("recompute", "swap"),
+    ("SequenceFinished", "finish_reason"): ("stop", "length", "abort"),
+    ("DraftProposed", "method"): ("ngram", "draft"),
+    ("CollectiveOps", "kind"): ("broadcast", "all_reduce", "gather", "gather_object", "send", "recv"),
+}
+STATUSES = ("waiting", "running", "swapped")          # of a live sequence in EngineSynced
+# Int fields that may be -1 ("none"); every other int is >= 0.
+MINUS_ONE_OK = {("DraftVerified", "first_rejected"), ("Forked", "seed")}
 
 
 @functools.cache
@@ -86,6 +109,28 @@ def check_types(event: ev.Event) -> None:
             raise ValueError(f"field {f.name} should be {type_name(hints[f.name])}, got {value!r:.60}")
 
 
+def check_values(event: ev.Event) -> None:
+    """ValueError naming the first field outside its set of values or its range."""
+    name = type(event).__name__
+    for f in dataclasses.fields(event):
+        value = getattr(event, f.name)
+        options = ENUMS.get((name, f.name))
+        if options is not None and value not in options:
+            raise ValueError(f"field {f.name} must be one of {', '.join(options)}, got {value!r:.60}")
+        floor = -1 if (name, f.name) in MINUS_ONE_OK else 0
+        numbers = value if isinstance(value, tuple) and f.name != "config" else (value,)
+        for x in numbers:
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                continue
+            if isinstance(x, float) and math.isnan(x):
+                raise ValueError(f"field {f.name} is NaN")
+            if f.name == "logprob":        # a sampled token's log-probability: <= 0 (float rounding aside)
+                if x > 1e-3:
+                    raise ValueError(f"field logprob must be <= 0, got {x}")
+            elif not floor <= x < math.inf:
+                raise ValueError(f"field {f.name} must be {'>= -1' if floor else '>= 0'} and finite, got {x}")
+
+
 def _ids(event: ev.Event, names: tuple[str, ...]) -> Iterable[tuple[str, int]]:
     for name in names:
         value = getattr(event, name, None)
@@ -102,29 +147,33 @@ def check_block_ids(event: ev.Event, num_blocks: int, num_cpu_blocks: int) -> No
     for pool, size, names in (("pool", num_blocks, BLOCK_FIELDS), ("CPU pool", num_cpu_blocks, CPU_BLOCK_FIELDS)):
         for name, block_id in _ids(event, names):
             if not 0 <= block_id < size:
-                raise ValueError(f"{name} has block {block_id}, outside the {pool} of {size} blocks")
+                raise ValueError(f"field {name} has block {block_id}, outside the {pool} of {size} blocks")
 
 
 def check_synced(event: ev.EngineSynced) -> None:
     """The snapshot event: sizes that agree, rows of the right shape, block tables inside the pool."""
-    if event.num_blocks < 1 or event.block_size < 1 or event.num_cpu_blocks < 0:
-        raise ValueError(f"a pool of {event.num_blocks} blocks of {event.block_size} tokens cannot exist")
+    if event.num_blocks < 1 or event.block_size < 1:
+        raise ValueError(f"field num_blocks/block_size: a pool of {event.num_blocks} blocks of "
+                         f"{event.block_size} tokens cannot exist")
     if len(event.ref_counts) != event.num_blocks:
-        raise ValueError(f"ref_counts has {len(event.ref_counts)} entries for {event.num_blocks} blocks")
+        raise ValueError(f"field ref_counts has {len(event.ref_counts)} entries for {event.num_blocks} blocks")
     for row in event.sequences:
         if len(row) < 9 or not isinstance(row[0], str):
-            raise ValueError(f"a request row needs at least 9 fields, got {row!r:.80}")
+            raise ValueError(f"field sequences: a row needs at least 9 fields, got {row!r:.80}")
+        if row[SYNCED_STATUS] not in STATUSES:
+            raise ValueError(f"field sequences: {row[0]}'s status must be one of {', '.join(STATUSES)}, "
+                             f"got {row[SYNCED_STATUS]!r:.40}")
         tables = [(row[SYNCED_TABLE], event.num_blocks, "pool")]
         if len(row) > SYNCED_CPU_TABLE:
             tables.append((row[SYNCED_CPU_TABLE], event.num_cpu_blocks, "CPU pool"))
         for table, size, pool in tables:
             if not conforms(table, tuple[int, ...]) or any(not 0 <= b < size for b in table):
-                raise ValueError(f"request {row[0]}'s block table {table!r:.60} is not a list of blocks of the "
-                                 f"{pool} ({size} blocks)")
+                raise ValueError(f"field sequences: {row[0]}'s block table {table!r:.60} is not a list of "
+                                 f"blocks of the {pool} ({size} blocks)")
     for row in event.radix:
         if len(row) != 6 or not conforms(row[SYNCED_RADIX_BLOCKS], tuple[int, ...]) or any(
                 not 0 <= b < event.num_blocks for b in row[SYNCED_RADIX_BLOCKS]):
-            raise ValueError(f"radix node row {row!r:.80} is not (node, parent, text, tokens, blocks, step) "
+            raise ValueError(f"field radix: row {row!r:.80} is not (node, parent, text, tokens, blocks, step) "
                              f"with blocks of the pool")
 
 
@@ -144,20 +193,134 @@ def check_token_constrained(event: ev.TokenConstrained) -> None:
 FIELD_CHECKS = {ev.TokenConstrained: check_token_constrained}
 
 
-def check_trace(events: Iterable[ev.Event], path: str | Path = "trace") -> None:
-    """ValueError("<path>: event N (Type): ...") for the first event a viewer could not draw."""
-    num_blocks = num_cpu_blocks = None
-    for n, event in enumerate(events, start=1):
+class PoolBooks:
+    """The device pool's ref counts and free blocks, kept from the events the way `block_pool.py`
+    keeps them: a block is taken (one more holder; a free one leaves the free queue) or dropped
+    (one holder fewer, never below zero), and the blocks that reach zero are released, each once."""
+
+    def __init__(self, synced: ev.EngineSynced) -> None:
+        self.refs = list(synced.ref_counts)
+        negative = next((b for b, r in enumerate(self.refs) if r < 0), None)
+        if negative is not None:
+            raise ValueError(f"field ref_counts: block {negative} has {self.refs[negative]} holders")
+        if len(set(synced.free_queue)) != len(synced.free_queue):
+            raise ValueError("field free_queue lists a block twice")
+        self.free = set(synced.free_queue)
+        zero = {b for b, r in enumerate(self.refs) if r == 0}
+        if self.free != zero:
+            odd = sorted(self.free ^ zero)[0]
+            raise ValueError(f"field free_queue: block {odd} has {self.refs[odd]} holders but is "
+                             f"{'' if odd in self.free else 'not '}in the free queue")
+        holders = Counter(b for row in synced.sequences for b in row[SYNCED_TABLE])
+        holders.update(b for row in synced.radix for b in row[SYNCED_RADIX_BLOCKS])
+        wrong = next((b for b, r in enumerate(self.refs) if r != holders[b]), None)
+        if wrong is not None:
+            raise ValueError(f"field ref_counts: block {wrong} has {self.refs[wrong]} holders, but "
+                             f"{holders[wrong]} block tables and tree nodes hold it")
+
+    def take(self, field: str, blocks: Iterable[int]) -> None:
+        for b in blocks:
+            self.free.discard(b)
+            self.refs[b] += 1
+
+    def drop(self, field: str, blocks: Sequence[int]) -> None:
+        for b, times in Counter(blocks).items():
+            if self.refs[b] < times:
+                raise ValueError(f"field {field}: block {b} is dropped {times} time(s) but has "
+                                 f"{self.refs[b]} holder(s)")
+            self.refs[b] -= times
+
+    def release(self, field: str, blocks: Sequence[int], dropped: Iterable[int]) -> None:
+        """After `drop`: `blocks` go to the free queue; they must be exactly the dropped ones at zero."""
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"field {field} lists a block twice: {list(blocks)!r:.60}")
+        at_zero = {b for b in dropped if self.refs[b] == 0}
+        if set(blocks) != at_zero:
+            b = sorted(set(blocks) ^ at_zero)[0]
+            raise ValueError(f"field {field}: block {b} has {self.refs[b]} holder(s) left but is "
+                             f"{'' if b in blocks else 'not '}released")
+        self.free.update(blocks)
+
+    def apply(self, e: ev.Event) -> None:
+        if isinstance(e, (ev.BlocksAllocated, ev.PrefixMatched, ev.Forked, ev.SwappedIn, ev.RadixInserted)):
+            self.take("block_ids", e.block_ids)
+        elif isinstance(e, (ev.BlocksFreed, ev.SwappedOut)):
+            self.drop("block_ids", e.block_ids)
+            self.release("released", e.released, e.block_ids)
+        elif isinstance(e, ev.RadixEvicted):
+            self.drop("block_ids", e.block_ids)
+            self.release("block_ids", e.block_ids, e.block_ids)
+        elif isinstance(e, ev.BlockDeduplicated):
+            self.take("kept", [e.kept])
+            self.drop("dropped", [e.dropped])
+            self.release("released", [e.dropped] if e.released else [], [e.dropped])
+        elif isinstance(e, ev.CowCopied):
+            self.drop("src", [e.src])
+            if self.refs[e.src] == 0:
+                raise ValueError(f"field src: block {e.src} was not shared (copy-on-write needs a second holder)")
+            self.take("dst", [e.dst])
+
+
+class _Order:
+    """Step numbers: one EngineSynced first, StepStarted numbers increasing, events inside their step."""
+
+    def __init__(self, synced: ev.EngineSynced) -> None:
+        self.step, self.open = synced.step, False
+
+    def apply(self, e: ev.Event) -> None:
+        if isinstance(e, ev.EngineSynced):
+            raise ValueError("a second EngineSynced: a trace holds one run, synced once at its start")
+        if isinstance(e, ev.StepStarted):
+            if self.open or e.step <= self.step:
+                raise ValueError(f"field step: step {e.step} starts after step {self.step}"
+                                 f"{' (still open)' if self.open else ''}; steps run in order")
+            self.step, self.open = e.step, True
+        elif e.step != self.step:
+            raise ValueError(f"field step is {e.step}, inside step {self.step}: events come in step order")
+        elif isinstance(e, ev.StepFinished):
+            if not self.open:
+                raise ValueError(f"StepFinished for step {e.step}, which did not start")
+            self.open = False
+
+
+def check_trace(events: Iterable[ev.Event], path: str | Path = "trace", lines: Sequence[int] | None = None) -> None:
+    """ValueError("<path>: line N (Type, step S): ...") for the first event nothing could draw.
+    `lines`: each event's line in the file (default: "event N", counted from 1)."""
+    books = order = state = None
+    for n, event in enumerate(events):
         try:
             check_types(event)
-            if isinstance(event, ev.EngineSynced):
+            if isinstance(event, ev.EngineSynced) and order is None:
                 check_synced(event)
-                num_blocks, num_cpu_blocks = event.num_blocks, event.num_cpu_blocks
-            elif num_blocks is None:
+                check_values(event)
+                books, order = PoolBooks(event), _Order(event)
+            elif order is None:
                 raise ValueError("the trace must start with EngineSynced (the engine's state)")
             else:
-                check_block_ids(event, num_blocks, num_cpu_blocks)
+                order.apply(event)
+                check_block_ids(event, len(books.refs), state.num_cpu_blocks)
+                check_values(event)
                 if type(event) in FIELD_CHECKS:
                     FIELD_CHECKS[type(event)](event)
-        except ValueError as exc:
-            raise ValueError(f"{path}: event {n} ({type(event).__name__}, step {event.step!r}): {exc}") from None
+                books.apply(event)
+            state = fold(state, event)
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError, AssertionError) as exc:
+            where = f"line {lines[n]}" if lines is not None else f"event {n + 1}"
+            text = str(exc) if isinstance(exc, ValueError) else f"the events do not replay ({type(exc).__name__}: {exc})"
+            raise ValueError(f"{path}: {where} ({type(event).__name__}, step {event.step!r:.20}): {text}") from None
+
+
+def load_trace(path: str | Path) -> list[ev.Event]:
+    """Read a JSONL trace and check it: what every consumer opens a trace with.
+    FileNotFoundError / ValueError with one line naming the file, the line and the field."""
+    from nanoserve.trace import read_trace_lines
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"trace not found: {path}")
+    numbered = read_trace_lines(path)
+    events = [e for _, e in numbered]
+    check_trace(events, path, [n for n, _ in numbered])
+    if not events:
+        raise ValueError(f"{path} has no events; a trace starts with EngineSynced")
+    return events

@@ -11,7 +11,9 @@ ints, floats, bools and strings:
     FieldError: max_tokens must be an int, got 2.5 (float)
 
 `True` is an int to Python but never a count here, and NaN or infinity is a
-float but never a setting: both are refused. `available_memory` tells the
+float but never a setting: both are refused. Text must be valid Unicode
+(`well_formed`: no lone surrogates), checked at every edge where text comes
+in: `add_request`, the command line and the HTTP API. `available_memory` tells the
 config how much memory the machine has before a pool is allocated.
 """
 
@@ -75,6 +77,25 @@ def text(field: str, value, empty_ok: bool = False) -> str:
         raise FieldError(field, f"must be a str, got {_kind(value)}")
     if not value and not empty_ok:
         raise FieldError(field, "must not be empty")
+    return well_formed(field, value)
+
+
+def well_formed(field: str, value: str) -> str:
+    """`value` if it is valid Unicode text, that is, it encodes to UTF-8.
+
+    A Python str can hold a lone UTF-16 surrogate (U+D800..U+DFFF) that no text encoding
+    accepts: JSON's "\\ud800" parses to one, and so does a command-line argument with a byte
+    that is not UTF-8 (Python keeps it as U+DC80..U+DCFF). The tokenizer, a JSONL trace and an
+    HTTP response all need UTF-8, so such a string is refused where it comes in. The message
+    names the code point, never the character itself (it could not be printed either).
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(value[exc.start])
+        byte = f" (the byte 0x{code - 0xDC00:02x}, which is not UTF-8)" if 0xDC80 <= code <= 0xDCFF else ""
+        raise FieldError(field, f"is not valid Unicode text: a lone surrogate U+{code:04X}{byte} at "
+                                f"character {exc.start}") from None
     return value
 
 

@@ -122,6 +122,9 @@ class OutputChecks:
         if params.use_beam_search:
             self._check_beams(out, params)
             return
+        if params.n > 1 and any(c.token_ids for c in out.outputs):
+            # The n first tokens are drawn in one step, and the request forks in that step.
+            assert len(out.outputs) >= params.n, f"{rid}: n={params.n} has tokens in {len(out.outputs)} completions"
         comp = out.outputs[0]            # the request's own sequence; forks come after it
         # Tokens only ever grow, preemption, recompute and undone steps included.
         prev = self.tokens_seen.get(rid, [])

@@ -1,9 +1,11 @@
 """A Hypothesis state machine driving a real LLMEngine (tiny random Llama) through random
 add / step / abort / fork / evict / drain sequences, and through the hostile ones: beam
 searches preempted by recompute or swap, single beams and forks aborted, draft-model and
-n-gram speculation with token budgets of 1 and 2, stop strings and stop ids with
-min_tokens, request ids reused after they finished, and injected failures (a forward that
-raises, Ctrl-C, a row of NaN logits, a subscriber that raises once).
+n-gram speculation with token budgets of 1 and 2, n > 1 with prompts longer than the
+budget under speculation (and forks of a sequence whose n completions are not forked
+yet), stop strings and stop ids with min_tokens, request ids reused after they finished,
+and injected failures (a forward that raises, Ctrl-C, a row of NaN logits, a subscriber
+that raises once).
 
 After every rule `engine.check_invariants()` must hold, a viewer's fold of the events
 must equal `engine.snapshot()`, and the engine's requests must match a model of the live
@@ -13,7 +15,8 @@ ids. Finished outputs are checked for their finish reason and token counts, and 
 off (no prefix cache, no chunking, no preemption, no speculation): preemption, chunking,
 block size, batch neighbours, the prefix cache, forks, swapping, speculation and undone
 failed steps must not change outputs. Draining must leave only cached blocks in use, and
-clearing the cache must return every block to the pool.
+clearing the cache must return every block to the pool. At the end, the example's events
+must pass the trace check every viewer runs (`trace_check.check_trace`).
 
 CI runs a few dozen examples; `benchmarks/fuzz_engine.py` runs the same machine for
 20,000+ operations and prints what happened (`STATS`, `CONFIGS`). The reference engine,
@@ -26,7 +29,7 @@ from collections import Counter
 
 import pytest
 from engine_checks import FoldWatcher
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from machine_reference import (
@@ -46,8 +49,20 @@ from nanoserve import SamplingParams
 from nanoserve import events as ev
 from nanoserve.errors import FieldError, StepFailed, SubscriberError
 from nanoserve.sequence import SequenceStatus
+from nanoserve.trace_check import check_trace
 
 # -- the state machine --------------------------------------------------------------------------
+
+
+def sampled_row(chunks, inputs) -> int | None:
+    """The logits row of the first token sampled in a step: where an injected NaN stops a request.
+    (Not simply row 0: a chunk giving prompt log-probabilities has more rows, most not sampled.)"""
+    row = 0
+    for chunk, x in zip(chunks, inputs):
+        if chunk.samples:
+            return row + x.num_logits - (1 + len(chunk.draft_token_ids))
+        row += x.num_logits
+    return None
 
 
 class EngineMachine(OutputChecks, RuleBasedStateMachine):
@@ -60,7 +75,7 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
         caching=st.booleans(),
         swap=st.sampled_from([None, None, 0, 6, 40]),     # None: recompute; else swap with this many CPU blocks
         policy=st.sampled_from(["newest", "priority", "shortest_remaining"]),
-        spec=st.sampled_from([None, None, None, ("ngram", 3), ("draft", 2), ("draft", 4)]),
+        spec=st.sampled_from([None, None, None, ("ngram", 3), ("ngram", 1), ("draft", 2), ("draft", 4)]),
     )
     def setup(self, pool, budget, max_num_seqs, chunked, max_model_len, caching, swap, policy, spec):
         if not chunked:
@@ -88,7 +103,16 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
         self.checked = 0                                              # invariants checked since setup
         self.nan_injected = 0                                         # NaN rows put in the logits ...
         self.nan_failed: set[str] = set()                             # ... and the requests they stopped
-        run = self.engine.runner.run
+        run, prepare, schedule = self.engine.runner.run, self.engine.runner.prepare, self.engine.scheduler.schedule
+        seen: dict = {}                   # this step's plan and the inputs the forward got
+
+        def schedule_seen(*args, **kwargs):
+            seen["plan"] = schedule(*args, **kwargs)
+            return seen["plan"]
+
+        def prepare_seen(inputs):
+            seen["inputs"] = inputs
+            return prepare(inputs)
 
         def run_with_faults(batch):
             fault, self.fault = self.fault, None
@@ -97,12 +121,15 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
             if fault == "ctrl-c":
                 raise KeyboardInterrupt("injected")
             logits = run(batch)
-            if fault == "nan" and len(logits):   # row 0: the first chunk that samples in this step
+            row = sampled_row(seen["plan"].chunks, seen["inputs"]) if fault == "nan" else None
+            if row is not None:
                 logits = logits.clone()
-                logits[0] = float("nan")
+                logits[row] = float("nan")
                 self.nan_injected += 1
             return logits
 
+        self.engine.scheduler.schedule = schedule_seen
+        self.engine.runner.prepare = prepare_seen
         self.engine.runner.run = run_with_faults
 
     # -- helpers ---------------------------------------------------------------------
@@ -212,6 +239,40 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
         self.live[rid] = (list(prompt), params)
         STATS["requests added"] += 1
         self.tokens_seen.pop(rid, None)
+
+    @rule(
+        period=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4),
+        chunks=st.integers(1, 3),
+        extra=st.sampled_from([1, 1, 0, 2]),
+        n=st.integers(2, 3),
+        seed=st.one_of(st.none(), st.integers(0, 2**31)),
+        max_tokens=st.integers(1, 8),
+    )
+    def add_parallel_long(self, period, chunks, extra, n, seed, max_tokens):
+        """n > 1 with a prompt longer than the budget, made of a repeated pattern: its last chunk is
+        often one token, which speculation would draft for (the n-gram proposer finds the pattern).
+        The n first tokens must still be drawn together, and the request forks at once."""
+        if len(self.live) >= MAX_LIVE:
+            return
+        budget = self.engine.config.max_num_batched_tokens
+        length = budget * chunks + extra
+        prompt = (period * length)[:length]
+        params = SamplingParams(n=min(n, self.engine.config.max_num_seqs), temperature=1.0, seed=seed,
+                                max_tokens=max_tokens, logprobs=0)   # seeded: compared with the engine off
+        self._add(self._new_id(-1), prompt, params)
+        STATS["n > 1 requests with a prompt longer than the budget"] += 1
+
+    @rule(data=st.data())
+    def fork_pending(self, data):
+        """Fork a sequence whose request has not forked its n completions yet: refused, nothing changes."""
+        pending = sorted(r for r, s in self.engine.sequences.items() if s.seats > 1 and not s.params.use_beam_search)
+        if not pending:
+            return
+        before = self.engine.snapshot()
+        with pytest.raises(ValueError):
+            self.engine.fork(data.draw(st.sampled_from(pending)))
+        assert self.engine.snapshot() == before
+        STATS["forks of a pending n-fork refused"] += 1
 
     @rule(
         prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=16),
@@ -327,7 +388,7 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
             with pytest.raises(KeyError):
                 self.engine.fork(target)
         elif (seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens == 0
-              or seq.params.use_beam_search
+              or seq.params.use_beam_search or seq.seats > 1
               or self.engine.scheduler.seats_used >= self.engine.config.max_num_seqs):
             with pytest.raises(ValueError):
                 self.engine.fork(target)
@@ -411,6 +472,7 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
             self._drain()
             self.engine.check_invariants()
             self.watcher.check(self.engine)
+            check_trace(self.events, "the machine's events")   # every trace the engine writes passes the check
 
 
 EngineMachine.TestCase.settings = settings(
@@ -418,3 +480,22 @@ EngineMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestEngineMachine = EngineMachine.TestCase
+
+
+@settings(max_examples=1, database=None, deadline=None)
+@given(st.none())                     # (the rules record Hypothesis events: they need a test around them)
+def test_an_injected_nan_stops_the_request_it_was_meant_to(_):
+    """Found by the long run (seed 12): a request asking for its prompt's log-probabilities gets more
+    logits rows, so the NaN put in row 0 landed in a prompt log-probability, not in the sampled row;
+    the request finished with a NaN prompt entry instead of stopping. The NaN goes to the sampled row."""
+    state = EngineMachine()
+    state.setup(pool=(4, 24), budget=16, max_num_seqs=4, chunked=True, max_model_len=None, caching=False,
+                swap=None, policy="newest", spec=None)
+    state.add_request(max_tokens=1, min_tokens=0, mode="greedy", n=1, prefix=None, priority=0, prompt=[0, 0],
+                      prompt_logprobs=0, reuse=0, seed=0, stop_ids=[], stop_strings=["a"], stops="none",
+                      temperature=0.7)
+    state.inject_failure(kind="nan")
+    state.step()
+    state.engine_invariants()
+    assert state.nan_failed == {"r0"}
+    state.teardown()

@@ -4,8 +4,6 @@ Also /v1/models, /snapshot, /metrics, /health and --record."""
 
 from __future__ import annotations
 
-import threading
-
 import httpx
 import pytest
 from serve_helpers import CONFIG, client, on_engine, running_server, save_chat_model, wait_idle
@@ -57,23 +55,6 @@ def test_completion_greedy_equals_llm_generate(server, offline, loaded, prompt):
     assert resp.id.startswith("cmpl-") and resp.object == "text_completion"
     assert resp.usage.prompt_tokens == len(want.prompt_token_ids)
     assert resp.usage.completion_tokens == len(want.outputs[0].token_ids)
-
-
-def test_text_prompts_are_tokenized_off_the_engine_thread(server, offline, loaded, monkeypatch):
-    """The engine thread never runs the tokenizer on a prompt: a thread of the server's own does."""
-    url, srv, _ = server
-    where: list[str] = []
-    cls = type(srv.engine.tokenizer)
-    tokenize = cls.__call__
-    monkeypatch.setattr(cls, "__call__", lambda self, *a, **k: where.append(threading.current_thread().name)
-                        or tokenize(self, *a, **k))
-    prompt = "Where is this prompt tokenized?"
-    resp = client(url).completions.create(model=loaded.name, prompt=prompt, max_tokens=6, temperature=0)
-    assert where and all(name.startswith("nanoserve-tokenize") for name in where), where
-    monkeypatch.undo()
-    want = offline([prompt], max_tokens=6, temperature=0)[0]
-    assert resp.choices[0].text == want.outputs[0].text
-    assert resp.usage.prompt_tokens == len(want.prompt_token_ids)
 
 
 def test_streamed_completion_equals_whole(server, offline, loaded):

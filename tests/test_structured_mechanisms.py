@@ -11,6 +11,8 @@ checked by distribution in test_structured_spec_distribution.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from conftest import make_engine, run_to_end
 from test_structured_output import SPECS, allowed_after, matches
@@ -196,6 +198,7 @@ def test_events_fold_and_check(tiny_llama):
     assert drawn == {sid: [(e.num_allowed, e.forced, e.top_masked) for e in constrained if e.seq_id == sid]
                      for sid in state.sequences}
     assert render(run.events, "grammar", "svg").startswith(b"<?xml")
-    bad = ev.TokenConstrained(1, "json-greedy", 5, 2, 257, False, True)
+    first = run.events.index(constrained[0])     # the same event, its `forced` contradicting its mask
+    bad = dataclasses.replace(constrained[0], forced=constrained[0].num_allowed != 1)
     with pytest.raises(ValueError, match="forced"):
-        check_trace([run.events[0], bad])
+        check_trace(run.events[:first] + [bad] + run.events[first + 1:])

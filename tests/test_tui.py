@@ -708,3 +708,16 @@ def test_run_app_unknown_scenario(capsys):
     assert run_app(scenario="no-such-scenario") == 2
     err = capsys.readouterr().err
     assert "unknown scenario 'no-such-scenario'" in err and "memory-pressure" in err
+
+
+def test_every_event_type_has_a_colour_and_its_own_line_in_the_event_log():
+    """A new event type must get a line that says what happened, not the fallback's bare field dump."""
+    import nanoserve.events as ev
+    from nanoserve_tui.widgets.event_log import COLOURS, describe
+
+    types = [c for c in vars(ev).values() if isinstance(c, type) and issubclass(c, ev.Event) and c is not ev.Event]
+    assert sorted(t.__name__ for t in types) == sorted(COLOURS)
+    free = ev.TokenConstrained(4, "r1", 17, 12, 257, True, False)
+    forced = ev.TokenConstrained(4, "r1", 93, 1, 257, False, True)
+    assert describe(free) == "r1 grammar allowed 12/257 tokens, masked the model's top choice; drew 17"
+    assert describe(forced) == "r1 grammar allowed only token 93: forced, the model had no say"

@@ -32,8 +32,7 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Static
 
-from nanoserve.trace import read_trace
-from nanoserve.trace_check import check_trace
+from nanoserve.trace_check import load_trace
 from nanoserve_tui.screens import AddRequestScreen, BranchScreen, HelpScreen, ScenarioPicker
 from nanoserve_tui.source import (
     CONTROLS,
@@ -403,10 +402,7 @@ def make_source(model: str | None = None, replay: str | None = None, scenario: s
 def replay_source(path: str | Path) -> ReplaySource:
     """A checked trace's source: ValueError naming the file and the first event a viewer could not draw."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"trace not found: {path}")
-    events = read_trace(path)                 # ValueError("path:line: ...") on a corrupt line
-    check_trace(events, path)                 # field types, block ids inside the pool
+    events = load_trace(path)                 # ValueError("path: line N (Type, step S): field ...")
     try:
         return ReplaySource(events, name=path.name)
     except (KeyError, IndexError, TypeError, AttributeError, AssertionError) as exc:   # folds inconsistently

@@ -41,7 +41,8 @@ from textual.worker import get_current_worker
 from nanoserve.events import DraftVerified, EngineSynced, Event, StepFinished, StepStarted
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scenarios import Scenario, chat_prompt, get_scenario, has_chat_template
-from nanoserve.trace import JsonlRecorder, ViewState, fold, fold_all, read_trace, synced_event
+from nanoserve.trace import JsonlRecorder, ViewState, fold, fold_all, synced_event
+from nanoserve.trace_check import load_trace
 from nanoserve.whatif.compare import first_divergence
 from nanoserve.whatif.run import Run
 from nanoserve.whatif.settings import BRANCH_SETTINGS
@@ -200,9 +201,7 @@ class ReplaySource(Source):
     def from_path(cls, path: str | Path) -> ReplaySource:
         """Read and check a trace; FileNotFoundError / ValueError with a clear message."""
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"trace not found: {path}")
-        return cls(read_trace(path), name=path.name)
+        return cls(load_trace(path), name=path.name)
 
     @property
     def last(self) -> int:

@@ -30,7 +30,7 @@ API = [
     ("metrics", "GET /metrics\\nPrometheus text", "nanoserve.serve.metrics:ServerMetrics"),
 ]
 LOOP = [
-    ("admit", "admit: 429 if the waiting queue is full,\\n400 if it does not fit; engine.add_request",
+    ("admit", "admit: 429 if the waiting queue is full;\\nengine.add_request",
      "nanoserve.serve.engine_loop:EngineLoop._admit"),
     ("step", "engine.step()\\nschedule -> forward -> sample", "nanoserve.engine:LLMEngine.step"),
     ("detok", "incremental detokenizer\\n(text deltas, stop strings)", "nanoserve.detokenizer:IncrementalDetokenizer"),
@@ -38,6 +38,8 @@ LOOP = [
     ("abort", "engine.abort_request\\n(blocks freed or cached)", "nanoserve.engine:LLMEngine.abort_request"),
 ]
 QUEUES = [
+    ("tokenize", "tokenizer threads: count the prompt,\\n400 if it does not fit the context",
+     "nanoserve.serve.engine_loop:EngineLoop._prepare"),
     ("commands", "command queue\\n(queue.Queue)", "nanoserve.serve.engine_loop:EngineLoop.call"),
     ("sink", "Sink per request\\n(asyncio.Queue)", "nanoserve.serve.engine_loop:Sink"),
     ("watchers", "Watcher per /events client\\n(one batch per step)", "nanoserve.serve.event_stream:Watcher"),
@@ -45,7 +47,8 @@ QUEUES = [
 # (from, to, label): requests flow left to right; an edge drawn as (a, b, label, "back") points
 # from b to a, so that every edge ranks left to right and the columns stay apart.
 EDGES = [
-    ("curl", "routes", "HTTP"), ("routes", "commands", "submit / abort"),
+    ("curl", "routes", "HTTP"), ("routes", "tokenize", "submit"), ("tokenize", "commands", ""),
+    ("routes", "commands", "abort"),
     ("commands", "admit", ""), ("commands", "abort", "client hung up"), ("admit", "step", ""),
     ("step", "detok", ""), ("sink", "detok", "RequestOutput\\n(call_soon_threadsafe)", "back"),
     ("chunks", "sink", "", "back"), ("curl", "chunks", "stream", "back"), ("step", "bus", ""), ("abort", "bus", ""),

@@ -10,6 +10,22 @@ interpreter: no copy of the driver's threads, locks or CUDA state, the only
 start method that works everywhere). Each worker runs `target(comm, *args)`
 and joins a gloo process group over 127.0.0.1.
 
+Nothing listens beyond this machine. The driver's rendezvous store (a
+`TCPStore`) would listen on every interface (`[::]`, dual-stack) whatever host
+it is given, so the driver binds the socket itself, to 127.0.0.1, and hands it
+over (`loopback_store`); each rank's gloo device binds 127.0.0.1 too. That
+matters because nothing on these sockets is authenticated and what crosses
+between ranks includes pickles, which run code when loaded:
+
+* the store: each worker's "joined/<rank>" key (its pid), and gloo's own
+  rendezvous keys (the ranks' loopback addresses);
+* the gloo group: tensors (the batch's hidden states in all-reduces, logit
+  shards in gathers) and Python objects as pickles (`comm.py`: the step's
+  batch metadata, block moves, the ranks' pool reports and invariant checks;
+  with disaggregation, a request's KV and its bookkeeping).
+
+Only processes of this machine can connect, and only the driver starts them.
+
 Everything is bounded in time:
 
 * start-up: a worker that has not joined within `start_timeout` seconds, or
@@ -54,11 +70,24 @@ class WorkerDied(EngineBroken):
     """A worker process of a distributed engine is gone (or never came up); the engine cannot go on."""
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def loopback_store(world_size: int):
+    """The driver's rendezvous store, listening on 127.0.0.1 only; returns (store, port).
+
+    TCPStore binds every interface when it makes its own socket; given a socket that is
+    already bound and listening (`master_listen_fd`), it serves on that one. The OS picks
+    the port, so nothing can take it between choosing and binding."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(max(128, world_size))
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True,
+                          timeout=datetime.timedelta(seconds=OP_TIMEOUT_S), wait_for_workers=False,
+                          master_listen_fd=sock.detach())   # (the store owns the socket from here)
+    return store, port
 
 
 def gloo_group(store, rank: int, world_size: int) -> Communicator:
@@ -143,7 +172,7 @@ class WorkerGroup:
               start_timeout: float = START_TIMEOUT_S) -> WorkerGroup:
         """Spawn ranks 1..world_size-1 running `target(comm, *args)`; return once all have joined."""
         ctx = mp.get_context("spawn")
-        port = free_port()
+        store, port = loopback_store(world_size)   # first: the workers connect to it as they start
         processes, errors = [], []
         for rank in range(1, world_size):
             read, write = ctx.Pipe(duplex=False)
@@ -154,7 +183,7 @@ class WorkerGroup:
             processes.append(p)
             errors.append(read)
         try:
-            comm, store = _host(port, world_size, processes, errors, what, start_timeout)
+            comm = _host(store, world_size, processes, errors, what, start_timeout)
         except BaseException:
             _stop(processes)
             raise
@@ -218,11 +247,9 @@ class WorkerGroup:
             raise self.failure(exc) from exc
 
 
-def _host(port, world_size, processes, errors, what, timeout):
-    """Host the rendezvous, wait until every worker joined (WorkerDied if one dies or time runs out),
-    then join the gloo group as rank 0. Returns (comm, store)."""
-    tcp = dist.TCPStore("127.0.0.1", port, world_size, is_master=True,
-                        timeout=datetime.timedelta(seconds=OP_TIMEOUT_S), wait_for_workers=False)
+def _host(tcp, world_size, processes, errors, what, timeout) -> Communicator:
+    """Wait until every worker joined the rendezvous in `tcp` (WorkerDied if one dies or time runs out),
+    then join the gloo group as rank 0."""
     deadline = time.monotonic() + timeout
     for rank, p in enumerate(processes, start=1):
         while not tcp.check([f"joined/{rank}"]):
@@ -233,7 +260,7 @@ def _host(port, world_size, processes, errors, what, timeout):
                                  + (f": {last}" if last else ""))
             if time.monotonic() > deadline:
                 raise WorkerDied(f"{what} rank {rank} did not start within {timeout:.0f} s")
-    return gloo_group(tcp, 0, world_size), tcp
+    return gloo_group(tcp, 0, world_size)
 
 
 def _last_words(conn) -> str:

@@ -5,7 +5,8 @@
 
 The modules, one concept each:
 
-    app.py            the FastAPI app: routes for watching, auth, error bodies, lifespan
+    app.py            the FastAPI app: routes for watching, auth, lifespan
+    errors.py         every error as an OpenAI-shaped body, the framework's own included
     openai_routes.py  /v1/models, /v1/completions (batches of prompts), /v1/chat/completions (streaming or not)
     vllm_routes.py    vLLM's routes beside the OpenAI API: /tokenize, /detokenize, /tokenizer_info, /version,
                       /reset_prefix_cache
@@ -17,6 +18,8 @@ The modules, one concept each:
     event_stream.py   GET /events: the engine's events as server-sent events (trace lines)
     clients.py        who is connected (the TUI's clients panel)
     metrics.py        GET /metrics in Prometheus' format
+    limits.py         what one client may take: body size, time to send headers and body
+    listener.py       the listening socket (TCP_NODELAY) and uvicorn's settings
     background.py     a server on a loopback port in a thread (tests, lessons, benchmarks)
     command.py        the `nanoserve serve` command line
 

@@ -25,23 +25,27 @@ from __future__ import annotations
 import asyncio
 import hmac
 import itertools
+import logging
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from nanoserve.engine import LLMEngine
 from nanoserve.serve.clients import ClientBook
 from nanoserve.serve.engine_loop import EngineLoop
+from nanoserve.serve.errors import install_error_handlers
 from nanoserve.serve.event_stream import EventHub, event_stream
+from nanoserve.serve.limits import MAX_BODY_BYTES, BodyLimit
 from nanoserve.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from nanoserve.serve.openai_routes import router as openai_router
-from nanoserve.serve.protocol import ApiError, ChatTemplateOptions, template_variables, validation_error
+from nanoserve.serve.protocol import ApiError, ChatTemplateOptions, template_variables
 from nanoserve.serve.vllm_routes import router as vllm_router
 from nanoserve.trace import JsonlRecorder
+
+log = logging.getLogger("nanoserve.serve")
 
 
 class Server:
@@ -66,7 +70,10 @@ class Server:
     def start(self) -> None:
         if self.record:                             # before the thread starts: no step can be missed
             self._recorder = JsonlRecorder(self.record)
-            self.engine.subscribe(self._recorder)
+            try:
+                self.engine.subscribe(self._recorder)
+            except OSError as exc:                  # (a full disk at once: serve anyway; /health says so)
+                log.warning("%s", exc)
         self.engine_loop.start()
 
     def stop(self) -> None:
@@ -111,7 +118,8 @@ class BearerAuth:
 
 
 def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str | None = None,
-              max_waiting: int = 64, step_delay: float = 0.0, record: str | Path | None = None) -> FastAPI:
+              max_waiting: int = 64, step_delay: float = 0.0, record: str | Path | None = None,
+              max_request_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The server's ASGI app around `engine` (which it owns from now on)."""
     server = Server(engine, model_name, max_waiting, step_delay, record)
 
@@ -128,21 +136,17 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
     app.include_router(openai_router)
     app.include_router(vllm_router)
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        error = validation_error(list(exc.errors()))
-        return JSONResponse(error.body(), status_code=error.status)
+    install_error_handlers(app)       # every error, the framework's included, as an OpenAI-shaped body
 
     @app.get("/health")
     async def health() -> JSONResponse:
         if server.engine_loop.alive:
-            return JSONResponse({"status": "ok", "model": server.model_name,
-                                 # what computes the steps, as it runs (LLMEngine.implementation)
-                                 "implementation": server.implementation})
+            body = {"status": "ok", "model": server.model_name,
+                    # what computes the steps, as it runs (LLMEngine.implementation)
+                    "implementation": server.implementation}
+            if server._recorder is not None and server._recorder.error:   # serving goes on; recording stopped
+                body["record"] = f"stopped: {server._recorder.error}"
+            return JSONResponse(body)
         return JSONResponse({"status": "error", "error": server.engine_loop.error or "engine loop stopped"}, 503)
 
     @app.get("/snapshot")
@@ -164,6 +168,7 @@ def build_app(engine: LLMEngine, *, model_name: str | None = None, api_key: str 
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)   # limits.py: 413 / 408
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
     return app

@@ -7,36 +7,18 @@
 It binds 127.0.0.1 on a free port the OS picks (so parallel runs never
 collide), runs uvicorn's server loop on a thread, waits until it accepts
 connections, and on exit asks it to stop and waits (bounded) for the thread.
-`nanoserve serve` does not use it: there uvicorn runs in the main thread; both
-listen on `tcp_listener`'s socket, so every connection sends small writes at once.
+`nanoserve serve` does not use it: there uvicorn runs in the main thread. Both
+listen the same way (`listener.py`: TCP_NODELAY, the header timeout).
 """
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import uvicorn
 
-
-def tcp_listener(host: str, port: int) -> socket.socket:
-    """A bound TCP socket whose accepted connections send each write at once (TCP_NODELAY).
-
-    asyncio turns Nagle's algorithm off on a connection only when its socket says it is TCP
-    (`asyncio.base_events._set_nodelay` checks `sock.proto == IPPROTO_TCP`). `socket.socket(AF_INET,
-    SOCK_STREAM)` and `socket.create_server` leave the protocol 0, accepted sockets inherit it, and
-    then a small write (a response on a reused connection, a streamed chunk) can wait for the
-    client's delayed ACK, about 40 ms. Naming the protocol here is the whole fix;
-    tests/test_serve_nodelay.py checks an accepted connection's TCP_NODELAY."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # a restart need not wait for TIME_WAIT
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
+from nanoserve.serve.listener import listen, server_config
 
 
 class Uvicorn(uvicorn.Server):
@@ -66,9 +48,9 @@ class BackgroundServer:
         return f"http://{self.host}:{self.port}"
 
     def __enter__(self) -> BackgroundServer:
-        sock = tcp_listener(self.host, self.port)
+        sock = listen(self.host, self.port)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        config = server_config(self.app, lifespan="on", timeout_graceful_shutdown=5)
         self._server = Uvicorn(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="nanoserve-uvicorn", daemon=True)

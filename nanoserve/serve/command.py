@@ -5,8 +5,9 @@
     NANOSERVE_API_KEY=s3cret nanoserve serve --model smollm2 --host 0.0.0.0
 
 `add_serve_parser` declares the flags (cli.py calls it), `run_serve` checks
-them, loads the model, binds the socket (a port in use is one clear line, not
-a uvicorn traceback) and runs uvicorn in the main thread. It imports FastAPI
+them, binds the socket (a port in use is one clear line, not a uvicorn
+traceback, before the model loads), loads the model and runs uvicorn in the
+main thread with the settings of `listener.py`. It imports FastAPI
 and uvicorn only when the command runs, so `nanoserve --help` stays quick.
 """
 
@@ -16,6 +17,8 @@ import argparse
 import ipaddress
 import os
 import sys
+
+from nanoserve.serve.limits import MAX_BODY_BYTES
 
 API_KEY_ENV = "NANOSERVE_API_KEY"
 
@@ -38,6 +41,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--step-delay", type=float, default=0.0,
                    help="seconds to rest after each step, so a classroom can follow (default: %(default)s)")
     p.add_argument("--record", default=None, metavar="FILE", help="write every event to this JSONL trace")
+    p.add_argument("--max-request-bytes", type=int, default=MAX_BODY_BYTES, metavar="N",
+                   help="largest request body; larger ones get HTTP 413 (default: %(default)s)")
     eng = p.add_argument_group("engine")
     eng.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     eng.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: fill 256 MB)")
@@ -79,15 +84,16 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-waiting must be at least 1, got {args.max_waiting}")
     if args.step_delay < 0:
         raise ValueError(f"--step-delay must be >= 0, got {args.step_delay}")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be at least 1, got {args.max_request_bytes}")
 
 
 def run_serve(args: argparse.Namespace) -> int:
     _check(args)
     try:
-        import uvicorn
-
         from nanoserve.serve.app import build_app
-        from nanoserve.serve.background import Uvicorn, tcp_listener
+        from nanoserve.serve.background import Uvicorn
+        from nanoserve.serve.listener import listen, raise_open_file_limit, server_config
     except ImportError as exc:
         raise RuntimeError(f"`nanoserve serve` needs {exc.name}: pip install fastapi uvicorn prometheus-client "
                            "(they come with `pip install nanoserve`)") from None
@@ -102,12 +108,13 @@ def run_serve(args: argparse.Namespace) -> int:
         num_speculative_tokens=args.num_speculative_tokens, seed=args.seed, fast_paths=args.fast_paths,
     )
     try:   # bind first: a port in use should not cost a model load
-        sock = tcp_listener(args.host, args.port)          # TCP_NODELAY on every connection
+        sock = listen(args.host, args.port)
     except OSError as exc:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+    raise_open_file_limit()   # each connection is an open file: as many as the system allows
     engine = LLMEngine(config)
     app = build_app(engine, model_name=args.served_model_name, api_key=api_key, max_waiting=args.max_waiting,
-                    step_delay=args.step_delay, record=args.record)
+                    step_delay=args.step_delay, record=args.record, max_request_bytes=args.max_request_bytes)
     url = f"http://{args.host}:{sock.getsockname()[1]}"
     say = lambda msg: print(f"nanoserve: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     if not is_loopback(args.host):
@@ -117,5 +124,5 @@ def run_serve(args: argparse.Namespace) -> int:
     say(f"watch it: nanoserve tui --attach {url}" + (" --api-key ..." if api_key else ""))
     if args.record:
         say(f"recording every event to {args.record}")
-    Uvicorn(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10)).run(sockets=[sock])
+    Uvicorn(server_config(app, timeout_graceful_shutdown=10)).run(sockets=[sock])
     return 0

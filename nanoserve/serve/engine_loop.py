@@ -2,11 +2,12 @@
 
     HTTP handlers (asyncio thread)            engine loop (its own thread)
     ------------------------------            ----------------------------
-    loop.submit(...)  --- tokenizer thread: a text prompt's ids --- command queue --->
-                                              admit: check, intake.prepare, engine.enqueue
+    loop.submit(...)  -> a tokenizer thread: count the prompt's tokens, check the context
+                      --- command queue --->  admit: check the waiting queue, engine.add_request
     await sink.get()  <-- call_soon_threadsafe --  after each engine.step(): the request's RequestOutput
     loop.abort(rid)   --- command queue --->  engine.abort_request (the client went away)
     loop.call(fn)     --- command queue --->  fn(engine) between two steps (/snapshot, /events subscribe)
+    loop.tokenize(...) -> a tokenizer thread: POST /tokenize's text, never on the engine thread
 
 Only this thread touches the engine, so the engine needs no locks: everything
 else reaches it through the command queue, and the queue is drained between
@@ -20,23 +21,35 @@ scheduler needs. nanoserve serves a classroom, not thousands: a thread keeps
 outputs and events as plain Python objects (no serialization), lets /events
 subscribe to the very EventBus the TUI uses, and torch releases the GIL
 inside the model's forward, which is where a step spends its time. The
-price: heavy HTTP traffic slows the Python parts of a step. So text prompts
-are tokenized on a thread of their own ("nanoserve-tokenize", with a copy of
-the tokenizer: a fast tokenizer must not run on two threads at once), not on
-the engine's; every submission goes through that thread, so requests keep
-their order. (Detokenizing the generated tokens stays in the step.)
+price: heavy HTTP traffic slows the Python parts of a step.
 
 Back-pressure: a request is admitted only while the engine's waiting queue
 holds fewer than `max_waiting` requests; past it the submit fails with HTTP 429
 (checked here, at admission, so the count is exact). A request that
 disconnects is aborted between two steps, which frees (or caches) its blocks.
+
+Tokenizing a text prompt happens on a thread of its own (the tokenizers
+library releases the GIL), in the order requests came, so they are admitted
+first come, first served; a text prompt longer than LONG_PROMPT_CHARS goes to
+two more threads beside it, so a huge prompt is counted and refused there
+while everyone else is admitted and the engine keeps stepping. Only prompts
+that fit the context reach the engine thread (where `add_request` tokenizes
+them again, which is then bounded by the context length).
+
+No request and no subscriber can stop this thread. A request whose admission
+raises gets an error naming the cause; a step that fails (`StepFailed`: the
+engine undid it) fails the requests it was computing, with the cause; a
+subscriber that raises (a `--record` trace on a full disk) is logged and the
+step's outputs go out as usual; a callback after a step that raises is logged.
+Only an engine that cannot step again (`EngineBroken`, or a bug in the engine
+itself) ends the loop, and then /health says so (503) and every waiting
+client gets a 500.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
 import logging
 import queue
 import threading
@@ -44,14 +57,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nanoserve import intake
 from nanoserve.engine import LLMEngine
+from nanoserve.errors import StepFailed, SubscriberError
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.serve.metrics import ServerMetrics
 from nanoserve.serve.protocol import ApiError
 
 log = logging.getLogger("nanoserve.serve")
+LONG_PROMPT_CHARS = 65_536   # text prompts longer than this are tokenized beside the others, not in line
+LONG_PROMPT_THREADS = 2      # ... this many at once
 
 
 class Sink:
@@ -83,7 +98,7 @@ class Submission:
     sink: Sink
     arrival: float = field(default_factory=time.monotonic)
     admitted: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)   # -> prompt tokens
-    token_ids: list[int] | None = None  # a text prompt's ids (set on the tokenizer thread)
+    num_prompt: int = 0                 # counted on a tokenizer thread before the engine sees it
 
 
 class EngineLoop:
@@ -106,10 +121,13 @@ class EngineLoop:
         self._running.set()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
-        # text prompts -> ids here, off the engine thread (module docstring); one worker keeps the order
-        self._tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
-        self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenize")
+        # Prompts are counted off the engine thread, in the order they came (one thread: requests are
+        # admitted first come, first served); long text prompts on threads of their own, so that one
+        # huge prompt holds nobody up.
+        self._tokenizers = concurrent.futures.ThreadPoolExecutor(1, "nanoserve-tokenize")
+        self._long_prompts = concurrent.futures.ThreadPoolExecutor(LONG_PROMPT_THREADS, "nanoserve-tokenize-long")
         self.error: str | None = None       # why the loop died, if it did
+        self.failures = 0                   # errors survived: admissions, steps, subscribers, callbacks
 
     # -- from other threads --------------------------------------------------------------
 
@@ -119,9 +137,10 @@ class EngineLoop:
     def stop(self, timeout: float = 10.0) -> None:
         self._stop = True
         self._running.set()
-        self._tokenizing.shutdown(wait=False, cancel_futures=True)
         self._commands.put(lambda: None)    # wake the thread
         self._thread.join(timeout)
+        for pool in (self._tokenizers, self._long_prompts):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def alive(self) -> bool:
@@ -148,21 +167,41 @@ class EngineLoop:
         self._commands.put(run)
         return future
 
+    def tokenize(self, tokenizer, text: str, **kwargs) -> concurrent.futures.Future:
+        """`text`'s token ids on a tokenizer thread, in line with the prompts (a long text beside
+        them), never on the engine thread: POST /tokenize of a huge text holds no step up."""
+        pool = self._long_prompts if len(text) > LONG_PROMPT_CHARS else self._tokenizers
+        try:
+            return pool.submit(lambda: list(tokenizer(text, **kwargs).input_ids))
+        except RuntimeError:                # shut down: the server is stopping
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            future.set_exception(ApiError(503, "the server is shutting down"))
+            return future
+
     def submit(self, sub: Submission) -> concurrent.futures.Future:
-        """Queue a request; the future gives its prompt token count, or raises ApiError (400, 429, 503)."""
+        """Queue a request; the future gives its prompt token count, or raises ApiError (400, 429, 500, 503)."""
         if self.error is not None or not self.alive:
             sub.admitted.set_exception(ApiError(503, f"the engine loop is not running: {self.error or 'stopped'}"))
         else:
-            self._tokenizing.submit(self._tokenize_and_queue, sub)
+            long = isinstance(sub.prompt, str) and len(sub.prompt) > LONG_PROMPT_CHARS
+            try:
+                (self._long_prompts if long else self._tokenizers).submit(self._prepare, sub)
+            except RuntimeError:            # shut down: the server is stopping
+                sub.admitted.set_exception(ApiError(503, "the server is shutting down"))
         return sub.admitted
 
-    def _tokenize_and_queue(self, sub: Submission) -> None:
-        """(tokenizer thread) A text prompt's ids, then the request to the engine thread."""
-        if isinstance(sub.prompt, str) and sub.prompt and self._tokenizer is not None:
-            try:
-                sub.token_ids = list(self._tokenizer(sub.prompt).input_ids)
-            except Exception:   # noqa: BLE001 -- the engine thread tokenizes again and answers with the error
-                sub.token_ids = None
+    def _prepare(self, sub: Submission) -> None:
+        """A tokenizer thread: count the prompt's tokens, check them against the context, then queue it."""
+        try:
+            sub.num_prompt = self._count(sub)
+        except ApiError as exc:
+            sub.admitted.set_exception(exc)
+            return
+        except Exception as exc:  # noqa: BLE001 -- e.g. a tokenizer that refuses the text: this request only
+            self._failed("preparing", sub.request_id, exc)
+            sub.admitted.set_exception(ApiError(500, f"the server could not read this prompt: "
+                                                     f"{type(exc).__name__}: {exc}", "prompt"))
+            return
         self._commands.put(lambda: self._admit(sub))
 
     def abort(self, request_id: str) -> None:
@@ -206,11 +245,22 @@ class EngineLoop:
                 command = self._commands.get(timeout=wait) if block and wait else self._commands.get_nowait()
             except queue.Empty:
                 return
-            command()
+            try:
+                command()
+            except Exception as exc:  # noqa: BLE001 -- the commands answer their callers; this is a backstop
+                self._failed("a command", "", exc)
             block = until_deadline and not self._stop   # else: only what is already queued
 
     def _step(self) -> None:
-        result = self.engine.step()
+        try:
+            result = self.engine.step()
+        except SubscriberError as exc:       # the step completed; a subscriber (a viewer, --record) failed
+            self._failed("a subscriber", "", exc)
+            result = exc.result
+        except StepFailed as exc:            # the engine undid the step: fail the requests it computed
+            self._failed("a step", ", ".join(exc.request_ids), exc)
+            result = exc.result
+            self._fail_requests(exc)
         now = time.monotonic()
         for out in result.outputs:
             sink = self._sinks.get(out.request_id)
@@ -221,38 +271,75 @@ class EngineLoop:
             if out.finished:
                 del self._sinks[out.request_id]
         if self.metrics:
-            self.metrics.after_step(self.engine, result, now)
+            try:
+                self.metrics.after_step(self.engine, result, now)
+            except Exception as exc:  # noqa: BLE001 -- counting must not stop serving
+                self._failed("the metrics", "", exc)
+
+    def _fail_requests(self, exc: StepFailed) -> None:
+        """After a StepFailed: abort the requests it names; their clients get the cause."""
+        cause = exc.__cause__ or exc
+        request_ids = {self.engine.sequences[s].request_id for s in exc.request_ids if s in self.engine.sequences}
+        for rid in sorted(request_ids):
+            sink = self._sinks.pop(rid, None)
+            self._engine_abort(rid)
+            if sink is not None:
+                sink.put(ApiError(500, f"the engine could not compute a step with this request "
+                                       f"({type(cause).__name__}: {cause}); it was stopped"))
+
+    def _engine_abort(self, request_id: str) -> None:
+        try:
+            self.engine.abort_request(request_id)
+        except SubscriberError as exc:       # aborted; a subscriber failed on its events
+            self._failed("a subscriber", request_id, exc)
+        if self.metrics:
+            self.metrics.aborted(request_id)
+
+    def _failed(self, stage: str, request_id: str, exc: BaseException) -> None:
+        """Something went wrong and the loop goes on: say so in the log."""
+        self.failures += 1
+        log.warning("%s failed%s: %s: %s (the engine loop goes on)", stage,
+                    f" ({request_id})" if request_id else "", type(exc).__name__, exc)
 
     def _flush_watchers(self) -> None:
         for callback in self._after_step:
-            callback()
+            try:
+                callback()
+            except Exception as exc:  # noqa: BLE001 -- a watcher's problem is its own
+                self._failed("a callback after the step", "", exc)
 
     def _admit(self, sub: Submission) -> None:
         """Check and add one request (engine thread); answer its `admitted` future."""
         try:
-            num_prompt = self._add(sub)
+            self._add(sub)
         except ApiError as exc:
             if exc.status == 429 and self.metrics:
                 self.metrics.rejected_request()
             sub.admitted.set_exception(exc)
             return
+        except Exception as exc:  # noqa: BLE001 -- this request fails, with the cause; the loop goes on
+            self._failed("admitting", sub.request_id, exc)
+            if sub.request_id in self.engine.requests:   # (added, then something after it raised)
+                self._engine_abort(sub.request_id)
+            sub.admitted.set_exception(ApiError(500, f"the server could not admit this request: "
+                                                     f"{type(exc).__name__}: {exc}"))
+            return
         self._sinks[sub.request_id] = sub.sink
         if self.metrics:
-            self.metrics.admitted(sub.request_id, sub.arrival, num_prompt)
-        sub.admitted.set_result(num_prompt)
+            self.metrics.admitted(sub.request_id, sub.arrival, sub.num_prompt)
+        sub.admitted.set_result(sub.num_prompt)
 
-    def _add(self, sub: Submission) -> int:
+    def _count(self, sub: Submission) -> int:
+        """The prompt's tokens, and the context check (a tokenizer thread: reads only the config and
+        the tokenizer). Sets the submission's max_tokens when it asked for "up to the context"."""
         engine = self.engine
-        waiting = len(engine.scheduler.waiting)
-        if waiting >= self.max_waiting:
-            raise ApiError(429, f"the server is busy: {waiting} requests are already waiting "
-                                f"(--max-waiting {self.max_waiting}); retry later", code="queue_full")
         if isinstance(sub.prompt, str):
             if engine.tokenizer is None:
                 raise ApiError(400, f"model {engine.config.model!r} has no tokenizer: send the prompt as token ids",
                                "prompt")
-            # counted here to check the context (the engine keeps the text too: the TUI and the trace show it)
-            num_prompt = len(sub.token_ids if sub.token_ids is not None else engine.tokenizer(sub.prompt).input_ids)
+            # counted here to check the context (add_request tokenizes again: the engine keeps the text,
+            # which the TUI and the trace show, so it must get the prompt as text)
+            num_prompt = len(engine.tokenizer(sub.prompt).input_ids)
         else:
             num_prompt = len(sub.prompt)
         context = engine.config.max_model_len
@@ -266,20 +353,28 @@ class EngineLoop:
             raise ApiError(400, f"this model's maximum context length is {context} tokens; you asked for "
                                 f"{num_prompt + params['max_tokens']} ({num_prompt} in the prompt, "
                                 f"{params['max_tokens']} to generate)", "max_tokens", "context_length_exceeded")
+        sub.params = params
+        return num_prompt
+
+    def _add(self, sub: Submission) -> None:
+        """The engine thread: the waiting queue's bound (exact here), then add_request."""
+        engine = self.engine
+        waiting = len(engine.scheduler.waiting)
+        if waiting >= self.max_waiting:
+            raise ApiError(429, f"the server is busy: {waiting} requests are already waiting "
+                                f"(--max-waiting {self.max_waiting}); retry later", code="queue_full")
         try:
-            engine.enqueue(intake.prepare(engine, sub.request_id, sub.prompt, SamplingParams(**params),
-                                          arrival_time=sub.arrival, token_ids=sub.token_ids))
+            engine.add_request(sub.request_id, sub.prompt, SamplingParams(**sub.params), arrival_time=sub.arrival)
+        except SubscriberError as exc:      # added; a subscriber failed on its RequestAdded
+            self._failed("a subscriber", sub.request_id, exc)
         except ValueError as exc:
             field_name = getattr(exc, "field", None) or _guess_field(str(exc))
             raise ApiError(400, str(exc), field_name) from None
-        return num_prompt
 
     def _abort(self, request_id: str) -> None:
         self._sinks.pop(request_id, None)
         if request_id in self.engine.requests:       # not finished in the meantime
-            self.engine.abort_request(request_id)
-            if self.metrics:
-                self.metrics.aborted(request_id)
+            self._engine_abort(request_id)
 
 
 def _guess_field(message: str) -> str | None:

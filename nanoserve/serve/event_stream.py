@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -34,6 +35,7 @@ from nanoserve.serve.clients import ClientBook
 from nanoserve.serve.engine_loop import EngineLoop
 from nanoserve.trace import event_to_dict
 
+log = logging.getLogger("nanoserve.serve")
 MAX_BATCHES = 2000        # steps a watcher may fall behind before it is closed
 HEARTBEAT_S = 5.0         # an SSE comment this often keeps proxies from closing an idle stream
 CLIENTS_EVERY_S = 0.25    # the clients table at most this often
@@ -89,8 +91,18 @@ class EventHub:
         engine_loop.on_step(self._flush)
 
     def _flush(self) -> None:
-        for w in self.watchers:
-            w.flush()
+        for w in list(self.watchers):
+            try:
+                w.flush()
+            except Exception:  # noqa: BLE001 -- this watcher cannot be served: end its stream, not the others
+                self.watchers.remove(w)
+                if w.unsubscribe:
+                    w.unsubscribe()
+                log.warning("an /events watcher failed and was closed", exc_info=True)
+                try:
+                    w._loop.call_soon_threadsafe(w.close)
+                except RuntimeError:              # the event loop is closed
+                    pass
 
     async def watch(self) -> Watcher:
         w = Watcher(asyncio.get_running_loop())

@@ -31,6 +31,7 @@ from nanoserve.outputs import RequestOutput
 from nanoserve.serve.engine_loop import Sink, Submission
 from nanoserve.serve.protocol import ApiError, ChatRequest, CompletionRequest
 from nanoserve.serve.responses import ChunkWriter, Shape, chat_body, completion_body, prompt_text, sse
+from nanoserve.validation import token_ids
 
 router = APIRouter()
 
@@ -64,7 +65,8 @@ async def completions(body: CompletionRequest, request: Request):
         if body.prompt_logprobs is not None or (body.echo and body.logprobs is not None) else None
     params = {**body.sampling_fields(), "max_tokens": 1 if body.echo_only else body.max_tokens,
               "logprobs": body.logprobs, "prompt_logprobs": k}
-    echo = [prompt_text(server.tokenizer, p) for p in prompts] if body.echo else None
+    echo = [prompt_text(server.tokenizer, _known_ids(server, p, i, len(prompts))) for i, p in enumerate(prompts)] \
+        if body.echo else None
     shape = Shape(n=body.n, logprobs=body.logprobs, echo=echo, echo_only=body.echo_only,
                   prompt_logprobs=body.prompt_logprobs)
     return await _generate(request, body, prompts, params, chat=False, shape=shape)
@@ -79,6 +81,17 @@ async def chat_completions(body: ChatRequest, request: Request):
     params = {**body.sampling_fields(), "max_tokens": body.requested_max_tokens, "logprobs": body.num_logprobs}
     shape = Shape(top_logprobs=body.top_logprobs or 0, echo=[body.echo_text], prompt_logprobs=body.prompt_logprobs)
     return await _generate(request, body, [prompt], params, chat=True, shape=shape)
+
+
+def _known_ids(server, prompt: str | list[int], i: int, num_prompts: int) -> str | list[int]:
+    """A prompt of token ids echoed back is decoded here, before the engine checks it: so check its
+    ids first (an id past the vocabulary made the tokenizer raise: a 500)."""
+    if isinstance(prompt, str):
+        return prompt
+    try:
+        return token_ids("prompt" if num_prompts == 1 else f"prompt.{i}", prompt, server.engine_loop.engine.vocab_size)
+    except FieldError as exc:
+        raise ApiError(400, str(exc), exc.field) from None
 
 
 def _check_model(server, model: str) -> None:

@@ -28,10 +28,13 @@ from __future__ import annotations
 import inspect
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
+from nanoserve.errors import FieldError
 from nanoserve.serve.structured import StructuredFields
 from nanoserve.serve.unsupported import unsupported_field
+from nanoserve.validation import well_formed
 
 MAX_N = 128            # OpenAI's own upper bound on `n`; the engine's max_num_seqs is usually lower
 MAX_LOGPROBS = 20      # top log-probabilities per token, as in the OpenAI API
@@ -41,14 +44,15 @@ class ApiError(Exception):
     """An error a client gets back as an OpenAI-style JSON body with an HTTP status."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+             429: "rate_limit_error", 500: "server_error", 503: "server_error"}   # other 4xx: invalid_request_error
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+        kind = self.TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return {"error": {"message": self.message, "type": kind,
                           "param": self.param, "code": self.code}}
 
 
@@ -57,11 +61,54 @@ class StreamOptions(BaseModel):
     include_usage: bool = False        # a last chunk with `usage` and no choices
 
 
+def _refuse(param: str, message: str) -> PydanticCustomError:
+    """A validation error that names its field (`validation_error` turns it into a 400 with that param)."""
+    return PydanticCustomError("nanoserve", "{message}", {"param": param, "message": message})
+
+
+def first_bad_text(data) -> tuple[str, str] | None:
+    """(field path, what is wrong) for the first string in a JSON body that is not valid Unicode
+    (a lone surrogate: "\\ud800" is valid JSON), or None. Walks without recursion: depth is no risk."""
+    stack = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                well_formed(path or "body", value)
+            except FieldError as exc:
+                return exc.field, exc.text
+        elif isinstance(value, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}", v) for i, v in reversed(list(enumerate(value))))
+    return None
+
+
+def unicode_only(data):
+    """A body's `mode="before"` check: every string of it must be valid Unicode, before anything reads
+    it (the tokenizer, the chat template, the clients table, a trace): one 400 naming the field."""
+    bad = first_bad_text(data)
+    if bad is not None:
+        raise _refuse(bad[0], f"{bad[0]} {bad[1]}")
+    return data
+
+
 class _Sampling(StructuredFields):
     """The fields both endpoints share; each maps to the SamplingParams field of the same meaning
     (and structured output's: response_format, vLLM's structured_outputs and guided_*: structured.py)."""
 
     model_config = ConfigDict(strict=True, extra="allow")   # extras: refused (unsupported.py) or ignored
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data):
+        return unicode_only(data)
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise _refuse("stream_options", "stream_options is only allowed with stream=true")
+        return self
 
     model: str                                             # must name the served model (else 404)
     n: int = Field(1, ge=1, le=MAX_N)
@@ -255,6 +302,12 @@ def validation_error(errors: list[dict]) -> ApiError:
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     if first.get("type") == "json_invalid":
         return ApiError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    if first.get("type") == "nanoserve":                   # our own checks (_refuse): the message names the field
+        return ApiError(400, first["ctx"]["message"], first["ctx"]["param"])
+    if not loc:                                            # about the body as a whole
+        if first.get("type") == "missing":
+            return ApiError(400, "the request has no body: send a JSON object with the request's fields")
+        return ApiError(400, f"the request body must be a JSON object with the request's fields ({first['msg']})")
     # union members show up in the location ("prompt.str"); keep the field path only
     loc = [x for x in loc if x not in ("str", "list[int]", "list[str]", "list[list[int]]", "list[TextPart]",
                                        "StreamOptions", "int", "float", "bool", "dict", "list")]

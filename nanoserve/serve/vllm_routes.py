@@ -13,11 +13,14 @@ their own (lm-evaluation-harness does when /tokenizer_info and /tokenize
 answer), which matters offline: the server's tokenizer is the model's. With
 an API key these routes need it like every other (the middleware in app.py).
 
-Tokenizing runs on the engine thread (`EngineLoop.call`), between two steps:
-the tokenizer is not shared between threads mid-call, and `cached_tokens` is
-read from the radix tree while nothing changes it (`cached_prefix_len`
-changes nothing either: no split, no LRU touch). The request bodies live
-here rather than in `protocol.py`: they are vLLM's, not OpenAI's.
+Tokenizing runs on the tokenizer threads that count the completions' prompts
+(`EngineLoop.tokenize`), never on the engine thread: a huge text holds no step
+up. Then `cached_tokens` is read on the engine thread (`EngineLoop.call`),
+between two steps, from the radix tree while nothing changes it
+(`cached_prefix_len` changes nothing either: no split, no LRU touch). Text
+that is not valid Unicode is a 400 naming its field, as on the OpenAI routes.
+The request bodies live here rather than in `protocol.py`: they are vLLM's,
+not OpenAI's.
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import nanoserve
-from nanoserve.serve.protocol import ApiError, ChatMessage, ChatTemplateOptions
+from nanoserve.serve.protocol import ApiError, ChatMessage, ChatTemplateOptions, unicode_only
 
 router = APIRouter()
 
@@ -45,6 +48,11 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     return_token_strs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data):
+        return unicode_only(data)
 
 
 class DetokenizeRequest(BaseModel):
@@ -84,15 +92,16 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     else:
         text, special = body.prompt, body.add_special_tokens is not False
 
-    def on_engine(engine) -> tuple[list[int], int | None]:
-        ids = list(tokenizer(text, add_special_tokens=special).input_ids)
-        if engine.radix is None:                             # prefix caching is off
-            return ids, 0
-        if not hasattr(engine.radix, "cached_prefix_len"):   # a lab's radix cache need not have it
-            return ids, None
-        return ids, engine.radix.cached_prefix_len(ids)
+    ids = await asyncio.wrap_future(server.engine_loop.tokenize(tokenizer, text, add_special_tokens=special))
 
-    ids, cached = await asyncio.wrap_future(server.engine_loop.call(on_engine))
+    def cached_tokens(engine) -> int | None:
+        if engine.radix is None:                             # prefix caching is off
+            return 0
+        if not hasattr(engine.radix, "cached_prefix_len"):   # a lab's radix cache need not have it
+            return None
+        return engine.radix.cached_prefix_len(ids)
+
+    cached = await asyncio.wrap_future(server.engine_loop.call(cached_tokens))
     return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids,
             "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None,
             "cached_tokens": cached}

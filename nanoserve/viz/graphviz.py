@@ -34,8 +34,8 @@ from graphviz import Digraph
 
 from nanoserve.errors import FieldError
 from nanoserve.events import StepFinished, StepStarted
-from nanoserve.trace import ViewState, fold, read_trace, synced_event
-from nanoserve.trace_check import check_trace
+from nanoserve.trace import ViewState, fold, synced_event
+from nanoserve.trace_check import load_trace
 from nanoserve.viz.dot_style import (
     CACHED_FILL,
     FREE_FILL,
@@ -206,8 +206,7 @@ def state_at(trace_path: str | Path, step: int | None = None) -> ViewState:
     if not path.is_file():
         raise FileNotFoundError(f"trace not found: {path} (write one with "
                                 f"`nanoserve record --scenario memory-pressure -o {path.name}`)")
-    events = read_trace(path)                      # ValueError on a corrupt line
-    check_trace(events, path)                      # ... on wrong field types or block ids outside the pool
+    events = load_trace(path)                      # ValueError naming the line and field of a bad event
     last = max((e.step for e in events if isinstance(e, StepFinished)), default=0)
     if step is not None and not 0 <= step <= last:
         raise ValueError(f"step {step} is not in {path}: its steps run from 0 to {last}")

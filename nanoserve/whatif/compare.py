@@ -130,10 +130,16 @@ def compare(a, b, labels: tuple[str, str] = ("A", "B")) -> Comparison:
 
 
 def _events(run) -> list[ev.Event]:
+    """A Run's events (the engine's own), or a trace's (a path, or a list of events), checked."""
+    from nanoserve.trace_check import check_trace, load_trace
+
     if isinstance(run, (str, Path)):
-        from nanoserve.trace import read_trace
-        return read_trace(run)
-    return list(getattr(run, "events", run))
+        return load_trace(run)
+    if hasattr(run, "events"):
+        return list(run.events)
+    events = list(run)
+    check_trace(events, "events")
+    return events
 
 
 def first_divergence(a: list[ev.Event], b: list[ev.Event]) -> int | None:

@@ -27,6 +27,7 @@ COLOURS = {
     "RadixEvicted": "#e06c75", "BlockDeduplicated": "#7fdbca", "Forked": "bold #c678dd", "CowCopied": "#c678dd",
     "BeamPruned": "#d19a66", "SwappedOut": "bold #e06c75", "SwappedIn": "bold #98c379",
     "CollectiveOps": "#82aaff", "RankPoolState": "#9a9a9a", "KVTransferred": "bold #7fdbca",
+    "TokenConstrained": "#e5c07b",
 }
 STYLES = {name: Style.parse(colour) for name, colour in COLOURS.items()}
 NAME_WIDTH = 16
@@ -63,6 +64,11 @@ def describe(e: ev.Event) -> str:
             return f"{e.seq_id} ({e.mode}): {e.num_tokens_lost} tokens of KV to compute again"
         case ev.TokenSampled():
             return f"{e.seq_id} token {e.token_id} {token_text(e.text)} logprob {e.logprob:.2f}"
+        case ev.TokenConstrained():
+            if e.forced:
+                return f"{e.seq_id} grammar allowed only token {e.token_id}: forced, the model had no say"
+            return (f"{e.seq_id} grammar allowed {e.num_allowed}/{e.vocab_size} tokens"
+                    + (", masked the model's top choice" if e.top_masked else "") + f"; drew {e.token_id}")
         case ev.SequenceFinished():
             return f"{e.seq_id} {e.finish_reason} after {e.num_output_tokens} tokens" + (
                 f": {printable(e.error)}" if e.error else "")
