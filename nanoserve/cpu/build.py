@@ -2,9 +2,12 @@
 
 The CPU fast path has three small C files (attention.c: attention over the
 paged cache; ops.c: a layer's elementwise steps; matmul.c: the linear
-layers' matmul) and a header they share (cpu_math.h: an 8-float vector type
-and a vectorisable exp). There is no build step at install time: the first
-engine that wants one compiles it (`$CC`, which may carry arguments such as
+layers' matmul) and a header they share (cpu_math.h: vector types, one of
+them as wide as this CPU's widest registers, and a vectorisable exp). The
+files are built with `-march=native`, so the compiler targets this CPU's
+vector units (AVX2, AVX-512, NEON) and the code sizes its vectors by what
+the compiler says the target has (__AVX512F__: 16 floats, else 8). There
+is no build step at install time: the first engine that wants one compiles it (`$CC`, which may carry arguments such as
 "ccache gcc", else `cc`; about a second) into `~/.cache/nanoserve/kernels/`,
 named by a hash of the source and headers, the compiler, the flags and this
 CPU's features (the files are built with `-march=native`, so another CPU

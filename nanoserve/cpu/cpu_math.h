@@ -14,6 +14,21 @@ typedef float f8 __attribute__((vector_size(32)));    /* eight floats, added and
 static inline f8 load8(const float *p) { f8 v; memcpy(&v, p, sizeof v); return v; }   /* any alignment */
 static inline void store8(float *p, f8 v) { memcpy(p, &v, sizeof v); }
 
+/* The widest float vector of the CPU the file is compiled for (-march=native, cpu/build.py): 16 floats
+   where it has AVX-512 (one 512-bit register), else 8 (256 bits: one AVX register; two 128-bit ones on
+   NEON). matmul.c sizes its panels and tiles by it. -DVEC_LANES=8 forces 8 (to compare the two). */
+#ifndef VEC_LANES
+#if defined(__AVX512F__)
+#define VEC_LANES 16
+#else
+#define VEC_LANES 8
+#endif
+#endif
+typedef float fv __attribute__((vector_size(4 * VEC_LANES)));
+
+static inline fv loadv(const float *p) { fv v; memcpy(&v, p, sizeof v); return v; }
+static inline void storev(float *p, fv v) { memcpy(p, &v, sizeof v); }
+
 /* a * b + c, in one rounding where the CPU has fused multiply-add (every x86 with AVX2, every 64-bit Arm):
    ops.c is compiled with -ffp-contract=off so its RoPE matches torch bit for bit, and this
    lets exp_f32 use FMA there all the same. Without FMA hardware, fmaf would be a slow library call. */

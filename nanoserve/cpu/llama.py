@@ -16,16 +16,19 @@ over 25 small ops per layer. Per layer:
 * The projections that read the same input are merged: q, k, v into one
   matmul and gate, up into another, so 4 matmuls per layer instead of 7, each
   larger (vLLM's QKVParallelLinear and MergedColumnParallelLinear do the
-  same). The matmuls run from weights packed once into 16-column panels
-  by our own C kernel (cpu/matmul.c, cpu/linear.py's
-  PanelLinear), or oneDNN-packed (CpuLinear) where that cannot be built.
+  same). Float32 matmuls run from weights packed once into panels by our
+  own C kernel (cpu/matmul.c, cpu/linear.py's PanelLinear), or
+  oneDNN-packed (CpuLinear) where that cannot be built; bf16 ones from
+  oneDNN-packed bf16 weights on the CPU's bf16 units (CpuLinear).
 * RMSNorm with the residual add before it, RoPE, and silu(gate) * up are one
   C call each (cpu/ops.c) instead of 4 to 10 torch ops.
 * The residual stream h is one tensor, updated in place.
 
-Float32 models on one process (no tensor-parallel shards). The runner uses it
-on a CPU with fast paths on and `c_kernels` on; tests/test_cpu_llama.py
-checks it against llama.py. The loaded model is not changed: this holds
+Float32 models, and bf16 ones on a CPU with bf16 units (AVX512-BF16, AMX:
+there ops.c's bf16 build rounds to bf16 where llama.py does), on one
+process (no tensor-parallel shards). The runner uses it on a CPU with fast
+paths on and `c_kernels` on; tests/test_cpu_llama.py checks it against
+llama.py. The loaded model is not changed: this holds
 packed copies of its matmul weights and shares everything else.
 """
 
@@ -37,7 +40,7 @@ from torch import nn
 from nanoserve.attention import AttentionMetadata, paged_attention
 from nanoserve.cpu import matmul as cpu_matmul
 from nanoserve.cpu import ops as cpu_ops
-from nanoserve.cpu.linear import CpuLinear, PanelLinear
+from nanoserve.cpu.linear import CpuLinear, PanelLinear, can_pack_dtype
 from nanoserve.cpu.matmul import CpuMatmul
 from nanoserve.cpu.ops import CpuOps
 from nanoserve.models.llama import Llama, LlamaAttention, LlamaLayer, LlamaMLP, RMSNorm
@@ -60,13 +63,14 @@ def projection(linear: nn.Linear, mm: CpuMatmul | None) -> nn.Module:
 
 
 def supports(model: nn.Module) -> bool:
-    """A whole (unsharded) float32 Llama built of llama.py's own modules, every projection a plain nn.Linear.
+    """A whole (unsharded) Llama built of llama.py's own modules, every projection a plain nn.Linear, in float32
+    (or bf16 where the CPU has bf16 units: `can_pack_dtype`).
 
     Anything replaced or subclassed (a sharded layer, a student's module) keeps the model's own forward:
     this module would skip it silently otherwise."""
     if type(model) is not Llama or getattr(model, "tp_size", 1) != 1:
         return False
-    if model.lm_head.weight.dtype != torch.float32 or type(model.model.norm) is not RMSNorm:
+    if not can_pack_dtype(model.lm_head.weight.dtype) or type(model.model.norm) is not RMSNorm:
         return False
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -113,7 +117,7 @@ class CpuLlamaLayer(nn.Module):
 
 
 class CpuLlama(nn.Module):
-    """The runner's view of a float32 Llama on a CPU: Llama's forward signature, its results to float32 rounding."""
+    """The runner's view of a Llama on a CPU: Llama's forward signature, its results to float32 (bf16) rounding."""
 
     def __init__(self, model: Llama, ops: CpuOps, mm: CpuMatmul | None = None) -> None:
         super().__init__()
@@ -138,11 +142,14 @@ class CpuLlama(nn.Module):
         return self.lm_head.forward(hidden)
 
 
-def cpu_llama_view(model: nn.Module) -> CpuLlama | None:
-    """A CpuLlama of `model`, or None where it does not apply (see `supports`) or ops.c cannot be built.
+def cpu_llama_view(model: nn.Module, dtype: torch.dtype = torch.float32) -> CpuLlama | None:
+    """A CpuLlama of `model` (weights of `dtype`), or None where it does not apply (see `supports`) or ops.c
+    cannot be built.
 
-    Its matmuls are matmul.c's where that builds (it needs the same C compiler), oneDNN's otherwise."""
-    if not supports(model):
+    Float32 matmuls are matmul.c's where that builds (it needs the same C compiler), oneDNN's otherwise;
+    bf16 matmuls are oneDNN's, on the CPU's bf16 units."""
+    if not supports(model) or model.lm_head.weight.dtype != dtype:
         return None
-    ops = cpu_ops.load()                     # None (with one warning) if it cannot be built here
-    return None if ops is None else CpuLlama(model, ops, cpu_matmul.load())
+    ops = cpu_ops.load(dtype)                # None (with one warning) if it cannot be built here
+    mm = cpu_matmul.load() if dtype == torch.float32 else None
+    return None if ops is None else CpuLlama(model, ops, mm)

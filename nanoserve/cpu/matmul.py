@@ -1,10 +1,13 @@
 """The CPU linear layers' matmul in C (matmul.c): pack a weight once, then multiply from it.
 
     mm = load()                                  # None (one warning) if matmul.c cannot be built here
-    packed = mm.pack(linear.weight)              # [out, in] float32 -> 16-column panels (a new tensor)
+    packed = mm.pack(linear.weight)              # [out, in] float32 -> panels of mm.panel columns (a new tensor)
     y = mm.linear(x, packed, out_features, bias) # x [T, in] -> [T, out] = x @ W.T + bias
 
-Float32. The packed tensor is [panels, in, 16]; `linear` checks that x, the
+Float32. The panel width is the build's: two of the CPU's widest vectors,
+16 columns with 256-bit AVX2 (or NEON), 32 with AVX-512 (cpu_math.h's
+VEC_LANES; the library says which, `panel_width()`). The packed tensor is
+[panels, in, mm.panel]; `linear` checks that x, the
 packed weight and the bias agree (shape, dtype, layout) before the C code
 trusts them, and raises ValueError naming the argument. With check=False it
 skips that: cpu/linear.py's PanelLinear, which every projection of the
@@ -25,7 +28,6 @@ from nanoserve.cpu.build import FLAGS, load_library
 from nanoserve.kernels.checks import expect
 
 SOURCE = Path(__file__).with_name("matmul.c")
-PANEL = 16          # output columns per panel (matmul.c's NR)
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -36,9 +38,11 @@ def _matrix(name: str, t: torch.Tensor, what: str) -> None:
 
 
 class CpuMatmul:
-    """Typed, checked Python faces of matmul.c's two functions."""
+    """Typed, checked Python faces of matmul.c's functions."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        lib.panel_width.restype, lib.panel_width.argtypes = ctypes.c_int, []
+        self.panel = lib.panel_width()      # output columns per panel (matmul.c's NR: 16 or 32)
         self._pack = lib.pack_weight
         self._pack.argtypes = [P, P, I64, I64]
         self._linear = lib.panel_linear
@@ -46,11 +50,12 @@ class CpuMatmul:
         self._pack.restype = self._linear.restype = None
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """weight [out, in] -> [ceil(out / 16), in, 16]: panels of 16 output columns (zeros past `out`)."""
+        """weight [out, in] -> [ceil(out / P), in, P]: panels of P = self.panel output columns (zeros past `out`)."""
         _matrix("weight", weight, "a float32 CPU matrix [out, in]")
         weight = weight.contiguous()
         out_features, in_features = weight.shape
-        packed = torch.empty(((out_features + PANEL - 1) // PANEL, in_features, PANEL), dtype=torch.float32)
+        P = self.panel
+        packed = torch.empty(((out_features + P - 1) // P, in_features, P), dtype=torch.float32)
         self._pack(weight.data_ptr(), packed.data_ptr(), out_features, in_features)
         return packed
 
@@ -58,7 +63,7 @@ class CpuMatmul:
                bias: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
         """x [T, in] (rows of any stride) @ W.T + bias -> a new [T, out_features], W packed by `pack`."""
         if check:
-            check_linear(x, packed, out_features, bias)
+            check_linear(x, packed, out_features, bias, self.panel)
         rows, in_features = x.shape
         y = torch.empty((rows, out_features), dtype=torch.float32)
         self._linear(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
@@ -66,13 +71,14 @@ class CpuMatmul:
         return y
 
 
-def check_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> None:
-    """ValueError naming the argument unless `linear` may hand these to the C code."""
+def check_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+                 panel: int) -> None:
+    """ValueError naming the argument unless `linear` may hand these to the C code (panels of `panel` columns)."""
     _matrix("x", x, "a float32 CPU matrix [rows, in] with contiguous rows")
-    panels = (out_features + PANEL - 1) // PANEL
+    panels = (out_features + panel - 1) // panel
     expect(packed.dtype == torch.float32 and packed.is_contiguous() and packed.device.type == "cpu"
-           and tuple(packed.shape) == (panels, x.shape[1], PANEL), "packed",
-           f"a packed weight [{panels}, {x.shape[1]}, {PANEL}] (CpuMatmul.pack of a [{out_features}, "
+           and tuple(packed.shape) == (panels, x.shape[1], panel), "packed",
+           f"a packed weight [{panels}, {x.shape[1]}, {panel}] (CpuMatmul.pack of a [{out_features}, "
            f"{x.shape[1]}] weight)", packed)
     if bias is not None:
         expect(bias.dtype == torch.float32 and bias.is_contiguous() and tuple(bias.shape) == (out_features,),
