@@ -96,6 +96,7 @@ def test_tui_pauses_on_a_step_that_fails_in_the_students_code(tmp_path):
             await pilot.press("r")
             await wait_for(pilot, lambda: app.source.lab_failed is not None, timeout=120)
             await wait_for(pilot, lambda: not app.playing and not app.source._pending_steps)
+            await wait_for(pilot, lambda: app.frame is app.source._frame)   # the last frame posted is shown
             failed_at = app.frame.state.step
             panel = str(app.query_one("#lab-error").render())
             assert app.query_one("#lab-error").display and "bad_pool.py:8 in allocate: MemoryError" in panel
