@@ -333,3 +333,39 @@ def test_an_engine_that_cannot_step_again_makes_health_say_so(loaded, monkeypatc
         health = httpx.get(url + "/health", timeout=30)
         assert health.status_code == 503 and "EngineBroken" in health.json()["error"]
         assert_error(post(url, completion(loaded.name)), 503, "not running")
+
+
+def test_shutting_down_ends_running_requests_with_a_503_not_a_cut_stream(loaded):
+    """Stopping the server while requests still generate: after the grace period each gets a 503 that
+    says why (a stream as its last event, then [DONE]); uvicorn never has to cancel a handler."""
+    from nanoserve import EngineConfig, LLMEngine
+    from nanoserve.serve.app import build_app
+    from nanoserve.serve.background import BackgroundServer
+
+    engine = LLMEngine(EngineConfig(model=loaded.name, **CONFIG), loaded=loaded)
+    app = build_app(engine, step_delay=0.1)            # 120 tokens take 12 s: longer than the 5 s grace
+    body = completion(loaded.name, max_tokens=120, ignore_eos=True)
+    lines: list[str] = []
+    whole: list[httpx.Response] = []
+    with BackgroundServer(app) as background:
+        def stream():
+            with httpx.stream("POST", background.url + "/v1/completions", json={**body, "stream": True},
+                              timeout=60) as resp:
+                lines.extend(line for line in resp.iter_lines() if line.startswith("data: "))
+
+        readers = [threading.Thread(target=stream),
+                   threading.Thread(target=lambda: whole.append(post(background.url, body)))]
+        for t in readers:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(app.state.server.engine_loop._sinks) < 2:      # both admitted and running
+            assert time.monotonic() < deadline, "the requests were not admitted"
+            time.sleep(0.05)
+        background.stop()
+        for t in readers:
+            t.join(30)
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    error = json.loads(lines[-2][len("data: "):])["error"]
+    assert "shutting down" in error["message"] and error["type"] == "server_error", error
+    assert len(lines) > 3                                        # it streamed tokens before that
+    assert whole and whole[0].status_code == 503 and "shutting down" in whole[0].json()["error"]["message"]

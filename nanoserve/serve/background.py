@@ -13,6 +13,7 @@ listen the same way (`listener.py`: TCP_NODELAY, the header timeout).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -26,14 +27,26 @@ class Uvicorn(uvicorn.Server):
 
     uvicorn waits (up to timeout_graceful_shutdown) for open connections before it
     runs the app's shutdown; an endless event stream would hold it for the whole
-    timeout. Requests still generating finish normally: the engine loop stops last.
+    timeout. Requests still generating finish normally if they can within the grace
+    period (the engine loop stops last); a second before it ends, those still running
+    get a 503 that says the server is shutting down (a stream ends with it and [DONE]).
     """
 
     async def shutdown(self, sockets=None) -> None:
         server = getattr(getattr(self.config.app, "state", None), "server", None)
+        timer = None
         if server is not None:
             server.hub.close_all()
-        await super().shutdown(sockets)
+            grace = self.config.timeout_graceful_shutdown
+            if grace is not None:   # a second before uvicorn would cancel them (a traceback each, a cut stream)
+                timer = asyncio.get_running_loop().call_later(
+                    max(grace - 1.0, 0.0), server.engine_loop.end_requests,
+                    f"the server is shutting down: this request was stopped after a {grace} s grace period")
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
 
 
 class BackgroundServer:

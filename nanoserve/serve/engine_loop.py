@@ -208,6 +208,11 @@ class EngineLoop:
         """The client is gone: stop its request (if it is still running) at the next chance."""
         self._commands.put(lambda: self._abort(request_id))
 
+    def end_requests(self, message: str) -> None:
+        """The server is shutting down and will not wait longer: every request still running gets a 503
+        with `message` (a stream says so and ends with [DONE]; its handler then aborts it)."""
+        self._commands.put(lambda: self._end_requests(message))
+
     def on_step(self, callback: Callable[[], None]) -> None:
         """Call `callback` on the engine thread after every step and command batch."""
         self._after_step.append(callback)
@@ -370,6 +375,10 @@ class EngineLoop:
         except ValueError as exc:
             field_name = getattr(exc, "field", None) or _guess_field(str(exc))
             raise ApiError(400, str(exc), field_name) from None
+
+    def _end_requests(self, message: str) -> None:
+        for sink in set(self._sinks.values()):     # (a batch's prompts share one sink: one error each)
+            sink.put(ApiError(503, message))
 
     def _abort(self, request_id: str) -> None:
         self._sinks.pop(request_id, None)
