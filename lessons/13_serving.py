@@ -28,7 +28,15 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from rich.table import Table  # noqa: E402
 
 from nanoserve import LLM, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from nanoserve.events import BlocksFreed, ChunkScheduled, RequestAdded, SequenceAborted, SequenceFinished, TokenSampled  # noqa: E402
+from nanoserve.events import (  # noqa: E402
+    BlocksFreed,
+    ChunkScheduled,
+    RequestAdded,
+    SequenceAborted,
+    SequenceFinished,
+    StepFinished,
+    TokenSampled,
+)
 from nanoserve.serve.app import build_app  # noqa: E402
 from nanoserve.serve.background import BackgroundServer  # noqa: E402
 from nanoserve.trace import event_from_dict, fold, fold_all, synced_event  # noqa: E402
@@ -55,6 +63,12 @@ class Watcher:
                 if line.startswith("data: "):
                     self.events.append(event_from_dict(json.loads(line[len("data: "):])))
 
+    def caught_up(self, step: int) -> None:
+        """Wait until the stream has brought `step`'s events: it runs on its own thread, a little behind
+        the engine (on a busy machine, sometimes a whole step)."""
+        while not any(isinstance(e, StepFinished) and e.step >= step for e in reversed(self.events)):
+            time.sleep(0.01)
+
     def of(self, request_id: str) -> list:
         return [e for e in self.events if getattr(e, "seq_id", None) == request_id]
 
@@ -64,9 +78,12 @@ def complete(http: httpx.Client, prompt: str, **fields) -> dict:
     return http.post("/v1/completions", json=body).json()
 
 
-def wait_idle(server) -> None:
+def wait_idle(server, watch: Watcher | None = None) -> None:
+    """Until the engine has no request left to step (and `watch` has the last step's events)."""
     while server.engine_loop.call(lambda e: e.has_unfinished_requests()).result():
         time.sleep(0.01)
+    if watch is not None:
+        watch.caught_up(server.engine_loop.call(lambda e: e.step_count).result())
 
 
 engine = LLMEngine(EngineConfig(model=MODEL, **CONFIG))
@@ -91,7 +108,7 @@ same name the client got back.""")
     want = offline.generate(["Hello, server!"], SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)[0]
     assert resp["choices"][0]["text"] == want.outputs[0].text          # the server is the engine, over HTTP
     assert resp["usage"]["completion_tokens"] == 10 and resp["choices"][0]["finish_reason"] == "length"
-    wait_idle(server)
+    wait_idle(server, watch)
     added = [e for e in watch.of(rid) if isinstance(e, RequestAdded)]
     assert len(added) == 1 and added[0].prompt == "Hello, server!"     # the same id in the engine's events
 
@@ -109,7 +126,7 @@ the whole response.""")
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunks.append(json.loads(line[6:]))
     sid = chunks[0]["id"]
-    wait_idle(server)
+    wait_idle(server, watch)
     table = Table("chunk", "text", "finish_reason", title=f"{sid}: what the client received")
     for i, c in enumerate(chunks):
         table.add_row(str(i), repr(c["choices"][0]["text"]), str(c["choices"][0]["finish_reason"]))
@@ -137,7 +154,7 @@ own events (ChunkScheduled says who ran in each step).""")
     server.engine_loop.resume()
     for t in clients:
         t.join()
-    wait_idle(server)
+    wait_idle(server, watch)
     batches: dict[int, list[str]] = {}
     for e in watch.events:
         if isinstance(e, ChunkScheduled) and e.step >= first:
@@ -164,7 +181,7 @@ freed (or stay in the prefix cache). Nothing is generated for nobody.""")
                                                       "ignore_eos": True}) as response:
         lines = response.iter_lines()
         gone = json.loads(next(line for line in lines if line.startswith("data: "))[6:])["id"]
-    wait_idle(server)
+    wait_idle(server, watch)
     server.engine_loop.step_delay = 0.0
     for _ in range(1000):                    # /events runs behind the engine by a moment: wait for the end
         if any(isinstance(e, (SequenceAborted, SequenceFinished)) for e in watch.of(gone)):
@@ -203,7 +220,7 @@ connection and, once admitted, KV blocks).""")
     server.engine_loop.resume()
     for t in waiters:
         t.join()
-    wait_idle(server)
+    wait_idle(server, watch)
 
     # -- 6 ---------------------------------------------------------------------------------
     section("6. Watching: /events is a trace being written", """
