@@ -69,6 +69,7 @@ Around the engine
     distributed/        tensor parallelism and prefill/decode disaggregation across processes
     threads.py          how many CPU threads torch may use
     cli.py              the `nanoserve` command line
+    cli_generate.py     `nanoserve generate`: structured-output flags, the loop that runs the prompts, --stats
     __main__.py         `python -m nanoserve`: the same command line
 """
 

@@ -57,7 +57,6 @@ from nanoserve import validation as v
 from nanoserve.commit import commit
 from nanoserve.components import Components
 from nanoserve.config import EngineConfig
-from nanoserve.cuda_graphs import GraphSettings
 from nanoserve.detokenizer import IncrementalDetokenizer
 from nanoserve.display import Displayable
 from nanoserve.errors import SubscriberError
@@ -66,7 +65,7 @@ from nanoserve.models.loader import LoadedModel, load_model
 from nanoserve.outputs import RequestOutput, StepResult, StepStats
 from nanoserve.postprocess import append_token
 from nanoserve.request import Request
-from nanoserve.runner import ModelRunner, RunInput, kv_bytes_per_block
+from nanoserve.runner import ModelRunner, RunInput, kv_budget
 from nanoserve.sampler import SampledToken, Sampler
 from nanoserve.sampling_params import SamplingParams, to_pairs
 from nanoserve.scheduler import StepPlan
@@ -100,16 +99,7 @@ class LLMEngine(Displayable):
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_id = self.loaded.eos_token_id
         model = self.loaded.model
-        # (With tensor parallelism each rank's pool holds 1/N of every block: the budget is per rank.)
-        if config.tensor_parallel_size > 1:   # N must split the heads before a block is split by N
-            from nanoserve.distributed.sharding import check_shardable
-            check_shardable(model, config.tensor_parallel_size)
-        block_bytes = kv_bytes_per_block(model, config.block_size, dtype) // config.tensor_parallel_size
-        draft_bytes = 0   # the draft model's pool: as many blocks (a truncated target: fewer layers)
-        if config.speculative_method == "draft":
-            draft_bytes = block_bytes * min(config.draft_num_layers, model.num_layers) // model.num_layers \
-                if config.draft_model is None else block_bytes
-        config.resolve(model.max_positions, block_bytes, draft_bytes)   # FieldError before any allocation
+        config.resolve(model.max_positions, *kv_budget(model, config, dtype))   # FieldError before any allocation
         self.pool = parts.block_pool(config.num_blocks, config.block_size)
         self.bus = EventBus(hold_errors=True)   # a raising viewer never stops a step half way
         self.clock = ev.StepClock()             # the step number: the engine advances it, its parts read it
@@ -122,12 +112,9 @@ class LLMEngine(Displayable):
         backend = prepare_backend(config)     # the attention backend asked for: "torch", "triton" or "cpu"
         if config.tensor_parallel_size > 1:   # the model split over processes (distributed/tensor_parallel.py)
             from nanoserve.distributed.tensor_parallel import TensorParallelRunner
-            self.runner = TensorParallelRunner(model, config, backend, self.emit, lambda: self.step_count,
-                                               workers)
+            self.runner = TensorParallelRunner(model, config, backend, self.emit, lambda: self.step_count, workers)
         else:
-            self.runner = ModelRunner(model, config.num_blocks, config.block_size, dtype, torch.device(config.device),
-                                      backend, fast_paths=config.fast_paths, c_kernels=config.c_kernels,
-                                      make_attention=parts.attention_backend, graphs=GraphSettings.from_config(config))
+            self.runner = ModelRunner.from_config(model, config, dtype, backend, parts.attention_backend)
         # What computes a step, as it actually runs: the model class, attention backend and matmul, and why
         # a faster part did not run (runner.Implementation; the snapshot, the TUI header and --stats say it).
         self.implementation = self.runner.implementation
@@ -425,16 +412,13 @@ class LLMEngine(Displayable):
         If `callback` raises, the engine keeps going and so does delivery (to it and to
         everyone else); the operation that emitted the event raises SubscriberError once done.
         """
-        callback(self._synced())   # (raises here, before anything is subscribed)
+        callback(synced_event(self.snapshot()))   # (raises here, before anything is subscribed)
         return self.bus.subscribe(callback)
 
     def _raise_subscriber_errors(self, result=None) -> None:
         """After an operation: raise what subscribers raised during it (the operation itself is done)."""
         self.bus.raise_held(lambda text: SubscriberError(
             f"{text} (the engine completed the operation and delivered every event)", result))
-
-    def _synced(self) -> ev.EngineSynced:
-        return synced_event(self.snapshot())
 
     def snapshot(self) -> dict:
         """The engine's state as plain data: pool, block tables, queues, radix tree, CPU pool."""
@@ -448,12 +432,7 @@ class LLMEngine(Displayable):
 
     def spec_stats(self) -> dict:
         """Speculative decoding over the engine's life: acceptance rate and tokens per target forward."""
-        t = self._spec_totals
-        return {
-            "num_drafted": t["drafted"], "num_accepted": t["accepted"],
-            "acceptance_rate": t["accepted"] / t["drafted"] if t["drafted"] else None,
-            "tokens_per_forward": t["tokens"] / t["forwards"] if t["forwards"] else None,
-        }
+        return engine_state.spec_stats(self._spec_totals)
 
 
     # -- prefix cache --------------------------------------------------------------------
@@ -466,9 +445,7 @@ class LLMEngine(Displayable):
 
     def prefix_cache_stats(self) -> dict:
         """Over the engine's life: tokens looked up at admission, tokens a hit skipped, and their ratio."""
-        looked, hit = self.kv.num_lookup_tokens, self.kv.num_hit_tokens
-        return {"num_lookup_tokens": looked, "num_hit_tokens": hit, "hit_rate": hit / looked if looked else None,
-                "num_cached_blocks": self.radix.num_cached_blocks if self.radix else 0}
+        return engine_state.prefix_cache_stats(self)
 
     def clear_prefix_cache(self) -> int:
         """Evict every cached block nobody is using; returns how many went back to the free queue."""

@@ -4,7 +4,8 @@
 `EngineSynced` event is built from it); `check_invariants()` is what the tests
 call after every step. Both read the engine and change nothing.
 `fold_mismatches(view, snapshot)` says where a viewer's folded state differs
-from a snapshot (nothing, if the events told the whole story).
+from a snapshot (nothing, if the events told the whole story). `spec_stats` and
+`prefix_cache_stats` sum up the engine's life as plain data too.
 """
 
 from __future__ import annotations
@@ -92,6 +93,22 @@ def check_invariants(engine: LLMEngine) -> None:
         assert engine.cpu_pool is None or engine.cpu_pool.num_used_blocks == 0, "CPU blocks leaked"
     if hasattr(engine.runner, "check_invariants"):   # tensor parallelism: every rank checks its own pool
         engine.runner.check_invariants(engine)
+
+
+def spec_stats(totals: dict) -> dict:
+    """Speculative decoding from the engine's running totals (drafted, accepted, tokens, forwards)."""
+    return {
+        "num_drafted": totals["drafted"], "num_accepted": totals["accepted"],
+        "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else None,
+        "tokens_per_forward": totals["tokens"] / totals["forwards"] if totals["forwards"] else None,
+    }
+
+
+def prefix_cache_stats(engine: LLMEngine) -> dict:
+    """Tokens looked up at admission, tokens a hit skipped, their ratio, and the blocks cached now."""
+    looked, hit = engine.kv.num_lookup_tokens, engine.kv.num_hit_tokens
+    return {"num_lookup_tokens": looked, "num_hit_tokens": hit, "hit_rate": hit / looked if looked else None,
+            "num_cached_blocks": engine.radix.num_cached_blocks if engine.radix else 0}
 
 
 def fold_mismatches(state, snap: dict) -> list[str]:

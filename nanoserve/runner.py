@@ -82,6 +82,21 @@ def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) ->
     return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
 
 
+def kv_budget(model: nn.Module, config, dtype: torch.dtype) -> tuple[int, int]:
+    """Bytes of one KV block in one process's pool, and of one block of the draft model's pool (0 without one).
+
+    With tensor parallelism each rank's pool holds 1/N of every block: the budget is per rank."""
+    if config.tensor_parallel_size > 1:   # N must split the heads before a block is split by N
+        from nanoserve.distributed.sharding import check_shardable
+        check_shardable(model, config.tensor_parallel_size)
+    block_bytes = kv_bytes_per_block(model, config.block_size, dtype) // config.tensor_parallel_size
+    if config.speculative_method != "draft":
+        return block_bytes, 0
+    if config.draft_model is not None:    # the draft model's pool: as many blocks
+        return block_bytes, block_bytes
+    return block_bytes, block_bytes * min(config.draft_num_layers, model.num_layers) // model.num_layers   # fewer layers
+
+
 @dataclass(frozen=True, slots=True)
 class Implementation:
     """What computes a step, as it actually ran: the engine reports it (snapshot, EngineSynced, TUI, --stats)."""
@@ -118,6 +133,14 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class ModelRunner:
+    @classmethod
+    def from_config(cls, model: nn.Module, config, dtype: torch.dtype, backend: str,
+                    make_attention: Callable[[str, bool], AttentionBackend] = make_backend) -> ModelRunner:
+        """The runner an EngineConfig asks for, in this process (tensor parallelism has its own)."""
+        return cls(model, config.num_blocks, config.block_size, dtype, torch.device(config.device), backend,
+                   fast_paths=config.fast_paths, c_kernels=config.c_kernels, make_attention=make_attention,
+                   graphs=GraphSettings.from_config(config))
+
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, backend: str = "torch", fast_paths: bool = True, c_kernels: bool = True,
                  make_attention: Callable[[str, bool], AttentionBackend] = make_backend,

@@ -80,7 +80,7 @@ def test_tui_pauses_on_a_step_that_fails_in_the_students_code(tmp_path):
     from test_tui import WIDE, notices, run_async, wait_for
 
     from nanoserve_tui.app import NanoserveApp
-    from nanoserve_tui.source import LiveSource
+    from nanoserve_tui.live_source import LiveSource
 
     path = tmp_path / "bad_pool.py"
     path.write_text(FAILING_POOL)

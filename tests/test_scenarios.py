@@ -71,7 +71,7 @@ def test_recorded_scenario_shows_its_mechanism(name, tmp_path):
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_live_tui_runs_each_scenario(name, tmp_path):
     from nanoserve_tui.app import NanoserveApp
-    from nanoserve_tui.source import LiveSource
+    from nanoserve_tui.live_source import LiveSource
 
     path = tmp_path / "live.jsonl"
 

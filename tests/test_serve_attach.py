@@ -30,7 +30,7 @@ from nanoserve.trace import ViewState, event_to_dict
 from nanoserve_tui.app import NanoserveApp
 from nanoserve_tui.attach import AttachSource, TraceFolder, sse_messages
 from nanoserve_tui.attach_app import AttachApp, run_attach
-from nanoserve_tui.source import LiveSource
+from nanoserve_tui.live_source import LiveSource
 from nanoserve_tui.widgets.clients import ClientsPanel
 
 # A pool small enough to preempt, a budget small enough to chunk the longer prompts.

@@ -24,8 +24,9 @@ from nanoserve.events import EngineSynced, StepFinished, StepStarted
 from nanoserve.scenarios import SCENARIOS
 from nanoserve.trace import fold_all, read_trace
 from nanoserve_tui.app import NanoserveApp, run_app
+from nanoserve_tui.live_source import LiveSource
 from nanoserve_tui.screens import AddRequestScreen, HelpScreen, ScenarioPicker
-from nanoserve_tui.source import LiveSource, ReplaySource, split_steps
+from nanoserve_tui.source import ReplaySource, split_steps
 from nanoserve_tui.widgets.event_log import EventLog
 from nanoserve_tui.widgets.free_queue import FreeQueue
 from nanoserve_tui.widgets.pool import PoolGrid, describe_block, grid_layout

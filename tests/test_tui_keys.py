@@ -15,8 +15,8 @@ from test_tui import NARROW, WIDE, live_app, notices, replay_app, run_async, ste
 
 from nanoserve.whatif.run import Run
 from nanoserve_tui.app import NanoserveApp
+from nanoserve_tui.live_source import LiveSource
 from nanoserve_tui.screens import AddRequestScreen, BranchScreen, HelpScreen
-from nanoserve_tui.source import LiveSource
 from nanoserve_tui.widgets.pool import PoolGrid
 from nanoserve_tui.widgets.requests import RequestList
 from nanoserve_tui.widgets.status import status_text

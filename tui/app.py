@@ -33,13 +33,13 @@ from textual.timer import Timer
 from textual.widgets import Footer, Static
 
 from nanoserve.trace_check import load_trace
+from nanoserve_tui.live_source import LiveSource
 from nanoserve_tui.screens import AddRequestScreen, BranchScreen, HelpScreen, ScenarioPicker
 from nanoserve_tui.source import (
     CONTROLS,
     Frame,
     FrameReady,
     LabStepFailed,
-    LiveSource,
     ReplaySource,
     Source,
     SourceStatus,

@@ -2,7 +2,7 @@
 
     nanoserve tui --attach http://127.0.0.1:8000
 
-The third source beside `LiveSource` and `ReplaySource` (source.py), and the
+The third source beside `LiveSource` (live_source.py) and `ReplaySource` (source.py), and the
 same idea: the server's /events stream is a trace being written (one JSONL
 trace line per SSE `data:`), so the TUI folds it with the same `fold()` and
 draws the same frames a local live engine would give. Nothing here knows the
