@@ -369,7 +369,7 @@ async def test_live_presets_restart_engine():
 async def test_live_restart_that_fails_keeps_the_old_engine_on_screen(monkeypatch):
     """Regression: the old engine was unsubscribed before the new one was built; when building
     failed, the view froze while the worker went on stepping the old engine."""
-    import nanoserve_tui.source as source_module
+    import nanoserve_tui.live_source as source_module
 
     app = live_app()
     async with app.run_test(size=WIDE) as pilot:
@@ -392,7 +392,7 @@ async def test_live_restart_that_fails_keeps_the_old_engine_on_screen(monkeypatc
 async def test_live_view_that_cannot_fold_restarts_from_the_engine(monkeypatch):
     """Regression: a fold error on the UI thread escaped the error handling; now it is a notice and
     the view starts afresh from an EngineSynced of the engine's state."""
-    import nanoserve_tui.source as source_module
+    import nanoserve_tui.live_source as source_module
 
     app = live_app()
     async with app.run_test(size=WIDE) as pilot:
