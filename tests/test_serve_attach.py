@@ -153,6 +153,7 @@ async def test_attach_mode_is_read_only_with_a_clients_panel(server):
         status = str(app.query_one("#status").render())
         assert "ATTACH" in status and url in status
         assert "following the server" in status and "paused" not in status   # it never pauses a server
+        await wait_for(pilot, lambda: key_bar(app))                # the footer draws its keys a moment later
         assert key_bar(app) == {"help", "quit", "palette"}      # the controls that would drive it are hidden
         await asyncio.to_thread(lambda: client(url).completions.create(model="tiny-llama", prompt="Hi from a student",
                                                                 max_tokens=3, user="ada"))

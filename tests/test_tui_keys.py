@@ -83,7 +83,7 @@ async def test_selecting_a_block_keeps_the_grid_layout():
 async def test_replay_key_bar_lists_no_live_only_keys_but_the_keys_still_explain():
     app = replay_app()
     async with app.run_test(size=WIDE) as pilot:
-        await pilot.pause()
+        await wait_for(pilot, lambda: key_bar(app))              # the footer draws its keys a moment later
         shown = key_bar(app)
         assert {"step", "back", "presets", "help", "quit"} <= shown and not shown & LIVE_ONLY
         for key in ("a", "x", "f", "w"):
@@ -99,8 +99,7 @@ async def test_live_key_bar_lists_the_live_controls():
     app = live_app()
     async with app.run_test(size=WIDE) as pilot:
         await wait_for(pilot, lambda: app.frame is not None)
-        await pilot.pause()
-        assert LIVE_ONLY <= key_bar(app)
+        await wait_for(pilot, lambda: LIVE_ONLY <= key_bar(app), timeout=10)  # fails if they never show
 
 
 @run_async
@@ -110,8 +109,7 @@ async def test_a_replay_that_becomes_live_shows_the_live_keys():
         await pilot.press("p", "enter")                          # the first preset, live
         await wait_for(pilot, lambda: app.source.mode == "live" and app.frame is not None
                        and app.frame.state.model == "tiny-llama")
-        await pilot.pause()
-        assert LIVE_ONLY <= key_bar(app)
+        await wait_for(pilot, lambda: LIVE_ONLY <= key_bar(app), timeout=10)  # fails if they never show
 
 
 def test_attach_status_follows_the_server_instead_of_pausing():
