@@ -46,13 +46,28 @@ def paged_case(lens, bs, hq, hkv, d, dtype=torch.float32, seed=0):
 
 @pytest.mark.parametrize("bs", [1, 4, 16])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3), (8, 2), (6, 1)])
-@pytest.mark.parametrize("d", [64, 80, 12, 8])
+@pytest.mark.parametrize("d", [64, 128, 80, 12, 8])
 def test_kernel_matches_the_reference(bs, hq, hkv, d):
     lens = [1, bs, bs + 1, 3 * bs, 37, 100]                    # one token, a full block, one past it, ...
     q, k_cache, v_cache, tables, seq_lens = paged_case(lens, bs, hq, hkv, d)
     want = reference.decode_attention(q, k_cache, v_cache, tables, seq_lens, d**-0.5)
     got = kernel_f32(q, k_cache, v_cache, tables, seq_lens, d**-0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lanes", [8, 16])
+@pytest.mark.parametrize("d", [64, 128, 256, 40])
+def test_both_vector_widths_match_the_reference(lanes, dtype, d):
+    # The kernel groups query heads per pass by how many sums its vector registers hold: AVX-512 (16-float
+    # vectors) and AVX2 (8) take different groupings; both builds run here, whatever this CPU has.
+    kernel = cpu_decode.load(dtype, (f"-DVEC_LANES={lanes}",))
+    for hq, hkv in [(9, 3), (8, 2), (7, 1), (2, 2)]:
+        q, k_cache, v_cache, tables, seq_lens = paged_case([1, 7, 16, 33, 150], 16, hq, hkv, d, dtype=dtype)
+        want = reference.decode_attention(q, k_cache, v_cache, tables, seq_lens, d**-0.5, compute_dtype=torch.float32)
+        got = kernel(q, k_cache, v_cache, tables, seq_lens, d**-0.5)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 def test_long_context_and_many_sequences():

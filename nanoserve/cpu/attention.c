@@ -122,27 +122,68 @@ static inline f8 sum_lanes8(const f8 a[8]) {
     return SHUFFLE(c[0], c[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(c[0], c[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-/* 1. s[hq * Lp + t] = scale * q[hq] . K row of token t, for t < L. */
-static void scores(const float *q, const cache_t *k_cache, const int64_t *slot, int64_t L, int64_t Lp,
-                   int64_t Hq, int64_t G, int64_t D, float scale, float *s) {
+/* How many query heads share one pass over their KV head's rows. Each keeps its own running sums in
+   vector registers while every K (or V) vector is loaded, and widened from bf16, once for all of them: the
+   CPU's 32 vector registers (AVX-512) hold three heads' sums, 16 (AVX2) hold one. */
+#if VEC_LANES == 16
+#define HEADS_PER_PASS 3
+#define SUM_VECTORS 24     /* registers the values pass may fill with sums */
+#else
+#define HEADS_PER_PASS 1
+#define SUM_VECTORS 12
+#endif
+#define AHEAD 16           /* tokens: rows are fetched this far ahead of the one being read */
+
+/* Ask for the D values of the KV head at `kv` in token `t`'s row now, into the core's L2 cache: the block
+   table scatters a sequence's rows over the pool, and the CPU's own prefetcher stops at every 4 KB page
+   and block edge. At a step's 32 sequences, read from memory, this made the layer's attention 1.4x (float32)
+   to 1.6x (bf16) faster on a Zen 4 core. */
+static inline void fetch(const cache_t *cache, const int64_t *slot, int64_t t, int64_t L, int64_t kv, int64_t D) {
+    if (t < L)
+        for (int64_t d = 0; d < D; d += 64 / sizeof(cache_t))        /* one 64-byte cache line at a time */
+            __builtin_prefetch(cache + slot[t] + kv + d, 0, 2);      /* 0: to read; 2: keep in L2 */
+}
+
+/* 1. s[h * Lp + t] = scale * q[h] . K row of token t, for t < L, for the n query heads q[0..n-1] that read
+   the KV head starting at `kv` in a row. Eight tokens at a time, eight dot products per head at once. */
+static inline __attribute__((always_inline)) void scores_heads(const float *q, const cache_t *k_cache,
+        const int64_t *slot, int64_t L, int64_t Lp, int64_t kv, int64_t D, float scale, float *s, const int n) {
     int64_t t = 0;
     if (D % 8 == 0) {
-        for (; t + 8 <= L; t += 8) {                 /* eight tokens: eight dot products at once */
-            for (int64_t hq = 0; hq < Hq; hq++) {
-                const float *qh = q + hq * D;
-                const int64_t kv = (hq / G) * D;     /* this head's KV head, inside a token's row */
-                f8 acc[8] = {0};                     /* acc[j]: token t + j's products, 8 lanes */
-                for (int64_t d = 0; d < D; d += 8) {
-                    const f8 qv = load8(qh + d);
-                    for (int j = 0; j < 8; j++) acc[j] += qv * load8_cache(k_cache + slot[t + j] + kv + d);
+        for (; t + 8 <= L; t += 8) {
+            for (int64_t j = 0; j < 8; j++) fetch(k_cache, slot, t + AHEAD + j, L, kv, D);
+            f8 acc[3][8];                           /* acc[h][j]: head h, token t + j's products, 8 lanes */
+            for (int h = 0; h < n; h++)
+                for (int j = 0; j < 8; j++) acc[h][j] = (f8){0};
+            for (int64_t d = 0; d < D; d += 8) {
+                f8 qv[3];
+                for (int h = 0; h < n; h++) qv[h] = load8(q + h * D + d);
+                for (int j = 0; j < 8; j++) {
+                    const f8 k = load8_cache(k_cache + slot[t + j] + kv + d);     /* once for the n heads */
+                    for (int h = 0; h < n; h++) acc[h][j] += qv[h] * k;
                 }
-                store8(s + hq * Lp + t, sum_lanes8(acc) * scale);
             }
+            for (int h = 0; h < n; h++) store8(s + h * Lp + t, sum_lanes8(acc[h]) * scale);
         }
     }
     for (; t < L; t++)                               /* the rest, one token at a time */
-        for (int64_t hq = 0; hq < Hq; hq++)
-            s[hq * Lp + t] = dot(q + hq * D, k_cache + slot[t] + (hq / G) * D, D) * scale;
+        for (int h = 0; h < n; h++) s[h * Lp + t] = dot(q + h * D, k_cache + slot[t] + kv, D) * scale;
+}
+
+/* 1. for all Hq heads: head hq reads KV head hq / G; up to HEADS_PER_PASS of a KV head's heads per pass. */
+static void scores(const float *q, const cache_t *k_cache, const int64_t *slot, int64_t L, int64_t Lp,
+                   int64_t Hq, int64_t G, int64_t D, float scale, float *s) {
+    for (int64_t hq = 0; hq < Hq;) {
+        const int64_t n = G - hq % G < HEADS_PER_PASS ? G - hq % G : HEADS_PER_PASS;
+        const float *qh = q + hq * D;
+        const int64_t kv = (hq / G) * D;             /* their KV head, inside a token's row */
+        switch (n) {                                 /* n a constant in each copy: the sums stay in registers */
+        case 1: scores_heads(qh, k_cache, slot, L, Lp, kv, D, scale, s + hq * Lp, 1); break;
+        case 2: scores_heads(qh, k_cache, slot, L, Lp, kv, D, scale, s + hq * Lp, 2); break;
+        default: scores_heads(qh, k_cache, slot, L, Lp, kv, D, scale, s + hq * Lp, 3); break;
+        }
+        hq += n;
+    }
 }
 
 /* 2. Each head's L scores become probabilities (minus the max first, so exp never overflows). */
@@ -170,42 +211,54 @@ static void softmax(float *s, int64_t L, int64_t Lp, int64_t Hq) {
     }
 }
 
-/* 3. out[hq] = sum over t of p[hq * Lp + t] * V row of token t (read in the same order as K).
-   One query head at a time, its whole output row (D floats: C vectors) held in registers over all L
-   tokens: C independent running sums, each one multiply-add per token (no chain through memory).
-   The head's G - 1 neighbours read the same V rows again, from the core's cache. */
-static inline __attribute__((always_inline)) void values_head(const float *ph, const cache_t *v_cache,
-                                                              const int64_t *slot, int64_t L, int64_t kv,
-                                                              float *oh, const int C) {
-    fv acc[16];
-    for (int c = 0; c < C; c++) acc[c] = (fv){0};
+/* 3. out[h] = sum over t of p[h * Lp + t] * V row of token t (read in the same order as K), for the n
+   query heads of one KV head. Their whole output rows (n * C vectors of the CPU's widest kind, `fv`: 16
+   floats with AVX-512, else 8) stay in registers over all L tokens: n * C independent running sums, one
+   multiply-add per vector per token and no chain through memory; each V vector is loaded once for the
+   n heads. */
+static inline __attribute__((always_inline)) void values_heads(const float *p, int64_t Lp, const cache_t *v_cache,
+        const int64_t *slot, int64_t L, int64_t kv, float *out, const int n, const int C) {
+    fv acc[3][16];
+    for (int h = 0; h < n; h++)
+        for (int c = 0; c < C; c++) acc[h][c] = (fv){0};
     for (int64_t t = 0; t < L; t++) {
+        fetch(v_cache, slot, t + AHEAD, L, kv, C * VEC_LANES);
         const cache_t *vr = v_cache + slot[t] + kv;
-        const float p = ph[t];
-        for (int c = 0; c < C; c++) acc[c] += p * loadv_cache(vr + c * VEC_LANES);
+        for (int c = 0; c < C; c++) {
+            const fv v = loadv_cache(vr + c * VEC_LANES);
+            for (int h = 0; h < n; h++) acc[h][c] += p[h * Lp + t] * v;
+        }
     }
-    for (int c = 0; c < C; c++) storev(oh + c * VEC_LANES, acc[c]);
+    for (int h = 0; h < n; h++)
+        for (int c = 0; c < C; c++) storev(out + (h * C + c) * VEC_LANES, acc[h][c]);
 }
+
+#define VALUES(C, N) case 4 * C + N: values_heads(ph, Lp, v_cache, slot, L, kv, oh, N, C); break;
 
 static void weighted_values(const float *p, const cache_t *v_cache, const int64_t *slot, int64_t L,
                             int64_t Lp, int64_t Hq, int64_t G, int64_t D, float *out) {
-    for (int64_t hq = 0; hq < Hq; hq++) {
+    const int64_t C = D % VEC_LANES == 0 ? D / VEC_LANES : 0;      /* vectors per output row (0: D uneven) */
+    int64_t most = C == 0 ? 1 : SUM_VECTORS / C;                    /* heads per pass whose sums fit */
+    most = most < 1 ? 1 : (most > 3 ? 3 : most);
+    for (int64_t hq = 0; hq < Hq;) {
+        const int64_t n = G - hq % G < most ? G - hq % G : most;
         const float *ph = p + hq * Lp;
         const int64_t kv = (hq / G) * D;
         float *oh = out + hq * D;
-        switch (D % VEC_LANES == 0 ? D / VEC_LANES : 0) {    /* D / VEC_LANES vectors, a constant each */
-        case 2: values_head(ph, v_cache, slot, L, kv, oh, 2); break;
-        case 4: values_head(ph, v_cache, slot, L, kv, oh, 4); break;
-        case 8: values_head(ph, v_cache, slot, L, kv, oh, 8); break;
-        case 16: values_head(ph, v_cache, slot, L, kv, oh, 16); break;
+        switch (4 * C + n) {                         /* C and n constants in each copy */
+        VALUES(2, 1) VALUES(2, 2) VALUES(2, 3) VALUES(4, 1) VALUES(4, 2) VALUES(4, 3)
+        VALUES(8, 1) VALUES(8, 2) VALUES(8, 3) VALUES(16, 1) VALUES(16, 2) VALUES(16, 3)
         default:                                     /* any other head_dim: one value at a time */
-            memset(oh, 0, sizeof(float) * D);
-            for (int64_t t = 0; t < L; t++) {
-                const cache_t *vh = v_cache + slot[t] + kv;
-                #pragma omp simd
-                for (int64_t d = 0; d < D; d++) oh[d] += ph[t] * widen(vh[d]);
+            for (int64_t h = 0; h < n; h++) {
+                memset(oh + h * D, 0, sizeof(float) * D);
+                for (int64_t t = 0; t < L; t++) {
+                    const cache_t *vh = v_cache + slot[t] + kv;
+                    #pragma omp simd
+                    for (int64_t d = 0; d < D; d++) oh[h * D + d] += ph[h * Lp + t] * widen(vh[d]);
+                }
             }
         }
+        hq += n;
     }
 }
 

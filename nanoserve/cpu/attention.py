@@ -43,17 +43,20 @@ CACHE_DTYPES = {torch.float32: [], torch.bfloat16: ["-DCACHE_BF16"]}   # extra f
 
 
 @cache
-def library(cache_dtype: torch.dtype) -> ctypes.CDLL | None:
-    """attention.c built for a cache of `cache_dtype`, or None (with one warning) if unavailable."""
+def library(cache_dtype: torch.dtype, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """attention.c built for a cache of `cache_dtype`, or None (with one warning) if unavailable.
+
+    `extra`: more compiler flags, e.g. ("-DVEC_LANES=8",) for the 8-float layout an AVX2 CPU runs (the tests
+    check that one on an AVX-512 CPU too)."""
     if cache_dtype not in CACHE_DTYPES:
         return None
-    return load_library(SOURCE, DECODE_FLAGS + CACHE_DTYPES[cache_dtype], "the CPU attention kernel",
+    return load_library(SOURCE, DECODE_FLAGS + CACHE_DTYPES[cache_dtype] + list(extra), "the CPU attention kernel",
                         "attention takes the torch path (same results, slower)")
 
 
-def c_function(cache_dtype: torch.dtype, name: str, argtypes: list):
+def c_function(cache_dtype: torch.dtype, name: str, argtypes: list, extra: tuple[str, ...] = ()):
     """The library's function `name` (returning an int status) with its argument types, or None without it."""
-    lib = library(cache_dtype)
+    lib = library(cache_dtype, extra)
     if lib is None:
         return None
     fn = getattr(lib, name)
@@ -62,10 +65,10 @@ def c_function(cache_dtype: torch.dtype, name: str, argtypes: list):
 
 
 @cache
-def load(cache_dtype: torch.dtype):
+def load(cache_dtype: torch.dtype, extra: tuple[str, ...] = ()):
     """The kernel for a cache of `cache_dtype` as a Python function, or None (with one warning) if unavailable."""
     fn = c_function(cache_dtype, "paged_decode_attention",
-                    [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float])
+                    [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float], extra)
     if fn is None:
         return None
     check = partial(check_layout, cache_dtype=cache_dtype)     # this build's cache dtype
