@@ -32,11 +32,21 @@
      dot products' 8-lane sums into one vector of eight scores with a few
      shuffles (`sum_lanes8`), not one lane-by-lane sum per token: the sums
      were half the time of the scores;
-   - pass 3 takes one query head at a time and keeps its whole output row in
-     registers, in the CPU's widest vectors (`fv`: 16 floats with AVX-512,
-     else 8), one multiply-add per vector per token and no chain through
-     memory (it read and wrote the output row for every eight tokens before:
-     10-25 % slower at a decode step's 32 sequences on a Zen 4 core);
+   - pass 3 keeps whole output rows in registers, in the CPU's widest
+     vectors (`fv`: 16 floats with AVX-512, else 8), one multiply-add per
+     vector per token and no chain through memory (it read and wrote the
+     output row for every eight tokens before: 10-25 % slower at a decode
+     step's 32 sequences on a Zen 4 core);
+   - passes 1 and 3 serve up to three query heads of one KV head at once
+     where the registers hold their sums (HEADS_PER_PASS: 3 with AVX-512's
+     32 registers, 1 with AVX2's 16), so each K and V vector is loaded, and
+     widened from bf16, once for all of them;
+   - both fetch the rows 16 tokens ahead into the L2 cache (`fetch`): a
+     step's K/V is read from memory, scattered in blocks the CPU's own
+     prefetcher does not follow across. With these two, the 30 layers of a
+     decode step at 32 sequences, read from memory, took 31 ms instead of
+     50 (float32) and 24 instead of 52 (bf16) on a Zen 4 core
+     (benchmarks/bench_decode_attention.py, "a whole step");
    - the exp of pass 2 is cpu_math.h's polynomial, eight at a time (libm's
      expf is a call per number);
    - the slots are found once per sequence (no division per row read).
@@ -125,21 +135,23 @@ static inline f8 sum_lanes8(const f8 a[8]) {
 /* How many query heads share one pass over their KV head's rows. Each keeps its own running sums in
    vector registers while every K (or V) vector is loaded, and widened from bf16, once for all of them: the
    CPU's 32 vector registers (AVX-512) hold three heads' sums, 16 (AVX2) hold one. */
-#if VEC_LANES == 16
-#define HEADS_PER_PASS 3
-#define SUM_VECTORS 24     /* registers the values pass may fill with sums */
-#else
-#define HEADS_PER_PASS 1
-#define SUM_VECTORS 12
+#ifndef HEADS_PER_PASS     /* (-DHEADS_PER_PASS=1 and -DAHEAD=0 undo these two choices, to compare) */
+#define HEADS_PER_PASS (VEC_LANES == 16 ? 3 : 1)
 #endif
-#define AHEAD 16           /* tokens: rows are fetched this far ahead of the one being read */
+#if HEADS_PER_PASS < 1 || HEADS_PER_PASS > 3
+#error "HEADS_PER_PASS: 1 to 3 (the passes below have a copy for each)"
+#endif
+#define SUM_VECTORS (VEC_LANES == 16 ? 24 : 12)   /* registers the values pass may fill with sums */
+#ifndef AHEAD
+#define AHEAD 16           /* tokens: rows are fetched this far ahead of the one being read (0: not at all) */
+#endif
 
 /* Ask for the D values of the KV head at `kv` in token `t`'s row now, into the core's L2 cache: the block
    table scatters a sequence's rows over the pool, and the CPU's own prefetcher stops at every 4 KB page
    and block edge. At a step's 32 sequences, read from memory, this made the layer's attention 1.4x (float32)
    to 1.6x (bf16) faster on a Zen 4 core. */
 static inline void fetch(const cache_t *cache, const int64_t *slot, int64_t t, int64_t L, int64_t kv, int64_t D) {
-    if (t < L)
+    if (AHEAD > 0 && t < L)
         for (int64_t d = 0; d < D; d += 64 / sizeof(cache_t))        /* one 64-byte cache line at a time */
             __builtin_prefetch(cache + slot[t] + kv + d, 0, 2);      /* 0: to read; 2: keep in L2 */
 }
@@ -239,7 +251,7 @@ static void weighted_values(const float *p, const cache_t *v_cache, const int64_
                             int64_t Lp, int64_t Hq, int64_t G, int64_t D, float *out) {
     const int64_t C = D % VEC_LANES == 0 ? D / VEC_LANES : 0;      /* vectors per output row (0: D uneven) */
     int64_t most = C == 0 ? 1 : SUM_VECTORS / C;                    /* heads per pass whose sums fit */
-    most = most < 1 ? 1 : (most > 3 ? 3 : most);
+    most = most < 1 ? 1 : (most > HEADS_PER_PASS ? HEADS_PER_PASS : most);
     for (int64_t hq = 0; hq < Hq;) {
         const int64_t n = G - hq % G < most ? G - hq % G : most;
         const float *ph = p + hq * Lp;
