@@ -1,6 +1,7 @@
 """Before/after of the CPU fast path's choices, in one process: each variant against the default, interleaved.
 
     OMP_NUM_THREADS=1 python benchmarks/ab_cpu_paths.py --dtype bfloat16 bf16-before
+    OMP_NUM_THREADS=1 python benchmarks/ab_cpu_paths.py --dtype bfloat16 bf16-onednn
     OMP_NUM_THREADS=1 python benchmarks/ab_cpu_paths.py --dtype float32 panels-8
     OMP_NUM_THREADS=1 python benchmarks/ab_cpu_paths.py --dtype float32 budget-2048
 
@@ -13,6 +14,7 @@ and how many requests gave the same greedy tokens as "now". The variants:
 
     bf16-before   bf16 as before the CPU had a bf16 path: the model's own forward, its nn.Linear
                   layers in bf16 (no CpuLlama, no packed bf16 weights)
+    bf16-onednn   bf16 matmuls from oneDNN-packed bf16 weights instead of matmul_bf16.c's panels
     panels-8      matmul.c built with 8-float vectors (16-column panels), as on an AVX2 CPU,
                   where this CPU has 16-float ones (AVX-512)
     budget-2048   a 2 048-token budget per step instead of 512 (vLLM's CPU default is 4 096)
@@ -37,11 +39,17 @@ from nanoserve.cpu import matmul as cpu_matmul
 from nanoserve.models.loader import load_model
 
 ORIGINAL = dict(view=fast_path.cpu_llama_view, can_pack_dtype=fast_path.can_pack_dtype, load=cpu_matmul.load)
-VARIANTS = {"bf16-before": {}, "panels-8": {}, "budget-2048": {"max_num_batched_tokens": 2048}}
+VARIANTS = {"bf16-before": {}, "bf16-onednn": {}, "panels-8": {}, "budget-2048": {"max_num_batched_tokens": 2048}}
 
 
-def matmul_8_lanes() -> cpu_matmul.CpuMatmul:
+def matmul_8_lanes(dtype: torch.dtype = torch.float32) -> cpu_matmul.CpuMatmul | None:
+    if dtype != torch.float32:
+        return ORIGINAL["load"](dtype)
     return cpu_matmul.CpuMatmul(ctypes.CDLL(str(build.build(cpu_matmul.SOURCE, build.FLAGS + ["-DVEC_LANES=8"]))))
+
+
+def no_bf16_panels(dtype: torch.dtype = torch.float32) -> cpu_matmul.CpuMatmul | None:
+    return None if dtype == torch.bfloat16 else ORIGINAL["load"](dtype)
 
 
 def use(variant: str) -> None:
@@ -51,7 +59,8 @@ def use(variant: str) -> None:
                                 if before else ORIGINAL["view"])
     fast_path.can_pack_dtype = ((lambda d: d == torch.float32 and ORIGINAL["can_pack_dtype"](d))
                                 if before else ORIGINAL["can_pack_dtype"])
-    cpu_llama.cpu_matmul.load = matmul_8_lanes if variant == "panels-8" else ORIGINAL["load"]
+    cpu_llama.cpu_matmul.load = {"panels-8": matmul_8_lanes, "bf16-onednn": no_bf16_panels}.get(variant,
+                                                                                             ORIGINAL["load"])
 
 
 def main() -> None:

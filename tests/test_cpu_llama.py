@@ -156,16 +156,24 @@ def test_cpu_llama_logits_match_the_packed_view(tiny_llama):
 
 @pytest.mark.skipif(ops_bf16 is None or not cpu_linear.cpu_has_bf16_units(),
                     reason="needs a CPU with bf16 units (AVX512-BF16, AMX) and a C compiler")
-def test_bf16_cpu_llama_matches_the_reading_path(tiny_llama_dir):
-    """bf16 on a CPU with bf16 units: the CPU Llama path (oneDNN-packed bf16 matmuls, ops.c's bf16 build, the
-    C attention on a bf16 cache) against the reading path, a prefill and then a decode step."""
+@pytest.mark.parametrize("panels", [True, False])
+def test_bf16_cpu_llama_matches_the_reading_path(tiny_llama_dir, panels, monkeypatch):
+    """bf16 on a CPU with bf16 units: the CPU Llama path (matmul_bf16.c's panels, or oneDNN-packed bf16
+    weights without them; ops.c's bf16 build, the C attention on a bf16 cache) against the reading path, a
+    prefill and then a decode step."""
+    from nanoserve.cpu import matmul as cpu_matmul
     from nanoserve.models.loader import load_model
 
+    if panels and cpu_matmul.load(torch.bfloat16) is None:
+        pytest.skip("matmul_bf16.c needs AVX512-BF16 and a C compiler")
+    if not panels:
+        monkeypatch.setattr(cpu_matmul, "load", lambda dtype=torch.float32: None)
     loaded = load_model(tiny_llama_dir, torch.bfloat16)
     fast = make_engine(loaded, dtype="bfloat16", block_size=4, num_blocks=64)
     plain = make_engine(loaded, dtype="bfloat16", block_size=4, num_blocks=64, fast_paths=False)
     assert isinstance(fast.runner.model, CpuLlama)
-    assert fast.implementation.matmul == "oneDNN packed bf16 (cpu/linear.py)"
+    assert fast.implementation.matmul == ("panels bf16 (cpu/matmul_bf16.c)" if panels
+                                          else "oneDNN packed bf16 (cpu/linear.py)")
     prompts = [[5, 9, 200, 31, 7, 7, 100], [3, 1, 4, 1, 5], [42]]
     decode = [RunInput([11 + i], len(p), [2 * i, 2 * i + 1]) for i, p in enumerate(prompts)]
     for step in (prompts_inputs(), decode):

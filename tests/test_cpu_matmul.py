@@ -161,3 +161,74 @@ def test_without_it_the_cpu_llama_path_keeps_onednn(tiny_llama, monkeypatch):
         engine.add_request("r", [5, 9, 200, 31, 7], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         outputs.append(run_to_end(engine)["r"].outputs[0].token_ids)
     assert outputs[0] == outputs[1]
+
+
+# -- bf16 (matmul_bf16.c, on a CPU with AVX512-BF16) ---------------------------------------------
+
+mm16 = cpu_matmul.load(torch.bfloat16)
+needs_bf16_matmul = pytest.mark.skipif(mm16 is None, reason="matmul_bf16.c needs AVX512-BF16 and a C compiler")
+
+
+def close_bf16(got, want):
+    """Sums of exact bf16 products in float32, rounded once to bf16: within half a bf16 step (2^-8 of the
+    value, relative) plus float32 rounding of the sum, scaled by the terms' magnitudes."""
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    err = (got.double() - want).abs()
+    assert (err <= 2**-8 * want.abs() + 1e-5 * max(1.0, want.abs().max().item())).all(), err.max().item()
+
+
+@needs_bf16_matmul
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), out=st.integers(1, 70), inner=st.integers(1, 90), bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_bf16_matches_torch_on_any_shape(rows, out, inner, bias, seed):
+    g = torch.Generator().manual_seed(seed)       # odd widths too: the last pair of k holds one value
+    x, w = torch.randn(rows, inner, generator=g).bfloat16(), torch.randn(out, inner, generator=g).bfloat16()
+    b = torch.randn(out, generator=g) if bias else None            # the bias is float32
+    close_bf16(mm16.linear(x, mm16.pack(w), out, b), reference(x, w, b))
+
+
+@needs_bf16_matmul
+@pytest.mark.parametrize("rows", [1, 8, 32, 300, 600])
+def test_bf16_matches_torch_at_model_sizes(rows):
+    g = torch.Generator().manual_seed(rows)       # 600 rows of 1536: past one row block
+    for out, inner in [(960, 576), (576, 1536)]:
+        x, w = torch.randn(rows, inner, generator=g).bfloat16(), torch.randn(out, inner, generator=g).bfloat16()
+        close_bf16(mm16.linear(x, mm16.pack(w), out), reference(x, w))
+
+
+@needs_bf16_matmul
+def test_bf16_rows_of_any_stride_and_pairs_along_k():
+    w = torch.arange(35 * 5, dtype=torch.float32).view(35, 5).bfloat16()
+    packed = mm16.pack(w)                         # [panels, ceil(5 / 2), 32, 2]: W's columns in pairs of k
+    assert packed.shape == (2, 3, 32, 2)
+    assert torch.equal(packed[0, 1, 7], w[7, 2:4]) and torch.equal(packed[0, 2, 7], torch.stack([w[7, 4], w[7, 4] * 0]))
+    assert torch.equal(packed[1, :, :3].permute(1, 0, 2).reshape(3, 6)[:, :5], w[32:])
+    assert not packed[1, :, 3:].any()             # zeros past the last row
+    wide = torch.randn(6, 20).bfloat16()
+    rows = wide[:, 3:8]                           # rows 20 apart
+    close_bf16(mm16.linear(rows, packed, 35), reference(rows, w))
+
+
+@needs_bf16_matmul
+def test_bf16_bad_arguments_are_refused_by_name():
+    packed = mm16.pack(torch.randn(20, 8).bfloat16())
+    with pytest.raises(ValueError, match="^x: expected a bfloat16"):
+        mm16.linear(torch.randn(4, 8), packed, 20)                 # float32 rows
+    with pytest.raises(ValueError, match="^packed:"):
+        mm16.linear(torch.randn(4, 10).bfloat16(), packed, 20)     # 10 inputs, a weight of 8
+    with pytest.raises(ValueError, match="^bias:"):
+        mm16.linear(torch.randn(4, 8).bfloat16(), packed, 20, torch.randn(20).bfloat16())   # float32 only
+    with pytest.raises(ValueError, match="^weight:"):
+        mm16.pack(torch.randn(20, 8))
+
+
+@needs_bf16_matmul
+def test_bf16_panel_linear_is_the_linear_it_was_built_from():
+    torch.manual_seed(3)
+    linear = nn.Linear(48, 37).bfloat16()
+    x = torch.randn(6, 48).bfloat16()
+    layer = PanelLinear(linear, mm16)
+    close_bf16(layer(x), reference(x, linear.weight.detach(), linear.bias.detach()))
+    with pytest.raises(ValueError, match="^x:"):
+        layer(x.float())

@@ -18,7 +18,8 @@ none of it: the reading path, the same tokens.
                   (built twice: float32, and bf16 values rounded where torch rounds)
     ops.py        their Python faces
     matmul.c      float32 matmuls from weights packed once in panels of two vectors (16 or 32 columns)
-    matmul.py     its Python face: pack a weight, multiply from it
+    matmul_bf16.c the same panels for bf16, two k at a time on the CPU's bf16 instruction (AVX512-BF16)
+    matmul.py     their Python face: pack a weight, multiply from it
     linear.py     linear layers: panels, oneDNN-packed weights (float32; bf16 on CPUs with bf16 units),
                   float32 math for bf16 weights on CPUs without them
     llama.py      CpuLlama: a float32 or bf16 Llama's forward in fewer, larger steps
@@ -30,8 +31,9 @@ What `fast_path()` picks (each part falls back alone, and says why):
                ops.c built), else the loaded model with its linear layers swapped (linear.py),
                else the loaded model itself
     matmul     float32: matmul.c's panels (oneDNN-packed where matmul.c is not built); bf16 on a CPU
-               with bf16 units (AVX512-BF16, AMX): oneDNN-packed bf16 weights on those units; bf16
-               without them: float32 copies of the weights, oneDNN-packed
+               with bf16 units: matmul_bf16.c's panels (AVX512-BF16), else oneDNN-packed bf16 weights on
+               those units (AMX without AVX512-BF16, or matmul_bf16.c not built); bf16 without them:
+               float32 copies of the weights, oneDNN-packed
     attention  the "cpu" backend (`c_kernels` on, attention.c built, a float32 or bf16 cache),
                else the torch backend the runner made
     KV cache   allocated with 2 MB pages (memory.py)
@@ -83,8 +85,9 @@ def fast_path(model: nn.Module, attention: AttentionBackend, dtype: torch.dtype,
         fused = cpu_llama_view(model, dtype)        # None: not a plain float32/bf16 Llama, or ops.c did not build
         if fused is not None:
             view = fused
-            matmul = "panels (cpu/matmul.c)" if fused.panels else f"oneDNN packed{_bf16(dtype)} (cpu/linear.py)"
-        failed += ["ops.c", "matmul.c"] if dtype == torch.float32 else ["ops.c"]
+            matmul = (f"panels{_bf16(dtype)} (cpu/{fused.panels})" if fused.panels
+                      else f"oneDNN packed{_bf16(dtype)} (cpu/linear.py)")
+        failed += ["ops.c", "matmul.c" if dtype == torch.float32 else "matmul_bf16.c"]
     if view is model and (upcast or pack):
         view = cpu_linear_view(model, upcast, pack)
         matmul = ("oneDNN packed" + ("" if upcast else _bf16(dtype)) if pack else "torch") \

@@ -28,10 +28,11 @@ the original model, which is left untouched (engines may share one loaded model)
    weight, multiplies in float32 and rounds the output back to bf16.
 
 3. Our own kernel. `PanelLinear` multiplies from a weight packed into panels
-   of 16 output columns by cpu/matmul.c: at a decode step's ~32 rows,
-   with the weights streaming from memory, it keeps the multiply units busier
-   than oneDNN does (it prefetches the next panel while multiplying this one)
-   and costs a few microseconds a call instead of oneDNN's tens. The CPU Llama
+   of 16 or 32 output columns by cpu/matmul.c (float32) or cpu/matmul_bf16.c
+   (bf16, on a CPU with AVX512-BF16): at a decode step's ~32 rows, with the
+   weights streaming from memory, it keeps the multiply units busier than
+   oneDNN does (it prefetches the next panel while multiplying this one) and
+   costs a few microseconds a call instead of oneDNN's tens. The CPU Llama
    path (cpu/llama.py) uses it where the C code builds; CpuLinear
    stays the matmul of every other model and of `c_kernels=False`.
 """
@@ -109,26 +110,27 @@ class CpuLinear(nn.Module):
 
 
 class PanelLinear(nn.Module):
-    """y = x @ W.T + b from an nn.Linear's float32 weight, packed once in 16-column panels (cpu/matmul.c)."""
+    """y = x @ W.T + b from an nn.Linear's weight, packed once in panels (cpu/matmul.c, float32; matmul_bf16.c,
+    bf16: `mm.dtype`, which must be the weight's)."""
 
     def __init__(self, linear: nn.Linear, mm: CpuMatmul) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         packed = mm.pack(linear.weight.detach())
-        bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()   # float32 either way
         self.register_buffer("weight", packed, persistent=False)    # [panels, in, mm.panel]
         self.register_buffer("bias", bias, persistent=False)
         self._linear = mm.linear
-        self._panel = mm.panel
+        self._panel, self._dtype = mm.panel, mm.dtype
         self._args = (packed, self.out_features, bias)              # one plain attribute, read every call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] float32 (rows of any stride) -> [T, out]."""
+        """x [T, in] of the weight's dtype (rows of any stride) -> [T, out]."""
         # What the C code relies on, in the cheapest form (every projection call runs it); check_linear
         # raises the ValueError that names what is wrong.
-        if not (x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1
+        if not (x.dtype == self._dtype and x.is_cpu and x.dim() == 2 and x.stride(1) == 1
                 and x.shape[1] == self.in_features):
-            check_linear(x, *self._args, self._panel)
+            check_linear(x, *self._args, self._panel, self._dtype)
         return self._linear(x, *self._args, check=False)
 
 

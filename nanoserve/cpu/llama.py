@@ -16,10 +16,10 @@ over 25 small ops per layer. Per layer:
 * The projections that read the same input are merged: q, k, v into one
   matmul and gate, up into another, so 4 matmuls per layer instead of 7, each
   larger (vLLM's QKVParallelLinear and MergedColumnParallelLinear do the
-  same). Float32 matmuls run from weights packed once into panels by our
-  own C kernel (cpu/matmul.c, cpu/linear.py's PanelLinear), or
-  oneDNN-packed (CpuLinear) where that cannot be built; bf16 ones from
-  oneDNN-packed bf16 weights on the CPU's bf16 units (CpuLinear).
+  same). The matmuls run from weights packed once into panels by our own
+  C kernel (cpu/linear.py's PanelLinear: cpu/matmul.c for float32,
+  cpu/matmul_bf16.c for bf16 on a CPU with AVX512-BF16), or oneDNN-packed
+  (CpuLinear) where that cannot be built.
 * RMSNorm with the residual add before it, RoPE, and silu(gate) * up are one
   C call each (cpu/ops.c) instead of 4 to 10 torch ops.
 * The residual stream h is one tensor, updated in place.
@@ -122,7 +122,8 @@ class CpuLlama(nn.Module):
     def __init__(self, model: Llama, ops: CpuOps, mm: CpuMatmul | None = None) -> None:
         super().__init__()
         self.ops = ops
-        self.panels = mm is not None          # matmuls from matmul.c's panels (else oneDNN's packing)
+        # the C file whose panels multiply ("matmul.c", "matmul_bf16.c"), or "" (oneDNN's packing)
+        self.panels = "" if mm is None else ("matmul.c" if mm.dtype == torch.float32 else "matmul_bf16.c")
         self.num_layers, self.num_kv_heads = model.num_layers, model.num_kv_heads
         self.head_dim, self.max_positions = model.head_dim, model.max_positions
         self.embed_tokens, self.rotary, self.norm = model.model.embed_tokens, model.rotary, model.model.norm
@@ -146,10 +147,10 @@ def cpu_llama_view(model: nn.Module, dtype: torch.dtype = torch.float32) -> CpuL
     """A CpuLlama of `model` (weights of `dtype`), or None where it does not apply (see `supports`) or ops.c
     cannot be built.
 
-    Float32 matmuls are matmul.c's where that builds (it needs the same C compiler), oneDNN's otherwise;
-    bf16 matmuls are oneDNN's, on the CPU's bf16 units."""
+    The matmuls are matmul.c's (float32) or matmul_bf16.c's (bf16, AVX512-BF16) where that builds (it needs
+    the same C compiler), oneDNN's otherwise."""
     if not supports(model) or model.lm_head.weight.dtype != dtype:
         return None
     ops = cpu_ops.load(dtype)                # None (with one warning) if it cannot be built here
-    mm = cpu_matmul.load() if dtype == torch.float32 else None
+    mm = cpu_matmul.load(dtype)
     return None if ops is None else CpuLlama(model, ops, mm)
