@@ -2,6 +2,7 @@
 
     python benchmarks/bench_matmul.py                    # SmolLM2-135M's projections, 2 threads
     python benchmarks/bench_matmul.py --threads 1 --rows 1,32
+    python benchmarks/bench_matmul.py --threads 1 --dtype bfloat16   # matmul_bf16.c (a CPU with AVX512-BF16)
 
 For each of SmolLM2-135M's matmul shapes (merged q/k/v, o, merged gate/up,
 down, the LM head) and each row count, both kernels multiply the same rows by
@@ -21,6 +22,7 @@ import statistics
 import time
 
 import torch
+from bench_throughput import machine
 
 from nanoserve.cpu import matmul as cpu_matmul
 
@@ -50,25 +52,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,8,32,128,512", help="row counts, comma separated")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="bfloat16: matmul_bf16.c against oneDNN's packed bf16 matmul (needs AVX512-BF16)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    mm = cpu_matmul.load()
+    dtype = getattr(torch, args.dtype)
+    mm = cpu_matmul.load(dtype)
     if mm is None:
-        raise SystemExit("cpu/matmul.c could not be built here (no C compiler?)")
+        raise SystemExit(f"the {args.dtype} panel matmul could not be built here (no C compiler, or for "
+                         "bfloat16 a CPU without AVX512-BF16)")
     rows_list = [int(r) for r in args.rows.split(",") if r]
-    print(f"torch {torch.__version__}, {args.threads} threads; GFLOP/s, weights from memory; "
-          "oneDNN packed -> nanoserve panels")
+    print(machine())
+    print(f"{args.dtype}, {args.threads} threads; GFLOP/s, weights from memory; oneDNN packed -> nanoserve panels")
     for name, (out_f, in_f) in SHAPES.items():
         copies = 4 if out_f * in_f > 10_000_000 else 30
-        dense = [torch.randn(out_f, in_f) for _ in range(copies)]
+        dense = [torch.randn(out_f, in_f).to(dtype) for _ in range(copies)]
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in dense]
         panels = [mm.pack(w) for w in dense]
         cells = []
         for rows in rows_list:
-            x = torch.randn(rows, in_f)
+            x = torch.randn(rows, in_f).to(dtype)
             a = torch.ops.mkldnn._linear_pointwise(x, onednn[0], None, "none", [], "")
             b = mm.linear(x, panels[0], out_f)
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
+            tol = (1e-4, 1e-3) if dtype == torch.float32 else (1.6e-2, 0.1)    # bf16: one rounding of the output
+            torch.testing.assert_close(a.float(), b.float(), rtol=tol[0], atol=tol[1])
             t_onednn = sweep_seconds(lambda w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
                                      onednn)
             t_panel = sweep_seconds(lambda w: mm.linear(x, w, out_f, None, False), panels)

@@ -27,9 +27,10 @@
    Why not oneDNN's packed bf16 matmul (torch.ops.mkldnn, cpu/linear.py)? It
    is as fast on a matrix that stays in the caches, but a decode step streams
    every weight from memory, and there this loop's prefetching keeps the
-   multiply units busier: SmolLM2's projections at 32 rows, 30 layers of them,
-   on one Zen 4 core, 199 against 163 GFLOP/s; 126 against 92 at 8 rows; the
-   same at 128 and 512 rows (docs/benchmarks-notebook.md). */
+   multiply units busier: SmolLM2's projections at 32 rows, the weights
+   coming from memory, on one Zen 4 core, 1.17-1.29x oneDNN's GFLOP/s; the
+   same at 128 and 512 rows (benchmarks/bench_matmul.py --dtype bfloat16,
+   docs/benchmarks-notebook.md). */
 
 #include <immintrin.h>
 #include <stdint.h>
