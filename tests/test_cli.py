@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import has_smollm2
@@ -165,11 +167,17 @@ def test_export_without_dot_fails_in_one_line_and_writes_nothing(capsys, trace, 
 
 
 # -- the installed console script -----------------------------------------------------------
-@pytest.mark.skipif(shutil.which("nanoserve") is None, reason="console script not installed (pip install -e .)")
+# The script beside the Python running the tests (a virtualenv's bin/), else the first on PATH: another
+# Python's stale `nanoserve` earlier on PATH is not the one this install made.
+BESIDE = Path(sys.executable).with_name("nanoserve")
+SCRIPT = str(BESIDE) if BESIDE.exists() else shutil.which("nanoserve")
+
+
+@pytest.mark.skipif(SCRIPT is None, reason="console script not installed (pip install -e .)")
 def test_console_script(trace, tmp_path):
     out = tmp_path / "pool.dot"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(["nanoserve", "export", "--trace", str(trace), "--step", "5", "--what", "pool",
+    done = subprocess.run([SCRIPT, "export", "--trace", str(trace), "--step", "5", "--what", "pool",
                            "--format", "dot", "--output", str(out)],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -20,7 +20,7 @@ from torch import nn
 from nanoserve import EngineConfig
 from nanoserve.attention import BatchLayout, PrefillChunk
 from nanoserve.cpu import linear as cpu_linear
-from nanoserve.cpu.linear import CpuLinear, can_pack, cpu_linear_view
+from nanoserve.cpu.linear import CpuLinear, PanelLinear, can_pack, cpu_linear_view
 from nanoserve.kernels.torch_backend import TorchBackend, TorchMetadata
 from nanoserve.runner import RunInput
 
@@ -96,11 +96,17 @@ def test_bf16_engine_on_a_cpu_without_bf16_units(tiny_llama_dir, monkeypatch, ha
     # (torch attention: the C kernel, the default, reads a bf16 cache with float32 math itself)
     fast = make_engine(loaded, dtype="bfloat16", block_size=4, num_blocks=64, attention_backend="torch")
     plain = make_engine(loaded, dtype="bfloat16", block_size=4, num_blocks=64, fast_paths=False)
-    # Only a CPU without bf16 units gets the float32 view; one with them multiplies bf16 weights packed by
-    # oneDNN (in the CPU Llama path, cpu/llama.py); the loaded model stays bf16 either way.
+    # Only a CPU without bf16 units gets the float32 view; one with them multiplies bf16 weights (in the CPU
+    # Llama path, cpu/llama.py): packed in matmul_bf16.c's panels where it builds (AVX512-BF16), else by
+    # oneDNN. The loaded model stays bf16 either way.
     linears = [m for m in fast.runner.model.modules() if isinstance(m, CpuLinear)]
-    assert linears and all(m.upcast != has_units for m in linears)
-    assert all(m.packed and m.weight.dtype == torch.bfloat16 for m in linears) if has_units else True
+    panels = [m for m in fast.runner.model.modules() if isinstance(m, PanelLinear)]
+    if has_units:
+        assert (panels and not linears) or (linears and not panels)
+        assert all(m.packed and not m.upcast and m.weight.dtype == torch.bfloat16 for m in linears)
+        assert all(m.weight.dtype == torch.bfloat16 for m in panels)
+    else:
+        assert linears and not panels and all(m.upcast for m in linears)
     assert fast.runner.attn.compute_dtype == (None if has_units else torch.float32)
     assert not any(isinstance(m, CpuLinear) for m in plain.runner.model.modules())
     assert all(m.weight.dtype == torch.bfloat16 for m in loaded.model.modules() if isinstance(m, nn.Linear))
