@@ -50,6 +50,7 @@ from torch import nn
 from nanoserve.attention import AttentionBackend
 from nanoserve.cpu import attention as cpu_attention
 from nanoserve.cpu import build
+from nanoserve.cpu import matmul as cpu_matmul
 from nanoserve.cpu.backend import CpuBackend
 from nanoserve.cpu.linear import can_pack, can_pack_dtype, cpu_linear_view, half_matmuls_need_fp32
 from nanoserve.cpu.llama import cpu_llama_view
@@ -87,7 +88,7 @@ def fast_path(model: nn.Module, attention: AttentionBackend, dtype: torch.dtype,
             view = fused
             matmul = (f"panels{_bf16(dtype)} (cpu/{fused.panels})" if fused.panels
                       else f"oneDNN packed{_bf16(dtype)} (cpu/linear.py)")
-        failed += ["ops.c", "matmul.c" if dtype == torch.float32 else "matmul_bf16.c"]
+        failed += ["ops.c", cpu_matmul.SOURCES[dtype].name]
     if view is model and (upcast or pack):
         view = cpu_linear_view(model, upcast, pack)
         matmul = ("oneDNN packed" + ("" if upcast else _bf16(dtype)) if pack else "torch") \

@@ -146,6 +146,13 @@ static inline f8 sum_lanes8(const f8 a[8]) {
 #define AHEAD 16           /* tokens: rows are fetched this far ahead of the one being read (0: not at all) */
 #endif
 
+/* How many of the query heads from hq on share the next pass: up to `most`, all reading hq's KV head
+   (head hq reads KV head hq / G). */
+static inline int64_t heads_in_pass(int64_t hq, int64_t G, int64_t most) {
+    const int64_t left = G - hq % G;                 /* hq's KV head's heads not yet served */
+    return left < most ? left : most;
+}
+
 /* Ask for the D values of the KV head at `kv` in token `t`'s row now, into the core's L2 cache: the block
    table scatters a sequence's rows over the pool, and the CPU's own prefetcher stops at every 4 KB page
    and block edge. At a step's 32 sequences, read from memory, this made the layer's attention 1.4x (float32)
@@ -157,13 +164,16 @@ static inline void fetch(const cache_t *cache, const int64_t *slot, int64_t t, i
 }
 
 /* 1. s[h * Lp + t] = scale * q[h] . K row of token t, for t < L, for the n query heads q[0..n-1] that read
-   the KV head starting at `kv` in a row. Eight tokens at a time, eight dot products per head at once. */
+   the KV head starting at `kv` in a row. Eight tokens at a time, eight dot products per head at once.
+   `first`: the first pass over this KV head's rows (the one that fetches them ahead). */
 static inline __attribute__((always_inline)) void scores_heads(const float *q, const cache_t *k_cache,
-        const int64_t *slot, int64_t L, int64_t Lp, int64_t kv, int64_t D, float scale, float *s, const int n) {
+        const int64_t *slot, int64_t L, int64_t Lp, int64_t kv, int64_t D, float scale, float *s, const int n,
+        int first) {
     int64_t t = 0;
     if (D % 8 == 0) {
         for (; t + 8 <= L; t += 8) {
-            for (int64_t j = 0; j < 8; j++) fetch(k_cache, slot, t + AHEAD + j, L, kv, D);
+            if (first)                               /* a later pass over the same rows finds them fetched */
+                for (int64_t j = 0; j < 8; j++) fetch(k_cache, slot, t + AHEAD + j, L, kv, D);
             f8 acc[3][8];                           /* acc[h][j]: head h, token t + j's products, 8 lanes */
             for (int h = 0; h < n; h++)
                 for (int j = 0; j < 8; j++) acc[h][j] = (f8){0};
@@ -186,13 +196,14 @@ static inline __attribute__((always_inline)) void scores_heads(const float *q, c
 static void scores(const float *q, const cache_t *k_cache, const int64_t *slot, int64_t L, int64_t Lp,
                    int64_t Hq, int64_t G, int64_t D, float scale, float *s) {
     for (int64_t hq = 0; hq < Hq;) {
-        const int64_t n = G - hq % G < HEADS_PER_PASS ? G - hq % G : HEADS_PER_PASS;
+        const int64_t n = heads_in_pass(hq, G, HEADS_PER_PASS);
         const float *qh = q + hq * D;
         const int64_t kv = (hq / G) * D;             /* their KV head, inside a token's row */
+        const int first = hq % G == 0;
         switch (n) {                                 /* n a constant in each copy: the sums stay in registers */
-        case 1: scores_heads(qh, k_cache, slot, L, Lp, kv, D, scale, s + hq * Lp, 1); break;
-        case 2: scores_heads(qh, k_cache, slot, L, Lp, kv, D, scale, s + hq * Lp, 2); break;
-        default: scores_heads(qh, k_cache, slot, L, Lp, kv, D, scale, s + hq * Lp, 3); break;
+        case 1: scores_heads(qh, k_cache, slot, L, Lp, kv, D, scale, s + hq * Lp, 1, first); break;
+        case 2: scores_heads(qh, k_cache, slot, L, Lp, kv, D, scale, s + hq * Lp, 2, first); break;
+        default: scores_heads(qh, k_cache, slot, L, Lp, kv, D, scale, s + hq * Lp, 3, first); break;
         }
         hq += n;
     }
@@ -227,14 +238,15 @@ static void softmax(float *s, int64_t L, int64_t Lp, int64_t Hq) {
    query heads of one KV head. Their whole output rows (n * C vectors of the CPU's widest kind, `fv`: 16
    floats with AVX-512, else 8) stay in registers over all L tokens: n * C independent running sums, one
    multiply-add per vector per token and no chain through memory; each V vector is loaded once for the
-   n heads. */
+   n heads. `first` as in scores_heads. */
 static inline __attribute__((always_inline)) void values_heads(const float *p, int64_t Lp, const cache_t *v_cache,
-        const int64_t *slot, int64_t L, int64_t kv, float *out, const int n, const int C) {
+        const int64_t *slot, int64_t L, int64_t kv, float *out, const int n, const int C, int first) {
     fv acc[3][16];
     for (int h = 0; h < n; h++)
         for (int c = 0; c < C; c++) acc[h][c] = (fv){0};
     for (int64_t t = 0; t < L; t++) {
-        fetch(v_cache, slot, t + AHEAD, L, kv, C * VEC_LANES);
+        if (first)
+            fetch(v_cache, slot, t + AHEAD, L, kv, C * VEC_LANES);
         const cache_t *vr = v_cache + slot[t] + kv;
         for (int c = 0; c < C; c++) {
             const fv v = loadv_cache(vr + c * VEC_LANES);
@@ -245,7 +257,7 @@ static inline __attribute__((always_inline)) void values_heads(const float *p, i
         for (int c = 0; c < C; c++) storev(out + (h * C + c) * VEC_LANES, acc[h][c]);
 }
 
-#define VALUES(C, N) case 4 * C + N: values_heads(ph, Lp, v_cache, slot, L, kv, oh, N, C); break;
+#define VALUES(C, N) case 4 * C + N: values_heads(ph, Lp, v_cache, slot, L, kv, oh, N, C, first); break;
 
 static void weighted_values(const float *p, const cache_t *v_cache, const int64_t *slot, int64_t L,
                             int64_t Lp, int64_t Hq, int64_t G, int64_t D, float *out) {
@@ -253,9 +265,10 @@ static void weighted_values(const float *p, const cache_t *v_cache, const int64_
     int64_t most = C == 0 ? 1 : SUM_VECTORS / C;                    /* heads per pass whose sums fit */
     most = most < 1 ? 1 : (most > HEADS_PER_PASS ? HEADS_PER_PASS : most);
     for (int64_t hq = 0; hq < Hq;) {
-        const int64_t n = G - hq % G < most ? G - hq % G : most;
+        const int64_t n = heads_in_pass(hq, G, most);
         const float *ph = p + hq * Lp;
         const int64_t kv = (hq / G) * D;
+        const int first = hq % G == 0;
         float *oh = out + hq * D;
         switch (4 * C + n) {                         /* C and n constants in each copy */
         VALUES(2, 1) VALUES(2, 2) VALUES(2, 3) VALUES(4, 1) VALUES(4, 2) VALUES(4, 3)

@@ -123,7 +123,7 @@ class CpuLlama(nn.Module):
         super().__init__()
         self.ops = ops
         # the C file whose panels multiply ("matmul.c", "matmul_bf16.c"), or "" (oneDNN's packing)
-        self.panels = "" if mm is None else ("matmul.c" if mm.dtype == torch.float32 else "matmul_bf16.c")
+        self.panels = "" if mm is None else cpu_matmul.SOURCES[mm.dtype].name
         self.num_layers, self.num_kv_heads = model.num_layers, model.num_kv_heads
         self.head_dim, self.max_positions = model.head_dim, model.max_positions
         self.embed_tokens, self.rotary, self.norm = model.model.embed_tokens, model.rotary, model.model.norm

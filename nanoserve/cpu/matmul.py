@@ -42,10 +42,6 @@ def _matrix(name: str, t: torch.Tensor, what: str, dtype: torch.dtype = torch.fl
     expect(t.dtype == dtype and t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1, name, what, t)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 class CpuMatmul:
     """Typed, checked Python faces of matmul.c's functions (or matmul_bf16.c's: the same names)."""
 
@@ -62,7 +58,7 @@ class CpuMatmul:
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [out, in] -> [ceil(out / P), in, P]: panels of P = self.panel output columns (zeros past `out`).
         bf16: [ceil(out / P), ceil(in / 2), P, 2], the values of in taken in pairs."""
-        _matrix("weight", weight, f"a {_dtype_name(self.dtype)} CPU matrix [out, in]", self.dtype)
+        _matrix("weight", weight, f"a {str(self.dtype)[6:]} CPU matrix [out, in]", self.dtype)
         weight = weight.contiguous()
         out_features, in_features = weight.shape
         packed = torch.empty(packed_shape(out_features, in_features, self.panel, self.dtype), dtype=self.dtype)
@@ -89,7 +85,7 @@ def packed_shape(out_features: int, in_features: int, panel: int, dtype: torch.d
 def check_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
                  panel: int, dtype: torch.dtype = torch.float32) -> None:
     """ValueError naming the argument unless `linear` may hand these to the C code (panels of `panel` columns)."""
-    _matrix("x", x, f"a {_dtype_name(dtype)} CPU matrix [rows, in] with contiguous rows", dtype)
+    _matrix("x", x, f"a {str(dtype)[6:]} CPU matrix [rows, in] with contiguous rows", dtype)
     shape = packed_shape(out_features, x.shape[1], panel, dtype)
     expect(packed.dtype == dtype and packed.is_contiguous() and packed.device.type == "cpu"
            and tuple(packed.shape) == shape, "packed",
@@ -105,10 +101,8 @@ def load(dtype: torch.dtype = torch.float32) -> CpuMatmul | None:
 
     bf16 only where the CPU has AVX512-BF16 (None, without a warning, elsewhere: there bf16 matmuls run
     in float32 or through oneDNN, cpu/linear.py)."""
-    if dtype == torch.bfloat16 and not torch.cpu._is_avx512_bf16_supported():
+    if dtype not in SOURCES or (dtype == torch.bfloat16 and not torch.cpu._is_avx512_bf16_supported()):
         return None
-    if dtype not in SOURCES:
-        return None
-    lib = load_library(SOURCES[dtype], FLAGS, f"the CPU matmul ({_dtype_name(dtype)})",
-                       f"the linear layers use oneDNN (same results to {_dtype_name(dtype)} rounding, slower)")
+    lib = load_library(SOURCES[dtype], FLAGS, f"the CPU matmul ({str(dtype)[6:]})",
+                       f"the linear layers use oneDNN (same results to {str(dtype)[6:]} rounding, slower)")
     return None if lib is None else CpuMatmul(lib, dtype)
