@@ -72,50 +72,90 @@ typedef int32_t i8 __attribute__((vector_size(32)));
 #define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (i8){__VA_ARGS__})
 #endif
 
+/* Reading the cache two vectors at a time. A bf16 value is the top half of a float32, so 2n bf16 values
+   read as n 32-bit lanes hold n pairs: shifting each lane left by 16 gives the first value of every pair
+   (the even dims, as float32), and clearing its low 16 bits gives the second (the odd dims). That is a
+   load and two one-instruction steps for 2n values; widening them in order takes a shuffle per n (measured:
+   the order-keeping widening was half of pass 1's instructions). A dot product does not care in which
+   order its terms come, as long as q's are in the same order: `split_q` puts each 2n-dim chunk of q as
+   its even dims, then its odd dims. Pass 3's sums come out in that order, and `unsplit` puts them back.
+   A float32 cache needs none of this: its "two vectors" are the chunk's first n values and the next n,
+   and q's order is unchanged. */
 #ifdef CACHE_BF16
 typedef uint16_t cache_t;
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
-static inline float widen(cache_t x) {           /* bf16 -> float32: put the 16 bits on top */
+typedef uint32_t u32xv __attribute__((vector_size(4 * VEC_LANES)));
+static inline float widen(cache_t x) {           /* one bf16 value -> float32: put the 16 bits on top */
     uint32_t bits = (uint32_t)x << 16;
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
 }
-static inline f8 load8_cache(const cache_t *p) { /* eight bf16 values, widened the same way */
-    u16x8 h;
-    memcpy(&h, p, sizeof h);
-    u32x8 bits = __builtin_convertvector(h, u32x8) << 16;
-    f8 f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+static inline cache_t narrow(float f) {          /* float32 -> bf16, to nearest even, as torch's .to rounds */
+    uint32_t b;
+    memcpy(&b, &f, sizeof b);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (cache_t)((b >> 16) | 0x40);    /* NaN stays NaN */
+    return (cache_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
-typedef uint16_t u16xv __attribute__((vector_size(2 * VEC_LANES)));
-typedef uint32_t u32xv __attribute__((vector_size(4 * VEC_LANES)));
-static inline fv loadv_cache(const cache_t *p) { /* VEC_LANES bf16 values, widened */
-    u16xv h;
-    memcpy(&h, p, sizeof h);
-    u32xv bits = __builtin_convertvector(h, u32xv) << 16;
-    fv f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+static inline f8 load8_cache(const cache_t *p) { /* eight bf16 values in order (a head_dim's last 8) */
+    float f[8];
+    for (int j = 0; j < 8; j++) f[j] = widen(p[j]);
+    return load8(f);
 }
+static inline void load16_split(const cache_t *p, f8 *even, f8 *odd) {    /* 16 values: dims 0,2,..,14; 1,3,..,15 */
+    u32x8 bits, lo, hi;
+    memcpy(&bits, p, sizeof bits);
+    lo = bits << 16;
+    hi = bits & 0xffff0000u;
+    memcpy(even, &lo, sizeof lo);
+    memcpy(odd, &hi, sizeof hi);
+}
+static inline void loadv2_split(const cache_t *p, fv *even, fv *odd) {    /* 2 VEC_LANES values, the same way */
+    u32xv bits, lo, hi;
+    memcpy(&bits, p, sizeof bits);
+    lo = bits << 16;
+    hi = bits & 0xffff0000u;
+    memcpy(even, &lo, sizeof lo);
+    memcpy(odd, &hi, sizeof hi);
+}
+#define SPLIT 1            /* q's chunks are split into even and odd dims; pass 3's sums come out so */
 #else
 typedef float cache_t;
 static inline float widen(cache_t x) { return x; }
+static inline cache_t narrow(float x) { return x; }
 static inline f8 load8_cache(const cache_t *p) { return load8(p); }
-static inline fv loadv_cache(const cache_t *p) { return loadv(p); }
+static inline void load16_split(const cache_t *p, f8 *a, f8 *b) { *a = load8(p); *b = load8(p + 8); }
+static inline void loadv2_split(const cache_t *p, fv *a, fv *b) { *a = loadv(p); *b = loadv(p + VEC_LANES); }
+#define SPLIT 0
 #endif
 
-/* dot(a, b) over n floats, one token at a time (eight running sums: vector registers, no serial chain). */
-static inline float dot(const float *a, const cache_t *b, int64_t n) {
+/* q's D values, as float32, in the order pass 1 reads K: each whole 16-dim chunk as its 8 even dims then
+   its 8 odd ones (a bf16 cache; the last D % 16 dims, and every dim of a float32 cache, stay in place).
+   q comes in the cache's dtype, so a bf16 model's q is widened here, not by a torch call per layer. */
+static void split_q(const cache_t *q, float *qs, int64_t D) {
+    int64_t d = 0;
+    if (SPLIT)
+        for (; d + 16 <= D; d += 16)
+            for (int j = 0; j < 8; j++) {
+                qs[d + j] = widen(q[d + 2 * j]);
+                qs[d + 8 + j] = widen(q[d + 2 * j + 1]);
+            }
+    for (; d < D; d++) qs[d] = widen(q[d]);
+}
+
+/* dot(q, K row) over n dims, one token at a time, q in split_q's order (eight running sums: vector
+   registers, no serial chain). */
+static inline float dot(const float *q, const cache_t *k, int64_t n) {
     float acc[8] = {0};
     int64_t d = 0;
+    if (SPLIT)
+        for (; d + 16 <= n; d += 16)
+            for (int j = 0; j < 8; j++) acc[j] += q[d + j] * widen(k[d + 2 * j]) + q[d + 8 + j] * widen(k[d + 2 * j + 1]);
     for (; d + 8 <= n; d += 8)
-        for (int j = 0; j < 8; j++) acc[j] += a[d + j] * widen(b[d + j]);
+        for (int j = 0; j < 8; j++) acc[j] += q[d + j] * widen(k[d + j]);
     float sum = 0.0f;
     for (int j = 0; j < 8; j++) sum += acc[j];
-    for (; d < n; d++) sum += a[d] * widen(b[d]);       /* the rest, when n is not a multiple of 8 */
+    for (; d < n; d++) sum += q[d] * widen(k[d]);       /* the rest, when n is not a multiple of 8 */
     return sum;
 }
 
@@ -177,11 +217,24 @@ static inline __attribute__((always_inline)) void scores_heads(const float *q, c
             f8 acc[3][8];                           /* acc[h][j]: head h, token t + j's products, 8 lanes */
             for (int h = 0; h < n; h++)
                 for (int j = 0; j < 8; j++) acc[h][j] = (f8){0};
-            for (int64_t d = 0; d < D; d += 8) {
+            int64_t d = 0;
+            for (; d + 16 <= D; d += 16) {           /* 16 dims: two vectors of K, q's in the same order */
+                f8 qa[3], qb[3];
+                for (int h = 0; h < n; h++) {
+                    qa[h] = load8(q + h * D + d);
+                    qb[h] = load8(q + h * D + d + 8);
+                }
+                for (int j = 0; j < 8; j++) {
+                    f8 ka, kb;
+                    load16_split(k_cache + slot[t + j] + kv + d, &ka, &kb);        /* once for the n heads */
+                    for (int h = 0; h < n; h++) acc[h][j] += qa[h] * ka + qb[h] * kb;
+                }
+            }
+            for (; d < D; d += 8) {                  /* the last 8 dims, when D is not a multiple of 16 */
                 f8 qv[3];
                 for (int h = 0; h < n; h++) qv[h] = load8(q + h * D + d);
                 for (int j = 0; j < 8; j++) {
-                    const f8 k = load8_cache(k_cache + slot[t + j] + kv + d);     /* once for the n heads */
+                    const f8 k = load8_cache(k_cache + slot[t + j] + kv + d);
                     for (int h = 0; h < n; h++) acc[h][j] += qv[h] * k;
                 }
             }
@@ -248,20 +301,39 @@ static inline __attribute__((always_inline)) void values_heads(const float *p, i
         if (first)
             fetch(v_cache, slot, t + AHEAD, L, kv, C * VEC_LANES);
         const cache_t *vr = v_cache + slot[t] + kv;
-        for (int c = 0; c < C; c++) {
-            const fv v = loadv_cache(vr + c * VEC_LANES);
-            for (int h = 0; h < n; h++) acc[h][c] += p[h * Lp + t] * v;
+        for (int c = 0; c < C; c += 2) {             /* two vectors at a time (the order split_q explains) */
+            fv va, vb;
+            loadv2_split(vr + c * VEC_LANES, &va, &vb);
+            for (int h = 0; h < n; h++) {
+                acc[h][c] += p[h * Lp + t] * va;
+                acc[h][c + 1] += p[h * Lp + t] * vb;
+            }
         }
     }
     for (int h = 0; h < n; h++)
-        for (int c = 0; c < C; c++) storev(out + (h * C + c) * VEC_LANES, acc[h][c]);
+        for (int c = 0; c < C; c += 2) {
+            float *o = out + (h * C + c) * VEC_LANES;
+            if (SPLIT) {                             /* even dims in acc[c], odd in acc[c + 1]: interleave */
+                float a[VEC_LANES], b[VEC_LANES];
+                storev(a, acc[h][c]);
+                storev(b, acc[h][c + 1]);
+                for (int j = 0; j < VEC_LANES; j++) {
+                    o[2 * j] = a[j];
+                    o[2 * j + 1] = b[j];
+                }
+            } else {
+                storev(o, acc[h][c]);
+                storev(o + VEC_LANES, acc[h][c + 1]);
+            }
+        }
 }
 
 #define VALUES(C, N) case 4 * C + N: values_heads(ph, Lp, v_cache, slot, L, kv, oh, N, C, first); break;
 
 static void weighted_values(const float *p, const cache_t *v_cache, const int64_t *slot, int64_t L,
                             int64_t Lp, int64_t Hq, int64_t G, int64_t D, float *out) {
-    const int64_t C = D % VEC_LANES == 0 ? D / VEC_LANES : 0;      /* vectors per output row (0: D uneven) */
+    const int64_t C = D % (2 * VEC_LANES) == 0 ? D / VEC_LANES : 0;  /* vectors per output row, read in pairs
+                                                                      (0: D not a multiple of two) */
     int64_t most = C == 0 ? 1 : SUM_VECTORS / C;                    /* heads per pass whose sums fit */
     most = most < 1 ? 1 : (most > HEADS_PER_PASS ? HEADS_PER_PASS : most);
     for (int64_t hq = 0; hq < Hq;) {
@@ -292,13 +364,13 @@ enum { OK = 0, NO_MEMORY = -1, BAD_SEQ_LEN = -2, BAD_BLOCK = -3 };
 
 int paged_decode_attention(
     /* inputs */
-    const float *q,                /* [B, Hq, D] the newest token's query, one per sequence; row b at q + b * q_stride */
+    const cache_t *q,              /* [B, Hq, D] the newest token's query, one per sequence; row b at q + b * q_stride */
     const cache_t *k_cache,        /* [N, bs, Hkv, D] this layer's K pool */
     const cache_t *v_cache,        /* [N, bs, Hkv, D] this layer's V pool */
     const int64_t *block_tables,   /* [B, max_blocks] physical block of each logical block */
     const int64_t *seq_lens,       /* [B] tokens of each sequence, the new one included */
     /* output */
-    float *out,                    /* [B, Hq, D] */
+    cache_t *out,                  /* [B, Hq, D] (the cache's dtype, as q: rounded once from float32 sums) */
     /* sizes */
     int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t max_blocks, int64_t N,
     int64_t q_stride, float scale)
@@ -323,22 +395,26 @@ int paged_decode_attention(
         const int64_t L = seq_lens[b];
         const int64_t Lp = (L + 7) / 8 * 8;        /* a head's scores start 8-aligned: eight stored at once */
         const int64_t *table = block_tables + b * max_blocks;
-        /* scratch: scores, then probabilities [Hq, Lp]; then each token's row offset in the pools [L] */
-        float *s = malloc(sizeof(float) * Hq * Lp + sizeof(int64_t) * L);
+        /* scratch: scores, then probabilities [Hq, Lp]; q in pass 1's order [Hq, D]; the output in float32
+           [Hq, D]; then each token's row offset in the pools [L] */
+        float *s = malloc(sizeof(float) * (Hq * Lp + 2 * Hq * D) + sizeof(int64_t) * L);
         if (s == NULL) {
             #pragma omp atomic write
             failed = 1;
             continue;
         }
-        int64_t *slot = (int64_t *)(s + Hq * Lp);
+        float *qs = s + Hq * Lp, *o = qs + Hq * D;
+        int64_t *slot = (int64_t *)(o + Hq * D);
+        for (int64_t h = 0; h < Hq; h++) split_q(q + b * q_stride + h * D, qs + h * D, D);
 
         /* 0. where each token lies: block by block through the table, no division per token */
         for (int64_t t = 0, blk = 0; t < L; blk++)
             for (int64_t i = 0; i < bs && t < L; i++, t++) slot[t] = (table[blk] * bs + i) * row;
 
-        scores(q + b * q_stride, k_cache, slot, L, Lp, Hq, G, D, scale, s);
+        scores(qs, k_cache, slot, L, Lp, Hq, G, D, scale, s);
         softmax(s, L, Lp, Hq);
-        weighted_values(s, v_cache, slot, L, Lp, Hq, G, D, out + b * Hq * D);
+        weighted_values(s, v_cache, slot, L, Lp, Hq, G, D, o);
+        for (int64_t i = 0; i < Hq * D; i++) out[b * Hq * D + i] = narrow(o[i]);
         free(s);
     }
     return failed ? NO_MEMORY : OK;

@@ -83,18 +83,19 @@ def load(cache_dtype: torch.dtype, extra: tuple[str, ...] = ()):
         layouts.check("decode", check, q, k_cache, v_cache, block_tables, seq_lens)
         B, Hq, D = q.shape
         N, bs, Hkv, _ = k_cache.shape
-        # q may be rows of a wider tensor (the merged q/k/v matmul output): the kernel takes their stride.
-        q32 = q if q.dtype == torch.float32 and q.stride(1) == D else q.to(torch.float32).contiguous()
-        out = torch.empty(B, Hq, D)
-        status = fn(q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        # q (the cache's dtype: checked) may be rows of a wider tensor (the merged q/k/v matmul output): the
+        # kernel takes their stride. It computes in float32 and writes `out` in q's dtype.
+        q = q if q.stride(2) == 1 and q.stride(1) == D else q.contiguous()
+        out = torch.empty(B, Hq, D, dtype=q.dtype)
+        status = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                     seq_lens.data_ptr(), out.data_ptr(), B, Hq, Hkv, D, bs, block_tables.shape[1], N,
-                    q32.stride(0), scale)
+                    q.stride(0), scale)
         if status != 0:     # the C code checks every length and block id it would follow, before reading any
             expect(status != BAD_SEQ_LEN, "seq_lens", f"lengths from 1 to {block_tables.shape[1] * bs} (what "
                    "the tables hold)", seq_lens)
             expect(status != BAD_BLOCK, "block_tables", f"block ids below the pool's {N}", block_tables)
             raise MemoryError("the CPU decode kernel could not allocate its scratch buffers")
-        return out if q.dtype == torch.float32 else out.to(q.dtype)
+        return out
 
     return decode_attention
 
