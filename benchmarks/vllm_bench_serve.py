@@ -19,6 +19,10 @@ same command for both, only the port differs:
 
 Against each server the command runs once untimed (a warm-up: both engines'
 first pass over a workload is the slow one), then `--repeat` times; the
+prompts differ every time (the warm-up's seed is WARMUP_SEED, timed run r's
+is --seed + r), so no run finds its prompts in a prefix cache (both servers
+keep one on: random prompts share no prefix, and a repeated one would let
+the server skip its prefill); the
 medians of output throughput, mean TTFT and median TPOT/ITL are printed with
 the ratios nanoserve / vLLM (above 1: nanoserve better). Each run's full JSON
 (vLLM's `--save-result`) is kept under --out.
@@ -36,6 +40,8 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+
+WARMUP_SEED = 1_000_000   # the warm-up's prompts: none of the timed runs' (their seeds are --seed + r)
 
 METRICS = [   # (JSON key of vllm bench serve, label, higher is better)
     ("output_throughput", "output throughput (tok/s)", True),
@@ -85,18 +91,18 @@ def start_server(kind: str, python: str, model_dir: str, dtype: str, threads: in
     return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
-def bench_command(python: str, port: int, model_dir: str, args, result: Path) -> list[str]:
+def bench_command(python: str, port: int, model_dir: str, args, result: Path, seed: int) -> list[str]:
     return [str(Path(python).with_name("vllm")), "bench", "serve", "--backend", "openai",
             "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", "smollm2",
             "--tokenizer", model_dir, "--dataset-name", "random", "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-            "--request-rate", "inf", "--ignore-eos", "--seed", str(args.seed), "--disable-tqdm",
+            "--request-rate", "inf", "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result", "--result-dir", str(result.parent),
             "--result-filename", result.name]
 
 
-def run_client(python: str, port: int, model_dir: str, args, result: Path) -> dict:
-    cmd = bench_command(python, port, model_dir, args, result)
+def run_client(python: str, port: int, model_dir: str, args, result: Path, seed: int) -> dict:
+    cmd = bench_command(python, port, model_dir, args, result, seed)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0 or not result.exists():
@@ -117,7 +123,7 @@ def run(args, wait_healthy, free_port) -> None:
     model_dir = str(resolve_model_path("smollm2"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"client: {' '.join(bench_command(python, 0, model_dir, args, out / 'x.json')[:-6])}", flush=True)
+    print(f"client: {' '.join(bench_command(python, 0, model_dir, args, out / 'x.json', args.seed)[:-6])}", flush=True)
     if args.nanoserve_args:
         print(f"nanoserve serve's extra flags: {args.nanoserve_args}", flush=True)
     results: dict[str, list[dict]] = {}
@@ -129,10 +135,10 @@ def run(args, wait_healthy, free_port) -> None:
         try:
             wait_healthy(f"http://127.0.0.1:{port}", proc, timeout=900)
             t0 = time.perf_counter()
-            run_client(python, port, model_dir, args, out / f"{kind}-warmup.json")
+            run_client(python, port, model_dir, args, out / f"{kind}-warmup.json", WARMUP_SEED)
             print(f"{kind}: warm-up pass {time.perf_counter() - t0:.1f} s", flush=True)
             for r in range(args.repeat):
-                res = run_client(python, port, model_dir, args, out / f"{kind}-{r}.json")
+                res = run_client(python, port, model_dir, args, out / f"{kind}-{r}.json", args.seed + r)
                 results.setdefault(kind, []).append(res)
                 print(f"{kind} [{r + 1}/{args.repeat}]: " + ", ".join(
                     f"{label} {res[key]:.1f}" for key, label, _ in METRICS) + f"; {res['completed']} completed",
