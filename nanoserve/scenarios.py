@@ -186,7 +186,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
         "Grammars choose the tokens: each step a mask allows a few of the vocabulary; JSON, a choice and "
         "a date always parse, free text beside them does not have to.",
         dict(block_size=8, num_blocks=96, max_num_batched_tokens=64, max_num_seqs=4),
-        [Arrival(0, "json", "Person: ", dict(max_tokens=96, temperature=1.0, seed=1,
+        [Arrival(0, "json", "Person: ", dict(max_tokens=96, temperature=1.0, seed=2,
                                             structured_outputs=dict(json=PERSON))),
          Arrival(0, "choice", "Answer: ", dict(max_tokens=8, temperature=1.0, seed=2,
                                               structured_outputs=dict(choice=["yes", "no", "maybe"]))),

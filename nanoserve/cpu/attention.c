@@ -85,7 +85,8 @@ typedef int32_t i8 __attribute__((vector_size(32)));
    load and two one-instruction steps for 2n values; widening them in order takes a shuffle per n (measured:
    the order-keeping widening was half of pass 1's instructions). A dot product does not care in which
    order its terms come, as long as q's are in the same order: `split_q` puts each 2n-dim chunk of q as
-   its even dims, then its odd dims. Pass 3's sums come out in that order, and `unsplit` puts them back.
+   its even dims, then its odd dims. Pass 3's sums come out in that order; values_heads interleaves them
+   back as it stores them.
    A float32 cache needs none of this: its "two vectors" are the chunk's first n values and the next n,
    and q's order is unchanged. */
 #ifdef CACHE_BF16
@@ -157,7 +158,8 @@ static inline float dot(const float *q, const cache_t *k, int64_t n) {
     int64_t d = 0;
     if (SPLIT)
         for (; d + 16 <= n; d += 16)
-            for (int j = 0; j < 8; j++) acc[j] += q[d + j] * widen(k[d + 2 * j]) + q[d + 8 + j] * widen(k[d + 2 * j + 1]);
+            for (int j = 0; j < 8; j++)
+                acc[j] += q[d + j] * widen(k[d + 2 * j]) + q[d + 8 + j] * widen(k[d + 2 * j + 1]);
     for (; d + 8 <= n; d += 8)
         for (int j = 0; j < 8; j++) acc[j] += q[d + j] * widen(k[d + j]);
     float sum = 0.0f;
