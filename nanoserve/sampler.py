@@ -223,23 +223,20 @@ def inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def draw(p: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """One token per row from distributions p [B, V]: [B] long.
+    """One token per row from distributions p [B, V]: [B] long, by `inverse_cdf`.
 
-    Greedy rows take the argmax (their p is one-hot); the others draw by `inverse_cdf`, each
-    seeded row from its own generator.
+    A greedy row's p is one-hot, so whatever its uniform number, it gets its argmax (it takes 0 and uses
+    no randomness). Unseeded rows share torch's default RNG, one call for all of them; a seeded row takes
+    its number from its own generator, on the generator's device.
     """
-    drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if len(drawn) == len(rows):                                         # no greedy row: no argmax needed
-        tokens = torch.empty(len(rows), dtype=torch.long, device=p.device)
-    else:
-        tokens = p.argmax(dim=-1)                                       # right for greedy rows
-    if drawn:
-        # Unseeded rows share torch's default RNG; a seeded row takes its number from its own generator,
-        # on the generator's device.
-        u = torch.cat([torch.rand(1, generator=rows[i].generator, device=rows[i].generator.device).cpu()
-                       if rows[i].generator is not None else torch.rand(1) for i in drawn])
-        tokens[drawn] = inverse_cdf(p if len(drawn) == len(rows) else p[drawn], u)
-    return tokens
+    u = torch.zeros(len(rows))
+    shared = [i for i, r in enumerate(rows) if not r.params.greedy and r.generator is None]
+    if shared:
+        u[shared] = torch.rand(len(shared))
+    for i, r in enumerate(rows):
+        if not r.params.greedy and r.generator is not None:
+            u[i] = torch.rand(1, generator=r.generator, device=r.generator.device).item()
+    return inverse_cdf(p, u)
 
 
 def _pick(processed: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
