@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"nanoserve": ROOT / "nanoserve", "nanoserve_tui": ROOT / "tui"}   # import name -> folder
+PACKAGES = {"nanoserve": ROOT / "nanoserve", "nanoserve_labkit": ROOT / "nanoserve_labkit", "nanoserve_tui": ROOT / "tui"}   # import name -> folder
 DATA_FILES = ["nanoserve_tui/app.tcss", "nanoserve_tui/replay.html", "nanoserve_tui/web.html", "nanoserve/cpu/attention.c", "nanoserve/cpu/ops.c",
               "nanoserve/cpu/matmul.c", "nanoserve/cpu/matmul_bf16.c", "nanoserve/cpu/cpu_math.h"]
 

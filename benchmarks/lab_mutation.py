@@ -6,7 +6,7 @@
     python benchmarks/lab_mutation.py --summary             # the scores from the results so far
     python benchmarks/lab_mutation.py --all --compact       # drop stale results from the files (no run going)
 
-Each mutant (`nanoserve/labs/mutate.py`: the engine's own module, the
+Each mutant (`nanoserve_labkit/mutate.py`: the engine's own module, the
 reference solution, with one small change inside one body the student
 writes) is written as a student file and handed to `nanoserve lab check NAME
 FILE --fail-fast --json` (the command's own entry point, in this process, so
@@ -129,7 +129,7 @@ def run_mutant(lab_name: str, key: str, time_limit: float, current: str) -> dict
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from nanoserve.cli import main
     from nanoserve.labs import get_lab
-    from nanoserve.labs.mutate import mutants
+    from nanoserve_labkit.mutate import mutants
 
     lab = get_lab(lab_name)
     mutant = next(m for m in mutants(lab) if m.key == key)
@@ -163,7 +163,7 @@ def run_mutant(lab_name: str, key: str, time_limit: float, current: str) -> dict
 
 def summarize(lab_names: list[str]) -> dict:
     from nanoserve.labs import get_lab
-    from nanoserve.labs.mutate import mutants
+    from nanoserve_labkit.mutate import mutants
 
     summary = json.loads(SUMMARY.read_text()) if SUMMARY.exists() else {}
     for name in lab_names:
@@ -186,7 +186,7 @@ def summarize(lab_names: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from nanoserve.labs import get_lab, lab_names
-    from nanoserve.labs.mutate import mutants
+    from nanoserve_labkit.mutate import mutants
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("labs", nargs="*", metavar="LAB")

@@ -35,13 +35,13 @@ from pathlib import Path
 
 from nanoserve.cli_generate import add_structured_flags, run_generate, say, structured_flags
 from nanoserve.errors import FieldError
-from nanoserve.labs.command import add_lab_parser, cmd_lab
 from nanoserve.labs.plug import components_from
 from nanoserve.models.resolve import ACCEPTED, TINY_MODELS, resolve_model_path
 from nanoserve.scenarios import SCENARIOS
 from nanoserve.serve.command import add_serve_parser
 from nanoserve.threads import THREADS_ENV, apply_thread_policy
 from nanoserve.trace import TraceWarning
+from nanoserve_labkit.command import add_lab_parser, cmd_lab
 from nanoserve_tui.web_command import add_web_parser
 
 ENGINE_GROUP, SAMPLING_GROUP = "engine", "sampling"   # `generate`'s argument groups

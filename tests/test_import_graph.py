@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"nanoserve": ROOT / "nanoserve", "nanoserve_tui": ROOT / "tui"}
+PACKAGES = {"nanoserve": ROOT / "nanoserve", "nanoserve_labkit": ROOT / "nanoserve_labkit", "nanoserve_tui": ROOT / "tui"}
 
 # What the viewers (nanoserve/viz, tui/) may read of the engine: its events, the folded view state,
 # snapshots and traces, scenarios and the public request API. Not its internals.

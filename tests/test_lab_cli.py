@@ -13,7 +13,7 @@ import pytest
 from nanoserve import block_pool
 from nanoserve.cli import main
 from nanoserve.labs import get_lab, lab_names
-from nanoserve.labs.run import Status, run_in_process
+from nanoserve_labkit.run import Status, run_in_process
 
 
 def write(path, text):

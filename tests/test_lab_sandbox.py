@@ -18,10 +18,11 @@ import types
 import pytest
 
 from nanoserve import block_pool
-from nanoserve.labs import get_lab, wire
-from nanoserve.labs.remote import Loopback, Refused
-from nanoserve.labs.run import Status, run_checks
-from nanoserve.labs.wire import ChannelBroken
+from nanoserve.labs import get_lab
+from nanoserve_labkit import wire
+from nanoserve_labkit.remote import Loopback, Refused
+from nanoserve_labkit.run import Status, run_checks
+from nanoserve_labkit.wire import ChannelBroken
 
 GOOD = inspect.getsource(block_pool)
 LIMIT = 5.0
@@ -175,7 +176,7 @@ def probe(thing):
 
 
 def test_the_worker_gets_only_what_it_was_handed(tmp_path):
-    from nanoserve.labs import worker
+    from nanoserve_labkit import worker
     path = tmp_path / "probe.py"
     path.write_text(PROBE)
     pair = Loopback()

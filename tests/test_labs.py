@@ -14,8 +14,8 @@ import pytest
 
 from nanoserve.labs import get_lab, lab_names
 from nanoserve.labs.load import load_student
-from nanoserve.labs.run import Status, run_in_process
 from nanoserve.labs.starter import signature_mismatches, starter_source
+from nanoserve_labkit.run import Status, run_in_process
 
 sys.path.insert(0, str(Path(__file__).parent / "lab_bugs"))
 from make import bug_source, specs  # noqa: E402
@@ -83,7 +83,7 @@ def test_a_sample_of_mutants_is_killed(name, tmp_path, capsys):
     """Every 7th mutant of the lab's bodies (benchmarks/lab_mutation.py runs them all) fails `lab check`,
     unless tests/lab_bugs lists it as equivalent."""
     from nanoserve.cli import main
-    from nanoserve.labs.mutate import mutants
+    from nanoserve_labkit.mutate import mutants
 
     lab = get_lab(name)
     equivalent = specs(name)[1]

@@ -2,25 +2,17 @@
 
 Each lab (`lab.py`) names an engine module, the bodies a student writes, and
 checks that run the real engine with the student's component plugged in
-through `Components` (components.py). The checks and the verdict stay in the
-checker's process; the student's file runs in a sandboxed worker that only
-answers calls (run.py says how). Modules:
+through `Components` (components.py). This package holds what a student
+reads: each lab's text, its starter's rules and its checks. The machinery
+that isolates and judges a submission (the worker, its channel, the sandbox,
+the mutation tool, the `nanoserve lab` command) is its own package,
+`nanoserve_labkit`, shipped in the same wheel. Modules:
 
     lab.py        Lab, Check, CheckFailed, Context: what a lab is
     starter.py    starters made from the engine's own modules (guided and design mode); signature checks
     load.py       importing a student's file; errors as one line with file and line
-    run.py        running the checks here, the student's code in a worker, each check with a time limit
-    remote.py     objects of the other process used as if they were here: the two-way channel
-    codec.py      what crosses the channel and how: values copied, other objects left behind as handles
-    proxy.py      the stand-in for an object of the other process (attributes and calls are requests)
-    wire.py       the channel's frames (length-prefixed JSON, never a pickle) and tensor codecs
-    sandbox.py    the worker's process: own session, scratch folder, guardian that kills what it started
-    worker.py     the worker: imports the student's file, answers the checker's requests
     drive.py      the real engine with a student's component, against the engine's own
-    report.py     the results table, `lab grade`'s table and CSV
-    command.py    the `nanoserve lab` subcommands
     plug.py       `--lab NAME=FILE` on generate, record and tui; a failed step explained for the TUI
-    mutate.py     mutants of a lab's solution, to test the checks (benchmarks/lab_mutation.py runs them)
     common.py     the check every lab shares (signatures)
     *_lab.py      one module per lab: block_pool, radix_cache, cow_fork, scheduler (budget),
                   preemption, rejection (sampling), paged_attention, triton (decode)

@@ -71,6 +71,17 @@ def frames_of(exc: BaseException) -> list[tuple]:
         [tuple(f) for f in getattr(exc, "lab_frames", ())]
 
 
+def invariant_text(exc: AssertionError) -> str:
+    """An assertion's message, or (a bare `assert`) where it stands and its source line."""
+    if str(exc).strip():
+        return " ".join(str(exc).split())
+    frames = frames_of(exc)
+    if not frames:
+        return "an assertion failed"
+    filename, lineno, name, line = frames[-1]
+    return f"{Path(filename).name}:{lineno} in {name}: {(line or 'assert').strip()}"
+
+
 def _resolved(filename: str) -> str:
     try:
         return str(Path(filename).resolve())

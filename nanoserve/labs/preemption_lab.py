@@ -19,7 +19,7 @@ from nanoserve.kv_manager import BlockMoves
 from nanoserve.labs.common import SIGNATURES
 from nanoserve.labs.drive import prompts, run_engine
 from nanoserve.labs.lab import Check, CheckFailed, Context, Lab, expect
-from nanoserve.labs.run import invariant_text
+from nanoserve.labs.load import invariant_text
 
 VICTIM_HINT = ("the victim is chosen by preemption_policy among running sequences NOT already in this step's "
                "batch: 'newest' = the most recently admitted, 'priority' = the lowest priority (ties: newest), "

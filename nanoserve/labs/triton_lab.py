@@ -23,7 +23,7 @@ from nanoserve.components import Components
 from nanoserve.labs.common import SIGNATURES
 from nanoserve.labs.drive import prompts, same_as_engine
 from nanoserve.labs.lab import Check, Context, Lab, expect
-from nanoserve.labs.remote import worker_helper
+from nanoserve_labkit.remote import worker_helper
 
 KERNELS = "nanoserve.labs.triton_kernels"
 INF = float("inf")

@@ -98,7 +98,7 @@ def main(argv: list[str]) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         if "--check" in argv:
-            from nanoserve.labs.run import run_checks
+            from nanoserve_labkit.run import run_checks
             rows = run_checks(lab, path, fail_fast=True)
             first = next((r for r in rows if not r.passed), None)
             named = first.function if first else "(every check passed)"

@@ -1,4 +1,4 @@
-"""The process that holds a student's code: `python -m nanoserve.labs.worker READ_FD WRITE_FD CPU_S MODULE...`.
+"""The process that holds a student's code: `python -m nanoserve_labkit.worker READ_FD WRITE_FD CPU_S MODULE...`.
 
 It is started by `sandbox.py` (in its own session, in a scratch folder, with
 resource limits), imports the engine modules the lab needs, then answers the
@@ -48,8 +48,8 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     for name in ["nanoserve.labs.starter", *argv[3:]]:   # the engine's modules: imported before the student's
         importlib.import_module(name)
-    from nanoserve.labs import wire
-    from nanoserve.labs.remote import Endpoint
+    from nanoserve_labkit import wire
+    from nanoserve_labkit.remote import Endpoint
 
     ep = Endpoint(send=lambda m: wire.send(write_fd, m), recv=lambda deadline: wire.recv(read_fd, deadline))
     install(ep)

@@ -35,10 +35,10 @@ import importlib
 import json
 import time
 
-from nanoserve.labs import wire
-from nanoserve.labs.codec import Codec, Refused, allowed_type, as_dict, as_list, take
-from nanoserve.labs.proxy import Proxy
-from nanoserve.labs.wire import ChannelBroken, Deadline
+from nanoserve_labkit import wire
+from nanoserve_labkit.codec import Codec, Refused, allowed_type, as_dict, as_list, take
+from nanoserve_labkit.proxy import Proxy
+from nanoserve_labkit.wire import ChannelBroken, Deadline
 
 __all__ = ["Endpoint", "Loopback", "Proxy", "Refused", "worker_helper"]
 

@@ -3,7 +3,7 @@
     checker ──channel (2 pipes)──────────────▶ worker (the student's code, resource limits)
        └──lifeline (1 pipe)──▶ guardian ──starts──┘   (session leader, subreaper)
 
-`WorkerProcess.start()` starts the guardian (`python -m nanoserve.labs.sandbox`)
+`WorkerProcess.start()` starts the guardian (`python -m nanoserve_labkit.sandbox`)
 in a new session with the scratch folder as its working directory; the
 guardian marks itself a child subreaper (Linux) and starts the worker
 (`worker.py`). Then it waits on the lifeline. When the lifeline closes,
@@ -85,7 +85,7 @@ def _kill_descendants() -> None:
 
 
 def guardian(argv: list[str]) -> int:
-    """`python -m nanoserve.labs.sandbox READ_FD WRITE_FD CPU_S MODULE...`: start the worker, watch the lifeline."""
+    """`python -m nanoserve_labkit.sandbox READ_FD WRITE_FD CPU_S MODULE...`: start the worker, watch the lifeline."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     except (OSError, AttributeError):
@@ -93,7 +93,7 @@ def guardian(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # only the lifeline ends us
     signal.signal(signal.SIGTERM, lambda *_: None)
     fds = (int(argv[0]), int(argv[1]))
-    worker = subprocess.Popen([sys.executable, "-m", "nanoserve.labs.worker", *argv], pass_fds=fds,
+    worker = subprocess.Popen([sys.executable, "-m", "nanoserve_labkit.worker", *argv], pass_fds=fds,
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for fd in fds:
         os.close(fd)
@@ -136,7 +136,7 @@ class WorkerProcess:
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8"}
         try:
             self.guardian = subprocess.Popen(
-                [sys.executable, "-m", "nanoserve.labs.sandbox", str(to_worker_r), str(to_parent_w),
+                [sys.executable, "-m", "nanoserve_labkit.sandbox", str(to_worker_r), str(to_parent_w),
                  str(self.cpu_s), *self.modules],
                 stdin=life_r, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(to_worker_r, to_parent_w),
                 cwd=self.scratch, env=env, start_new_session=True)

@@ -113,8 +113,8 @@ def lab_start(args) -> int:
 
 def lab_check(args) -> int:
     from nanoserve.labs import get_lab
-    from nanoserve.labs.report import print_results
-    from nanoserve.labs.run import run_checks
+    from nanoserve_labkit.report import print_results
+    from nanoserve_labkit.run import run_checks
 
     lab = get_lab(args.name)
     path = Path(args.file if args.file is not None else Path(args.name) / lab.file_name)
@@ -155,8 +155,8 @@ def lab_grade(args) -> int:
     from rich.progress import track
 
     from nanoserve.labs import get_lab
-    from nanoserve.labs.report import grade_rows, grade_table, write_csv
-    from nanoserve.labs.run import run_checks
+    from nanoserve_labkit.report import grade_rows, grade_table, write_csv
+    from nanoserve_labkit.run import run_checks
 
     lab = get_lab(args.name)
     folder = Path(args.dir)

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from nanoserve.labs.run import CheckResult, Status
+from nanoserve_labkit.run import CheckResult, Status
 
 MARK = {Status.PASS: "[green]pass[/]", Status.FAIL: "[red]fail[/]", Status.TIMEOUT: "[yellow]timeout[/]",
         Status.SKIPPED: "[dim]not run[/]"}

@@ -31,12 +31,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from nanoserve.labs import wire
 from nanoserve.labs.lab import CheckFailed, Context, Lab
-from nanoserve.labs.load import frames_of, where
-from nanoserve.labs.remote import Endpoint, Loopback, Proxy
-from nanoserve.labs.sandbox import WorkerProcess
-from nanoserve.labs.wire import ChannelBroken, Deadline
+from nanoserve.labs.load import invariant_text, where
+from nanoserve_labkit import wire
+from nanoserve_labkit.remote import Endpoint, Loopback, Proxy
+from nanoserve_labkit.sandbox import WorkerProcess
+from nanoserve_labkit.wire import ChannelBroken, Deadline
 
 STARTUP_S = 180.0      # the worker importing the engine's modules (torch, Triton), before the student's file
 OWN_TIME_S = 120.0     # what a check may spend in this process on top of its limit (building engines, the model)
@@ -67,16 +67,6 @@ class CheckResult:
         return json.dumps({**asdict(self), "status": self.status.value})
 
 
-def invariant_text(exc: AssertionError) -> str:
-    """An assertion's message, or (a bare `assert`) where it stands and its source line."""
-    if str(exc).strip():
-        return " ".join(str(exc).split())
-    frames = frames_of(exc)
-    if not frames:
-        return "an assertion failed"
-    filename, lineno, name, line = frames[-1]
-    return f"{Path(filename).name}:{lineno} in {name}: {(line or 'assert').strip()}"
-
 
 class Session:
     """One student's file on the checker's side: the worker (started when needed), the channel, the module."""
@@ -95,7 +85,7 @@ class Session:
         if self.module is not None:
             return self.module
         if self.loopback:
-            from nanoserve.labs import worker
+            from nanoserve_labkit import worker
             pair = Loopback()
             worker.install(pair.worker)
             self.ep = pair.parent

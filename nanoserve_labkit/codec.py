@@ -18,9 +18,9 @@ import importlib
 import traceback
 from dataclasses import fields, is_dataclass
 
-from nanoserve.labs import wire
-from nanoserve.labs.proxy import CONTAINERS, Proxy, RemoteMethod
-from nanoserve.labs.wire import ChannelBroken
+from nanoserve_labkit import wire
+from nanoserve_labkit.proxy import CONTAINERS, Proxy, RemoteMethod
+from nanoserve_labkit.wire import ChannelBroken
 
 MAX_ITEMS = 1_000_000     # iterating a remote container (or generator) stops being an answer here
 # The parent's objects a worker may get a handle to when it reads an attribute or gets a call's result.
