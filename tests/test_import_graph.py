@@ -117,8 +117,8 @@ def test_only_the_runner_imports_the_cpu_fast_path():
 
 
 def test_only_the_engine_touches_its_private_state():
-    """The step's helper modules (intake, token_choice, commit, postprocess, step_rollback, ...) use the engine
-    through its public verbs (`emit`, `append_tokens`, `finish_sequence`, ...), never `engine._something`."""
+    """Modules that are handed an engine (intake, llm, the front ends, ...) use its public attributes and
+    verbs (`add_request`, `step`, `table`, `emit`, ...), never `engine._something`."""
     offenders = []
     for name, path in modules().items():
         if name == "nanoserve.engine":
