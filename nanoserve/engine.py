@@ -124,8 +124,8 @@ class LLMEngine(Displayable):
         self.proposer = build_proposer(config, self.loaded, dtype)   # None unless speculative decoding is on
         self.vocab_size = model.config.vocab_size
         # The live requests, their sequences and detokenizers; the commit phase's verbs (request_table.py).
-        self.table = RequestTable(config, self.scheduler, self.kv, self.proposer, self.tokenizer,
-                                  self.loaded.eos_token_id, self.emit, self.clock)
+        self.table: RequestTable = parts.request_table(config, self.scheduler, self.kv, self.proposer, self.tokenizer,
+                                                       self.loaded.eos_token_id, self.emit, clock=self.clock)
         self._events: list[ev.Event] = []            # events since the last step() returned
         self._rng = torch.Generator().manual_seed(config.seed)   # seeds the RNG of unseeded requests
 
