@@ -135,14 +135,14 @@ class LLMEngine(Displayable):
         return self.table.requests
 
     @property
-    def eos_token_id(self) -> int | None:
-        """The model's end-of-sequence token (the table's: one of its stop conditions)."""
-        return self.table.eos_token_id
-
-    @property
     def sequences(self) -> dict[str, Sequence]:
         """Unfinished sequences by id (a request's first has its id)."""
         return self.table.sequences
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The model's end-of-sequence token (the table's: one of its stop conditions)."""
+        return self.table.eos_token_id
 
     # -- requests ---------------------------------------------------------------------
 

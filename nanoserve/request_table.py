@@ -114,6 +114,7 @@ class RequestTable:
             seqs = [self.sequences[request_id]]
         else:
             raise KeyError(self.unknown(request_id))
+        out = None
         for seq in seqs:
             self.emit(ev.SequenceAborted(self.clock.step, seq.seq_id))
             out = self.finish(seq, SequenceStatus.FINISHED_ABORTED)
