@@ -43,8 +43,8 @@ Compute: one forward pass over the step's tokens, then the token choice
     step_rollback.py    undoing a step whose compute phase failed
 
 Commit: the chosen tokens join their sequences
-    commit.py           apply each choice: accept drafts, fork n completions, beams, finish
-    postprocess.py      one token: its text, log-probs and the stop conditions
+    commit.py           apply each choice to the request table: accept drafts, fork n completions, beams
+    request_table.py    the live requests: append a token (text, log-probs, stop conditions), fork, finish
     detokenizer.py      incremental detokenization and stop strings
     outputs.py          RequestOutput, CompletionOutput, StepResult
 

@@ -19,6 +19,8 @@ replacement keeps the default's constructor (or function) signature:
     radix_cache(pool, emit, span_text, clock=clock)    -> a RadixCache-like object
     kv_manager(pool, radix, cpu_pool, emit, clock=clock) -> a KVManager-like object
     scheduler(config, kv, emit, clock=clock)           -> a Scheduler-like object
+    request_table(config, scheduler, kv, proposer, tokenizer, eos_token_id, emit, clock=clock)
+                                                       -> a RequestTable-like object
     verify(p, draft, q, greedy, generator)             -> (tokens, num_accepted)
     attention_backend(name, fast_paths)                -> an AttentionBackend ("torch" or "triton")
 
@@ -38,6 +40,7 @@ from nanoserve.block_pool import BlockPool
 from nanoserve.kernels.backends import make_backend
 from nanoserve.kv_manager import KVManager
 from nanoserve.radix_cache import RadixCache
+from nanoserve.request_table import RequestTable
 from nanoserve.scheduler import Scheduler
 
 
@@ -49,6 +52,7 @@ class Components:
     radix_cache: Callable[..., Any] = RadixCache    # the prefix cache (built only with prefix caching on)
     kv_manager: Callable[..., Any] = KVManager      # block work per scheduler decision (fork, CoW, swap)
     scheduler: Callable[..., Any] = Scheduler       # who runs each step, within the token budget
+    request_table: Callable[..., Any] = RequestTable   # the live requests; applies each step's tokens
     verify: Callable[..., Any] = spec_decode.verify  # speculative decoding's acceptance rule
     attention_backend: Callable[..., Any] = make_backend   # the target model's attention kernels
 

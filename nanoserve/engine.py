@@ -12,7 +12,8 @@ One `step()` has three phases:
     compute  runner: block copies and swaps, then one forward over the flat token row
              (attention reads K/V through block tables), then the token choice
              (token_choice.py: sample, or verify drafts, or beam scores)
-    commit   append tokens, detokenize, check stops, fork, free finished, cache full blocks
+    commit   commit.py applies the choices to the request table (request_table.py): append tokens,
+             detokenize, check stops, fork, free finished; then full blocks join the prefix cache
 
 A step is all or nothing, by construction rather than by luck:
 
@@ -34,15 +35,16 @@ A step is all or nothing, by construction rather than by luck:
 
 `add_request`, `abort_request` and `fork` check everything that can fail
 before they change anything (`intake.py` builds a request without touching
-the engine). The engine owns request bookkeeping, stop conditions and events;
-it delegates blocks to the KV manager, batching to the scheduler, tensors to
-the runner and token choice to the sampler. `LLM` (in `llm.py`) wraps it for
-offline batches.
+the engine). The engine builds the parts and conducts the step; it owns the
+step number and the event stream. The live requests and the verbs that apply
+tokens to them belong to the `RequestTable` (`engine.table`; `engine.requests`
+and `engine.sequences` read it), blocks to the KV manager, batching to the
+scheduler, tensors to the runner, token choice to the sampler. `LLM` (in
+`llm.py`) wraps it for offline batches.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from collections.abc import Callable
@@ -57,17 +59,16 @@ from nanoserve import validation as v
 from nanoserve.commit import commit
 from nanoserve.components import Components
 from nanoserve.config import EngineConfig
-from nanoserve.detokenizer import IncrementalDetokenizer
 from nanoserve.display import Displayable
 from nanoserve.errors import SubscriberError
 from nanoserve.kernels.backends import prepare_backend
 from nanoserve.models.loader import LoadedModel, load_model
 from nanoserve.outputs import RequestOutput, StepResult, StepStats
-from nanoserve.postprocess import append_token
 from nanoserve.request import Request
+from nanoserve.request_table import RequestTable
 from nanoserve.runner import ModelRunner, RunInput, kv_budget
-from nanoserve.sampler import SampledToken, Sampler
-from nanoserve.sampling_params import SamplingParams, to_pairs
+from nanoserve.sampler import Sampler
+from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import StepPlan
 from nanoserve.sequence import Sequence, SequenceStatus
 from nanoserve.spec_decode import Drafts, build_proposer
@@ -97,7 +98,6 @@ class LLMEngine(Displayable):
         dtype = DTYPES[config.dtype]
         self.loaded = loaded or load_model(config.model, dtype, config.device, config.seed)
         self.tokenizer = self.loaded.tokenizer
-        self.eos_token_id = self.loaded.eos_token_id
         model = self.loaded.model
         config.resolve(model.max_positions, *kv_budget(model, config, dtype))   # FieldError before any allocation
         self.pool = parts.block_pool(config.num_blocks, config.block_size)
@@ -123,15 +123,26 @@ class LLMEngine(Displayable):
         self.sampler = Sampler()
         self.proposer = build_proposer(config, self.loaded, dtype)   # None unless speculative decoding is on
         self.vocab_size = model.config.vocab_size
-        self.sequences: dict[str, Sequence] = {}      # unfinished sequences by id (a request's first has its id)
-        self.requests: dict[str, Request] = {}         # unfinished requests by id, with all their sequences
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}   # by sequence id
-        self._finished_ids: set[str] = set()         # for clear errors about requests that are over
-        self._deltas: dict[str, str] = {}            # text each sequence added in the current step
+        # The live requests, their sequences and detokenizers; the commit phase's verbs (request_table.py).
+        self.table: RequestTable = parts.request_table(config, self.scheduler, self.kv, self.proposer, self.tokenizer,
+                                                       self.loaded.eos_token_id, self.emit, clock=self.clock)
         self._events: list[ev.Event] = []            # events since the last step() returned
         self._rng = torch.Generator().manual_seed(config.seed)   # seeds the RNG of unseeded requests
-        # Speculative decoding totals over the engine's life: drafted, accepted, tokens, sampling forwards.
-        self._spec_totals = {"drafted": 0, "accepted": 0, "tokens": 0, "forwards": 0}
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Unfinished requests by id, with all their sequences (the table's; read them, change them through it)."""
+        return self.table.requests
+
+    @property
+    def sequences(self) -> dict[str, Sequence]:
+        """Unfinished sequences by id (a request's first has its id)."""
+        return self.table.sequences
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The model's end-of-sequence token (the table's: one of its stop conditions)."""
+        return self.table.eos_token_id
 
     # -- requests ---------------------------------------------------------------------
 
@@ -148,19 +159,10 @@ class LLMEngine(Displayable):
     def enqueue(self, prepared: intake.PreparedRequest) -> None:
         """Queue a request `intake.prepare` built and checked (nothing here can fail)."""
         seq, request = prepared.seq, prepared.request
-        rid = request.request_id
         if request.seed is None:   # unseeded: a seed from the engine's RNG, so runs are reproducible
             request.seed = int(torch.randint(2**62, (1,), generator=self._rng))
             seq.generator = torch.Generator().manual_seed(request.seed)
-        self.requests[rid] = request
-        self._finished_ids.discard(rid)
-        self.sequences[rid] = seq
-        self.detokenizers[rid] = prepared.detokenizer
-        self.scheduler.add(seq)
-        shown = engine_state.prompt_text(seq.prompt, seq.prompt_token_ids, self.tokenizer)   # token ids: their text
-        given_ids = tuple(seq.prompt_token_ids) if seq.prompt is None else ()   # what a replay adds again
-        self.emit(ev.RequestAdded(self.step_count, rid, shown, seq.num_prompt_tokens, request.params.max_tokens,
-                                  given_ids, to_pairs(request.params, request.seed), seq.priority))
+        self.table.add(prepared)
 
     def abort_request(self, request_id: str) -> RequestOutput:
         """Stop a request (all its sequences) now and free their blocks.
@@ -168,24 +170,9 @@ class LLMEngine(Displayable):
         Takes a request id, or one sequence's id ("r1.2") to stop just that fork.
         Raises KeyError for an unknown id.
         """
-        v.text("request_id", request_id)
-        if request_id in self.requests:
-            seqs = self.requests[request_id].live
-        elif request_id in self.sequences:
-            seqs = [self.sequences[request_id]]
-        else:
-            raise KeyError(self._unknown(request_id))
-        out = None
-        for seq in seqs:
-            self.emit(ev.SequenceAborted(self.step_count, seq.seq_id))
-            out = self.finish_sequence(seq, SequenceStatus.FINISHED_ABORTED, delta="")
+        out = self.table.abort(v.text("request_id", request_id))
         self._raise_subscriber_errors(out)
         return out
-
-    def _unknown(self, request_id: str) -> str:
-        if request_id in self._finished_ids:
-            return f"request {request_id!r} has already finished"
-        return f"no unfinished request {request_id!r}"
 
     def fork(self, seq_id: str, seed: int | None = None) -> str:
         """Fork a running sequence at its current position; returns the new sequence's id.
@@ -200,7 +187,7 @@ class LLMEngine(Displayable):
         seq = self.sequences.get(v.text("seq_id", seq_id))
         seed = v.optional_integer("seed", seed, minimum=0, maximum=2**64 - 1)
         if seq is None:
-            raise KeyError(self._unknown(seq_id))
+            raise KeyError(self.table.unknown(seq_id))
         if seq.params.use_beam_search:
             raise ValueError(f"{seq_id!r} is a beam of a beam search, which forks its beams itself")
         if seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens == 0:
@@ -209,12 +196,12 @@ class LLMEngine(Displayable):
                              "can be forked")
         if seq.seats > 1:   # (its first token comes with its n - 1 forks: forking it now would double them)
             raise ValueError(f"{seq_id!r} has not forked its n={seq.params.n} completions yet")
-        if self.scheduler.seats_used + 1 > self.config.max_num_seqs:
+        if self.table.free_seats() < 1:
             raise ValueError(f"no free seat for a fork: max_num_seqs={self.config.max_num_seqs} sequences "
                              "already run")
         if seed is None:
             seed = int(torch.randint(2**62, (1,), generator=self._rng))
-        child_id = self.fork_sequence(seq, torch.Generator().manual_seed(seed), seed).seq_id
+        child_id = self.table.fork(seq, torch.Generator().manual_seed(seed), seed).seq_id
         self._raise_subscriber_errors(child_id)
         return child_id
 
@@ -246,18 +233,19 @@ class LLMEngine(Displayable):
         """Plan, compute, commit one step (all or nothing: see the module docstring)."""
         t0 = time.perf_counter()
         self.clock.step += 1
-        self._deltas, outputs = {}, {}
+        self.table.begin_step()
+        outputs = {}
         self.emit(ev.StepStarted(self.step_count, len(self.scheduler.waiting), len(self.scheduler.running)))
         # What a failed compute phase must undo: the RNGs drafting and sampling draw from, and whether
         # the plan's block moves were carried out (step_rollback.py).
-        rollback = step_rollback.Rollback(self.scheduler.running)
+        rollback = step_rollback.Rollback(self.scheduler, self.kv, self.proposer, self.emit, self.clock)
         try:
             drafts = self._propose()                  # speculative decoding only (a draft model runs its forward)
         except BaseException as exc:
             self._fail_step(exc, t0, None, rollback, outputs)
         plan = self.scheduler.schedule(drafts.tokens)                           # bookkeeping only
         for seq in plan.failed:
-            outputs[seq.request_id] = self.finish_sequence(seq, seq.status, delta="")
+            outputs[seq.request_id] = self.table.finish(seq, seq.status)
         for seq in plan.preempted:
             if self.proposer:
                 self.proposer.release(seq.seq_id)   # its draft KV goes with its target KV
@@ -269,7 +257,7 @@ class LLMEngine(Displayable):
         self.scheduler.mark_computed(plan)                 # the KV of every real token is written
         if any(c.prompt_logprobs for c in plan.chunks):    # prompt log-probabilities join their sequences
             prompt_logprobs.commit(plan.chunks)
-        counts = commit(self, chosen, drafts, outputs)     # append, fork, trim, prune, finish
+        counts = commit(self.table, chosen, drafts, outputs)   # append, fork, trim, prune, finish
         self.scheduler.cache_blocks()      # blocks that filled this step join the prefix cache
         result = self._end_step(t0, plan, outputs, counts)
         self._raise_subscriber_errors(result)
@@ -289,9 +277,9 @@ class LLMEngine(Displayable):
     def _fail_step(self, exc: BaseException, t0: float, plan: StepPlan | None, rollback: step_rollback.Rollback,
                    outputs: dict) -> NoReturn:
         """The compute phase raised: undo the plan, close the step, raise StepFailed (or Ctrl-C as is)."""
-        lost = step_rollback.undo(self, plan, rollback)
+        lost = rollback.undo(plan)
         result = self._end_step(t0, plan, outputs, (0, 0), computed=False)
-        err = step_rollback.failure(self, exc, plan, lost, result, rollback.blocks_moved)
+        err = step_rollback.failure(self.step_count, exc, plan, lost, result, rollback.blocks_moved)
         if err is exc:
             raise exc                     # Ctrl-C and the like, with the step's result attached
         raise err from exc
@@ -313,7 +301,7 @@ class LLMEngine(Displayable):
         else:   # a request asked for its prompt's log-probabilities: more rows come back (prompt_logprobs.py)
             wide = prompt_logprobs.widen(plan.chunks, inputs)
             logits = prompt_logprobs.take(plan.chunks, inputs, wide, self.runner.run(self.runner.prepare(wide)))
-        return choose_tokens(self, plan.chunks, inputs, logits, drafts)
+        return choose_tokens(self.table, self.sampler, self.components.verify, plan.chunks, inputs, logits, drafts)
 
     def _end_step(self, t0: float, plan: StepPlan | None, outputs: dict[str, RequestOutput], counts: tuple[int, int],
                   computed: bool = True) -> StepResult:
@@ -334,69 +322,6 @@ class LLMEngine(Displayable):
                                   stats.num_free_blocks, stats.duration_s))
         events, self._events = self._events, []
         return StepResult(list(outputs.values()), events, stats)
-
-    # -- the commit phase's verbs (commit.py and beam search call them; users call add/abort/fork) ----
-
-    def fork_sequence(self, parent: Sequence, generator: torch.Generator, seed: int = -1) -> Sequence:
-        """A new running sequence of the same request, sharing `parent`'s tokens, text and blocks.
-        (`seed`, the seed of `generator` when the caller knows it, goes into the Forked event.)"""
-        request = self.requests[parent.request_id]
-        child_id = request.fork_id()
-        while child_id in self.sequences or child_id in self.requests:   # a user's request may have this id
-            child_id = request.fork_id()
-        child = parent.fork(child_id, generator)
-        self.kv.fork(parent, child, seed)
-        self.scheduler.running.append(child)
-        request.seqs.append(child)
-        self.sequences[child_id] = child
-        self.detokenizers[child_id] = copy.copy(self.detokenizers[parent.seq_id])   # plain state: a shallow copy
-        return child
-
-    def prune_beam(self, seq: Sequence) -> RequestOutput:
-        """Drop a beam: free its blocks, forget it (it is no completion of the request)."""
-        self.emit(ev.BeamPruned(self.step_count, seq.seq_id))
-        seq.pruned = True
-        self.requests[seq.request_id].seqs.remove(seq)
-        return self.finish_sequence(seq, SequenceStatus.FINISHED_ABORTED, delta="", quiet=True)
-
-    def count_verified(self, drafted: int, accepted: int) -> None:
-        """Speculative decoding: this step verified `drafted` draft tokens and accepted `accepted` (spec_stats)."""
-        self._spec_totals["drafted"] += drafted
-        self._spec_totals["accepted"] += accepted
-
-    def append_tokens(self, seq: Sequence, tokens: list[SampledToken]) -> RequestOutput:
-        """Postprocess this step's tokens (one, or several with speculation) until one finishes the sequence."""
-        seq.num_sampling_steps += 1
-        self._spec_totals["forwards"] += 1
-        delta = ""
-        for token in tokens:
-            self._spec_totals["tokens"] += 1
-            status, text = append_token(self, seq, token)
-            delta += text
-            if status is not None:
-                return self.finish_sequence(seq, status, delta)
-        self._deltas[seq.seq_id] = self._deltas.get(seq.seq_id, "") + delta
-        return self.requests[seq.request_id].output(self._deltas)
-
-    def finish_sequence(self, seq: Sequence, status: SequenceStatus, delta: str, quiet: bool = False) -> RequestOutput:
-        """Close a sequence: free its blocks, forget it, say so; the request ends with its last sequence."""
-        self._deltas[seq.seq_id] = self._deltas.get(seq.seq_id, "") + delta
-        self.detokenizers.pop(seq.seq_id)
-        if self.proposer:
-            self.proposer.release(seq.seq_id)
-        if not seq.is_finished:   # (the scheduler already closed sequences it failed)
-            self.scheduler.finish(seq, status)
-        self.sequences.pop(seq.seq_id)
-        if not quiet:             # (a pruned beam is no completion: BeamPruned said it all)
-            self.emit(ev.SequenceFinished(self.step_count, seq.seq_id, seq.status.finish_reason,
-                                         seq.num_output_tokens, seq.error or ""))
-        request = self.requests[seq.request_id]
-        # The request ends when the engine has closed its last sequence (not when the last one's
-        # status says finished: the scheduler may fail two forks of a request in one step).
-        if not any(s.seq_id in self.sequences for s in request.seqs):
-            del self.requests[request.request_id]
-            self._finished_ids.add(request.request_id)
-        return request.output(self._deltas)
 
     # -- watching ------------------------------------------------------------------------
 
@@ -422,17 +347,19 @@ class LLMEngine(Displayable):
 
     def snapshot(self) -> dict:
         """The engine's state as plain data: pool, block tables, queues, radix tree, CPU pool."""
-        return engine_state.snapshot(self)
+        ranks = self.runner.rank_info() if hasattr(self.runner, "rank_info") else None   # tensor parallelism
+        return engine_state.snapshot(self.table, self.scheduler, self.kv, self.pool, self.radix, self.cpu_pool,
+                                     self.config, self.implementation, ranks)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any bookkeeping invariant is broken."""
-        engine_state.check_invariants(self)
+        engine_state.check_invariants(self.table, self.scheduler, self.pool, self.radix, self.cpu_pool, self.runner)
 
     # -- statistics over the engine's life ------------------------------------------------
 
     def spec_stats(self) -> dict:
         """Speculative decoding over the engine's life: acceptance rate and tokens per target forward."""
-        return engine_state.spec_stats(self._spec_totals)
+        return engine_state.spec_stats(self.table.spec_totals)
 
 
     # -- prefix cache --------------------------------------------------------------------
@@ -445,7 +372,7 @@ class LLMEngine(Displayable):
 
     def prefix_cache_stats(self) -> dict:
         """Over the engine's life: tokens looked up at admission, tokens a hit skipped, and their ratio."""
-        return engine_state.prefix_cache_stats(self)
+        return engine_state.prefix_cache_stats(self.kv, self.radix)
 
     def clear_prefix_cache(self) -> int:
         """Evict every cached block nobody is using; returns how many went back to the free queue."""

@@ -2,7 +2,8 @@
 
 `snapshot()` is the plain-data state every viewer can start from (the TUI's
 `EngineSynced` event is built from it); `check_invariants()` is what the tests
-call after every step. Both read the engine and change nothing.
+call after every step. Both read the parts they are given (never the engine itself: engine.py
+imports this module) and change nothing.
 `fold_mismatches(view, snapshot)` says where a viewer's folded state differs
 from a snapshot (nothing, if the events told the whole story). `spec_stats` and
 `prefix_cache_stats` sum up the engine's life as plain data too.
@@ -11,29 +12,23 @@ from a snapshot (nothing, if the events told the whole story). `spec_stats` and
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
+from nanoserve.block_pool import BlockPool
+from nanoserve.config import EngineConfig
+from nanoserve.kv_manager import KVManager
+from nanoserve.radix_cache import RadixCache
+from nanoserve.request_table import RequestTable, prompt_text
+from nanoserve.scheduler import Scheduler
 from nanoserve.sequence import Sequence
 
-if TYPE_CHECKING:                      # (a type only: engine.py imports this module)
-    from nanoserve.engine import LLMEngine
 
-
-def prompt_text(text: str | None, token_ids: list[int], tokenizer) -> str:
-    """The prompt as viewers show it: its text; for a token-id prompt, the text those ids decode to
-    (special tokens included), or the ids themselves when the model has no tokenizer."""
-    if text is not None:
-        return text
-    if tokenizer is not None:
-        return tokenizer.decode(token_ids)
-    return str(list(token_ids))
-
-
-def snapshot(engine: LLMEngine) -> dict:
-    """`engine.snapshot()`: pool, block tables, queues, radix tree and CPU pool as plain data."""
+def snapshot(table: RequestTable, scheduler: Scheduler, kv: KVManager, pool: BlockPool, radix: RadixCache | None,
+             cpu_pool: BlockPool | None, config: EngineConfig, implementation, ranks: list | None = None) -> dict:
+    """`engine.snapshot()`: pool, block tables, queues, radix tree and CPU pool as plain data.
+    (`implementation` is the runner's `Implementation`; `ranks`, tensor parallelism's per-rank shares.)"""
     def view(seq: Sequence) -> dict:
         return {
-            "seq_id": seq.seq_id, "status": seq.status.value, "prompt": prompt_text(seq.prompt, seq.prompt_token_ids, engine.tokenizer),
+            "seq_id": seq.seq_id, "status": seq.status.value, "prompt": prompt_text(seq.prompt, seq.prompt_token_ids, table.tokenizer),
             "num_prompt_tokens": seq.num_prompt_tokens, "output_text": seq.output_text,
             "num_output_tokens": seq.num_output_tokens, "num_computed_tokens": seq.num_computed_tokens,
             "block_table": list(seq.block_table), "max_tokens": seq.params.max_tokens,
@@ -42,57 +37,60 @@ def snapshot(engine: LLMEngine) -> dict:
             "grammar": seq.grammar.kind if seq.grammar is not None else "",   # structured output's kind
         }
     return {
-        "step": engine.step_count,
-        "model": engine.config.model,
-        "pool": engine.pool.snapshot(),
-        "waiting": [s.seq_id for s in engine.scheduler.waiting],
-        "running": [s.seq_id for s in engine.scheduler.running],
-        "swapped": [s.seq_id for s in engine.scheduler.swapped],
-        "sequences": [view(s) for s in engine.sequences.values()],
-        "radix": {"enabled": engine.radix is not None, "nodes": engine.radix.snapshot() if engine.radix else [],
+        "step": table.clock.step,
+        "model": config.model,
+        "pool": pool.snapshot(),
+        "waiting": [s.seq_id for s in scheduler.waiting],
+        "running": [s.seq_id for s in scheduler.running],
+        "swapped": [s.seq_id for s in scheduler.swapped],
+        "sequences": [view(s) for s in table.sequences.values()],
+        "radix": {"enabled": radix is not None, "nodes": radix.snapshot() if radix else [],
                   # prompt tokens looked up and hit since the engine started (kv_usage.HIT_RATE)
-                  "num_lookup_tokens": engine.kv.num_lookup_tokens, "num_hit_tokens": engine.kv.num_hit_tokens},
-        "cpu_pool": engine.cpu_pool.snapshot() if engine.cpu_pool else None,
-        "config": {f.name: getattr(engine.config, f.name) for f in dataclasses.fields(engine.config)},
+                  "num_lookup_tokens": kv.num_lookup_tokens, "num_hit_tokens": kv.num_hit_tokens},
+        "cpu_pool": cpu_pool.snapshot() if cpu_pool else None,
+        "config": {f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
         # what computes a step, as it runs (runner.Implementation): the config says what was asked for
-        "implementation": engine.implementation.as_dict(),
+        "implementation": implementation.as_dict(),
         # tensor parallelism: each rank's KV heads and share of a block (absent for one process)
-        **({"ranks": engine.runner.rank_info()} if hasattr(engine.runner, "rank_info") else {}),
+        **({"ranks": ranks} if ranks is not None else {}),
     }
 
 
-def check_invariants(engine: LLMEngine) -> None:
-    """`engine.check_invariants()`: raise AssertionError if any bookkeeping invariant is broken."""
-    engine.scheduler.check_invariants()
-    if engine.proposer:
-        engine.proposer.check_invariants()
-        for rid, st in getattr(engine.proposer, "states", {}).items():   # a draft model's own KV
-            seq = engine.sequences.get(rid)
+def check_invariants(table: RequestTable, scheduler: Scheduler, pool: BlockPool, radix: RadixCache | None,
+                     cpu_pool: BlockPool | None, runner=None) -> None:
+    """`engine.check_invariants()`: raise AssertionError if any bookkeeping invariant is broken. (`runner`:
+    a tensor-parallel runner also checks every rank's pool against the block tables.)"""
+    scheduler.check_invariants()
+    proposer = table.proposer
+    if proposer:
+        proposer.check_invariants()
+        for rid, st in getattr(proposer, "states", {}).items():   # a draft model's own KV
+            seq = table.sequences.get(rid)
             assert seq is not None, f"draft KV kept for {rid}, which is not an unfinished sequence"
             assert st.num_computed < seq.num_tokens, (f"draft KV of {rid} covers {st.num_computed} of its "
                                                       f"{seq.num_tokens} tokens: a proposal would have nothing to feed")
-    queues = engine.scheduler.running + list(engine.scheduler.waiting) + list(engine.scheduler.swapped)
+    queues = scheduler.running + list(scheduler.waiting) + list(scheduler.swapped)
     live = {s.seq_id for s in queues}
-    assert live == set(engine.sequences), f"queues {sorted(live)} != sequences {sorted(engine.sequences)}"
-    for s in engine.sequences.values():   # prompt log-probabilities: one entry per computed prompt position
+    assert live == set(table.sequences), f"queues {sorted(live)} != sequences {sorted(table.sequences)}"
+    for s in table.sequences.values():   # prompt log-probabilities: one entry per computed prompt position
         if s.needs_prompt_logprobs:
             assert len(s.prompt_logprobs) >= min(s.num_computed_tokens, s.num_prompt_tokens - 1) + 1, \
                 f"{s.seq_id}: {len(s.prompt_logprobs)} prompt log-probabilities for {s.num_computed_tokens} computed"
-    owners = {s.request_id for s in engine.sequences.values()}
-    assert owners == set(engine.requests), f"sequences' requests {sorted(owners)} != requests {sorted(engine.requests)}"
-    for request in engine.requests.values():   # n > 1: the n first tokens are drawn together, then it forks
+    owners = {s.request_id for s in table.sequences.values()}
+    assert owners == set(table.requests), f"sequences' requests {sorted(owners)} != requests {sorted(table.requests)}"
+    for request in table.requests.values():   # n > 1: the n first tokens are drawn together, then it forks
         if request.needs_fork:
             seqs = request.live
             assert len(seqs) == 1 and not seqs[0].output_token_ids and seqs[0].seats == request.params.n, (
                 f"{request.request_id}: n={request.params.n} not forked yet, but its sequences are "
                 f"{[(s.seq_id, s.num_output_tokens, s.seats) for s in seqs]} (one, no output, n seats expected)")
-    if not engine.sequences:   # nothing runs: the only blocks in use are the prefix cache's
-        cached = engine.radix.num_cached_blocks if engine.radix else 0
-        assert engine.pool.num_used_blocks == cached, \
-            f"{engine.pool.num_used_blocks - cached} blocks leaked with no requests"
-        assert engine.cpu_pool is None or engine.cpu_pool.num_used_blocks == 0, "CPU blocks leaked"
-    if hasattr(engine.runner, "check_invariants"):   # tensor parallelism: every rank checks its own pool
-        engine.runner.check_invariants(engine)
+    if not table.sequences:   # nothing runs: the only blocks in use are the prefix cache's
+        cached = radix.num_cached_blocks if radix else 0
+        assert pool.num_used_blocks == cached, \
+            f"{pool.num_used_blocks - cached} blocks leaked with no requests"
+        assert cpu_pool is None or cpu_pool.num_used_blocks == 0, "CPU blocks leaked"
+    if hasattr(runner, "check_invariants"):   # tensor parallelism: every rank checks its own pool
+        runner.check_invariants(scheduler, radix)
 
 
 def spec_stats(totals: dict) -> dict:
@@ -104,11 +102,11 @@ def spec_stats(totals: dict) -> dict:
     }
 
 
-def prefix_cache_stats(engine: LLMEngine) -> dict:
+def prefix_cache_stats(kv: KVManager, radix: RadixCache | None) -> dict:
     """Tokens looked up at admission, tokens a hit skipped, their ratio, and the blocks cached now."""
-    looked, hit = engine.kv.num_lookup_tokens, engine.kv.num_hit_tokens
+    looked, hit = kv.num_lookup_tokens, kv.num_hit_tokens
     return {"num_lookup_tokens": looked, "num_hit_tokens": hit, "hit_rate": hit / looked if looked else None,
-            "num_cached_blocks": engine.radix.num_cached_blocks if engine.radix else 0}
+            "num_cached_blocks": radix.num_cached_blocks if radix else 0}
 
 
 def fold_mismatches(state, snap: dict) -> list[str]:

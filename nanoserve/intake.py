@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,9 +32,6 @@ from nanoserve.request import Request
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.sequence import Sequence
 
-if TYPE_CHECKING:                      # (a type only: engine.py imports this module)
-    from nanoserve.engine import LLMEngine
-
 
 @dataclass(slots=True)
 class PreparedRequest:
@@ -46,8 +42,11 @@ class PreparedRequest:
     detokenizer: IncrementalDetokenizer
 
 
-def prepare(engine: LLMEngine, request_id, prompt, params, arrival_time=None, priority=0) -> PreparedRequest:
-    """Check one request against the engine's model and limits; build it. Raises FieldError."""
+def prepare(engine, request_id, prompt, params, arrival_time=None, priority=0) -> PreparedRequest:
+    """Check one request against the engine's model and limits; build it. Raises FieldError.
+
+    `engine` is an LLMEngine, only read (its requests and sequences, tokenizer, vocabulary, config and pool);
+    not named as a type, since engine.py imports this module."""
     v.text("request_id", request_id)
     if request_id in engine.sequences or request_id in engine.requests:
         raise FieldError("request_id", f"{request_id!r} is already in use")
@@ -82,7 +81,7 @@ def prepare(engine: LLMEngine, request_id, prompt, params, arrival_time=None, pr
                            IncrementalDetokenizer(engine.tokenizer, params))
 
 
-def tokenize(engine: LLMEngine, prompt) -> tuple[str | None, list[int]]:
+def tokenize(engine, prompt) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of a prompt given as text or as token ids."""
     if isinstance(prompt, str):
         if not prompt:
@@ -103,7 +102,7 @@ def tokenize(engine: LLMEngine, prompt) -> tuple[str | None, list[int]]:
     return None, token_ids
 
 
-def _check_limits(engine: LLMEngine, params: SamplingParams, token_ids: list[int]) -> None:
+def _check_limits(engine, params: SamplingParams, token_ids: list[int]) -> None:
     """What depends on the model and the engine's settings: vocabulary, length, seats, blocks."""
     config, vocab = engine.config, engine.vocab_size
     v.token_ids("stop_token_ids", params.stop_token_ids, vocab)

@@ -24,25 +24,27 @@ ones stay failed. Those are states the scheduler produces every step, so
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from nanoserve import events as ev
 from nanoserve.errors import EngineBroken, StepFailed
-from nanoserve.scheduler import StepPlan
-from nanoserve.sequence import Sequence, SequenceStatus
-
-if TYPE_CHECKING:                      # (a type only: engine.py imports this module)
-    from nanoserve.engine import LLMEngine
+from nanoserve.kv_manager import KVManager
+from nanoserve.scheduler import Scheduler, StepPlan
+from nanoserve.sequence import SequenceStatus
 
 
 class Rollback:
     """What a step's compute phase has done so far that a failure must undo: the saved state of every
-    per-request RNG it may draw from, and whether the plan's block moves were carried out."""
+    per-request RNG it may draw from, and whether the plan's block moves were carried out. Built at the
+    start of a step with the parts an undo changes (the scheduler, the KV manager, the proposer), as the
+    scheduler is built with the KV manager: it never sees the engine."""
 
-    def __init__(self, seqs: list[Sequence]) -> None:
+    def __init__(self, scheduler: Scheduler, kv: KVManager, proposer, emit: Callable[[ev.Event], None],
+                 clock: ev.StepClock) -> None:
+        self.scheduler, self.kv, self.proposer, self.emit, self.clock = scheduler, kv, proposer, emit, clock
         self._saved: dict[int, tuple] = {}
         self.blocks_moved = False     # the engine sets it once the runner has done the copies and swaps
-        self.save_rngs(seqs)
+        self.save_rngs(scheduler.running)
 
     def save_rngs(self, seqs) -> None:
         for seq in seqs:
@@ -53,33 +55,32 @@ class Rollback:
         for generator, state in self._saved.values():
             generator.set_state(state)
 
+    def undo(self, plan: StepPlan | None) -> list[str]:
+        """Undo a failed compute phase (`plan` is None when proposing drafts failed); returns the
+        ids of the sequences whose work was lost."""
+        self.restore_rngs()
+        scheduler = self.scheduler
+        if self.proposer:
+            for seq in scheduler.running:
+                self.proposer.release(seq.seq_id)
+        if plan is None:
+            return [s.seq_id for s in scheduler.running]
+        if not self.blocks_moved:
+            device_dst = {dst for _, dst in plan.moves.copies} | {dst for _, dst in plan.moves.swap_in}
+            cpu_dst = {dst for _, dst in plan.moves.swap_out}
+            for seq in [s for s in scheduler.running if device_dst.intersection(s.block_table)] + \
+                       [s for s in scheduler.swapped if cpu_dst.intersection(s.cpu_block_table)]:
+                scheduler.drop_kv(seq)
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            if seq.status is SequenceStatus.RUNNING:
+                freed = self.kv.trim(seq)   # blocks past num_computed_tokens, which did not move
+                self.emit(ev.KVTrimmed(self.clock.step, seq.seq_id, seq.num_computed_tokens,
+                                       chunk.num_tokens, freed))
+        return [c.seq.seq_id for c in plan.chunks]
 
-def undo(engine: LLMEngine, plan: StepPlan | None, rollback: Rollback) -> list[str]:
-    """Undo a failed compute phase (`plan` is None when proposing drafts failed); returns the
-    ids of the sequences whose work was lost."""
-    rollback.restore_rngs()
-    if engine.proposer:
-        for seq in engine.scheduler.running:
-            engine.proposer.release(seq.seq_id)
-    if plan is None:
-        return [s.seq_id for s in engine.scheduler.running]
-    scheduler = engine.scheduler
-    if not rollback.blocks_moved:
-        device_dst = {dst for _, dst in plan.moves.copies} | {dst for _, dst in plan.moves.swap_in}
-        cpu_dst = {dst for _, dst in plan.moves.swap_out}
-        for seq in [s for s in scheduler.running if device_dst.intersection(s.block_table)] + \
-                   [s for s in scheduler.swapped if cpu_dst.intersection(s.cpu_block_table)]:
-            scheduler.drop_kv(seq)
-    for chunk in plan.chunks:
-        seq = chunk.seq
-        if seq.status is SequenceStatus.RUNNING:
-            freed = engine.kv.trim(seq)   # blocks past num_computed_tokens, which did not move
-            engine.emit(ev.KVTrimmed(engine.step_count, seq.seq_id, seq.num_computed_tokens,
-                                      chunk.num_tokens, freed))
-    return [c.seq.seq_id for c in plan.chunks]
 
-
-def failure(engine: LLMEngine, exc: BaseException, plan: StepPlan | None, request_ids: list[str], result,
+def failure(step: int, exc: BaseException, plan: StepPlan | None, request_ids: list[str], result,
             blocks_moved: bool = True) -> BaseException:
     """The exception `step()` raises: a StepFailed naming the requests and the cause, or, for
     Ctrl-C and the like and for an `EngineBroken` (no next step will run), the original exception
@@ -90,6 +91,6 @@ def failure(engine: LLMEngine, exc: BaseException, plan: StepPlan | None, reques
     where = ("proposing drafts" if plan is None else
              "the block copies" if not blocks_moved else "the forward pass or the token choice")
     ids = ", ".join(request_ids) or "no request"
-    return StepFailed(f"step {engine.step_count}: {where} failed for {ids} ({type(exc).__name__}: {exc}); "
+    return StepFailed(f"step {step}: {where} failed for {ids} ({type(exc).__name__}: {exc}); "
                       "nothing was computed: those requests keep their tokens and run again next step",
                       tuple(request_ids), result)

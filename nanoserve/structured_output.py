@@ -15,7 +15,7 @@ the model's own, restricted to them and renormalised. Where it lives in a step:
                  (`draft_masks`). The sampler applies the rows to the logits after penalties and
                  min_tokens, before temperature, top-k, top-p and min-p (`apply_masks`: one
                  call for the whole batch)
-    commit       postprocess.py advances the matcher with each token the sequence keeps
+    commit       request_table.py advances the matcher with each token the sequence keeps
                  (`accept`); a grammar that can only end now finishes the sequence ("stop"),
                  and EOS is allowed exactly where the grammar can end
     fork         `Sequence.fork` forks the matcher with its sequence (n > 1, beams, engine.fork)

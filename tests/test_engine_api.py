@@ -150,7 +150,7 @@ def test_stop_string_is_never_in_text_even_while_streaming(engine):
 def test_eos_stops_unless_ignored(engine):
     engine.add_request("probe", [1, 2, 3], greedy(12, ignore_eos=True))
     tokens = run_to_end(engine)["probe"].outputs[0].token_ids
-    engine.eos_token_id = tokens[3]          # pretend the model's EOS is the 4th greedy token
+    engine.table.eos_token_id = tokens[3]    # pretend the model's EOS is the 4th greedy token
     engine.add_request("a", [1, 2, 3], greedy(12))
     engine.add_request("b", [1, 2, 3], greedy(12, ignore_eos=True))
     out = run_to_end(engine)

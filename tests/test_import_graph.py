@@ -1,7 +1,8 @@
-"""The import graph points one way: viewers above the engine, no cycles.
+"""The import graph points one way: viewers above the engine, the engine above its parts, no cycles.
 
-Read from the source with `ast` (imports inside functions included, since a
-lazy import is still a dependency), so the test sees what a reader sees.
+Read from the source with `ast` (imports inside functions and under `if TYPE_CHECKING:` included: a lazy
+import is still a dependency, and a type named in a signature is one a reader must open), so the test
+sees what a reader sees.
 """
 
 from __future__ import annotations
@@ -35,20 +36,11 @@ def modules() -> dict[str, Path]:
     return {module_name(pkg, p): p for pkg, root in PACKAGES.items() for p in root.rglob("*.py")}
 
 
-def runtime_nodes(tree: ast.AST):
-    """Every node of `tree` except those under `if TYPE_CHECKING:` (imports for annotations only: the helper
-    modules of the step name `LLMEngine` in their signatures, and engine.py imports them)."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
-            continue
-        yield node
-        yield from runtime_nodes(node)
-
-
 def imports(path: Path, known: dict[str, Path]) -> set[str]:
-    """The project's modules that `path` imports (a name imported from a package counts as its submodule)."""
+    """The project's modules that `path` imports (a name imported from a package counts as its submodule),
+    type-only imports included."""
     found = set()
-    for node in runtime_nodes(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for alias in node.names:
                 sub = f"{node.module}.{alias.name}"
@@ -125,8 +117,8 @@ def test_only_the_runner_imports_the_cpu_fast_path():
 
 
 def test_only_the_engine_touches_its_private_state():
-    """The step's helper modules (intake, token_choice, commit, postprocess, step_rollback, ...) use the engine
-    through its public verbs (`emit`, `append_tokens`, `finish_sequence`, ...), never `engine._something`."""
+    """Modules that are handed an engine (intake, llm, the front ends, ...) use its public attributes and
+    verbs (`add_request`, `step`, `table`, `emit`, ...), never `engine._something`."""
     offenders = []
     for name, path in modules().items():
         if name == "nanoserve.engine":
@@ -140,15 +132,51 @@ def test_only_the_engine_touches_its_private_state():
     assert not offenders, "private engine state used outside engine.py: " + ", ".join(offenders)
 
 
-def test_the_steps_helpers_name_the_engine_type():
-    """Every function of the step's helper modules that takes the engine says it is an LLMEngine, so a reader (or
-    an IDE) can follow `engine.something` to its definition."""
-    untyped = []
-    for name in ("intake", "token_choice", "commit", "postprocess", "step_rollback", "engine_state"):
-        tree = ast.parse(modules()[f"nanoserve.{name}"].read_text())
-        for fn in ast.walk(tree):
-            if isinstance(fn, ast.FunctionDef):
-                for arg in fn.args.args:
-                    if arg.arg == "engine" and not (isinstance(arg.annotation, ast.Name) and arg.annotation.id == "LLMEngine"):
-                        untyped.append(f"{name}.{fn.name}")
-    assert not untyped, f"engine argument without `: LLMEngine`: {untyped}"
+def below_the_engine() -> set[str]:
+    """Every module engine.py imports, directly or through others."""
+    edges, seen, todo = graph(), set(), ["nanoserve.engine"]
+    while todo:
+        for dep in edges[todo.pop()] - seen:
+            seen.add(dep)
+            todo.append(dep)
+    return seen - {"nanoserve.engine"}
+
+
+def test_nothing_below_the_engine_imports_it():
+    """The engine conducts the step and its parts never call back: no module engine.py imports (directly or
+    not) imports engine.py, not even for a type. (The import cycle test would also fail; this says where.)"""
+    edges = graph()
+    back = sorted(name for name in below_the_engine() if "nanoserve.engine" in edges[name])
+    assert not back, f"{back} import nanoserve.engine, which imports them: pass them the parts they need"
+
+
+STEP_HELPERS = ("commit", "token_choice", "request_table", "step_rollback", "engine_state")
+
+
+def test_the_steps_helpers_take_parts_not_the_engine():
+    """The step's helper modules are given the parts they read (the request table, the scheduler, the KV
+    manager, ...), so commit flows one way: engine -> commit -> request table -> scheduler / detokenizer."""
+    takers = []
+    for name in STEP_HELPERS:
+        module = f"nanoserve.{name}"
+        assert module in below_the_engine(), f"{module} is no longer imported by the engine: update STEP_HELPERS"
+        for fn in ast.walk(ast.parse(modules()[module].read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                takers += [f"{name}.{fn.name}" for arg in fn.args.args + fn.args.kwonlyargs if arg.arg == "engine"]
+    assert not takers, f"these take the whole engine: {takers}"
+
+
+def methods(module: str, cls: str) -> set[str]:
+    tree = ast.parse(modules()[module].read_text())
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
+    return {n.name for n in body if isinstance(n, ast.FunctionDef)}
+
+
+def test_the_commit_verbs_belong_to_the_request_table():
+    """Appending, forking, pruning, trimming and finishing are the request table's; the engine calls none of them
+    itself (its public `fork` and `abort_request` check the caller's input, then hand over to the table)."""
+    verbs = {"append", "append_token", "append_tokens", "fork_sequence", "prune", "prune_beam", "accept_drafts",
+             "count_verified", "finish", "finish_sequence", "fail"}
+    in_engine = methods("nanoserve.engine", "LLMEngine") & verbs
+    assert not in_engine, f"commit verbs in engine.py: {sorted(in_engine)}: they belong to RequestTable"
+    assert {"append", "fork", "prune", "accept_drafts", "finish"} <= methods("nanoserve.request_table", "RequestTable")

@@ -1,4 +1,4 @@
-"""The engine's seams: one step number, block moves in the plan, modes that decide and an engine that applies.
+"""The engine's seams: one step number, block moves in the plan, modes that decide and a request table that applies.
 
 Beam search and speculative decoding only *decide* (`beam_search.decide` returns a `BeamStep`,
 `spec_decode.decide` a `Verdict`, `spec_decode.propose` the `Drafts`); the engine applies what
@@ -11,8 +11,17 @@ from __future__ import annotations
 import pytest
 from conftest import make_engine, run_to_end
 
-from nanoserve import SamplingParams, beam_search, spec_decode
+from nanoserve import EngineConfig, SamplingParams, beam_search, spec_decode
 from nanoserve import events as ev
+from nanoserve.block_pool import BlockPool
+from nanoserve.detokenizer import IncrementalDetokenizer
+from nanoserve.intake import PreparedRequest
+from nanoserve.kv_manager import KVManager
+from nanoserve.request import Request
+from nanoserve.request_table import RequestTable
+from nanoserve.sampler import SampledToken
+from nanoserve.scheduler import Scheduler
+from nanoserve.sequence import Sequence
 from nanoserve.trace import event_from_dict
 
 
@@ -107,3 +116,42 @@ def test_traces_from_before_the_rename_still_read():
     synced = event_from_dict({"type": "EngineSynced", "step": 0, "model": "m", "num_blocks": 1, "block_size": 4,
                               "ref_counts": [0], "free_queue": [0], "requests": []})
     assert synced.sequences == ()
+
+
+def test_the_request_table_applies_tokens_without_an_engine():
+    """nano-vllm's `Scheduler.postprocess` in our terms: the request table, built from a scheduler, a KV manager,
+    `emit` and the clock (no engine, no model), runs two requests by hand: schedule, pretend to compute,
+    append a token. A stop token id ends one ("stop"), max_tokens the other ("length"), a fork shares its
+    parent's blocks, and every block goes back to the pool."""
+    config = EngineConfig(model="tiny-llama", block_size=4, num_blocks=16, max_model_len=64,
+                          max_num_batched_tokens=32)
+    pool, clock, events = BlockPool(16, 4), ev.StepClock(), []
+    kv = KVManager(pool, None, None, events.append, clock=clock)
+    scheduler = Scheduler(config, kv, events.append, clock=clock)
+    table = RequestTable(config, scheduler, kv, None, None, None, events.append, clock)
+    for rid, params in (("a", SamplingParams(max_tokens=6, stop_token_ids=[9])), ("b", SamplingParams(max_tokens=3))):
+        seq = Sequence(rid, None, [1, 2, 3, 4, 5], params)
+        table.add(PreparedRequest(seq, Request(rid, params, 0, [seq]), IncrementalDetokenizer(None, params)))
+    script = {"a": [7, 9], "a.1": [6, 6, 6, 6, 6], "b": [8, 8, 8]}   # the tokens each sequence "samples"
+    outputs = {}
+    while table.sequences:
+        clock.step += 1
+        table.begin_step()
+        plan = scheduler.schedule()
+        scheduler.mark_computed(plan)
+        for chunk in plan.chunks:
+            if chunk.samples:
+                token = script[chunk.seq.seq_id].pop(0)
+                outputs[chunk.seq.request_id] = table.append(chunk.seq, [SampledToken(token, -0.5, None)])
+        if clock.step == 1:
+            parent = table.sequences["a"]
+            child = table.fork(parent, None)
+            assert child.block_table == parent.block_table and table.requests["a"].seqs == [parent, child]
+            assert all(pool.blocks[b].ref_count == 2 for b in parent.block_table)
+    a, b = outputs["a"].outputs, outputs["b"].outputs
+    assert [(c.token_ids, c.finish_reason) for c in a] == [([7, 9], "stop"), ([7, 6, 6, 6, 6, 6], "length")]
+    assert (b[0].token_ids, b[0].finish_reason) == ([8, 8, 8], "length")
+    assert table.finished_ids == {"a", "b"} and not table.requests and not scheduler.running
+    assert pool.num_used_blocks == 0, "finishing frees every block"
+    finished = [(e.seq_id, e.finish_reason) for e in events if isinstance(e, ev.SequenceFinished)]
+    assert sorted(finished) == [("a", "stop"), ("a.1", "length"), ("b", "length")]

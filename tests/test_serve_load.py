@@ -65,7 +65,7 @@ def test_64_streaming_clients_with_hang_ups(loaded, tiny_llama_dir, tmp_path):
         results = asyncio.run(all_clients(url, loaded.name))
         wait_idle(srv)
         check_clean(srv)
-        finished_ids = on_engine(srv, lambda e: set(e._finished_ids))
+        finished_ids = on_engine(srv, lambda e: set(e.table.finished_ids))
         book = srv.book.table()
 
     completed = {i: text for i, _, text in results if text is not None}

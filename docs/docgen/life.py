@@ -92,8 +92,8 @@ ROLES = {
     "request.py": "the request the sequence belongs to (with n > 1, its forks-to-be)",
     "sampler.py": "penalties, temperature, top-k/top-p/min-p, the draw",
     "beam_search.py": "beam search: a `BeamStep` of forks, continuations and prunes",
-    "commit.py": "the engine applies the choices: tokens, forks, trims of rejected drafts, beam steps",
-    "postprocess.py": "`append_token`: the token joins its sequence; the stop checks",
+    "commit.py": "each choice applied through the request table: tokens, forks, trims of rejected drafts, beam steps",
+    "request_table.py": "the live requests; at commit `append_token` (the stop checks) and `finish`",
     "detokenizer.py": "token ids to text, holding back partial characters and stop strings",
     "outputs.py": "`RequestOutput` and the step's statistics",
 }

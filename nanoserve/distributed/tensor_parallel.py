@@ -164,9 +164,9 @@ class TensorParallelRunner:
 
     # -- invariants -------------------------------------------------------------------------------
 
-    def check_invariants(self, engine) -> None:
+    def check_invariants(self, scheduler, radix) -> None:
         """Every rank compares its pool with the driver's bookkeeping; AssertionError on any difference."""
-        expected = expected_kv(engine)
+        expected = expected_kv(scheduler, radix)
         self.flush()
         with self._guard():
             self.comm.broadcast_object(Check(expected))
@@ -206,18 +206,18 @@ class TensorParallelRunner:
         return self.group.guard()
 
 
-def expected_kv(engine) -> list[ExpectedKV]:
+def expected_kv(scheduler, radix) -> list[ExpectedKV]:
     """The driver's claims about every pool: what each live table and each cached node holds."""
     out = []
-    for seq in engine.scheduler.running:
+    for seq in scheduler.running:
         n = min(seq.num_computed_tokens, seq.num_tokens)
         out.append(ExpectedKV(seq.seq_id, list(seq.block_table), seq.token_ids(0, n)))
-    for seq in engine.scheduler.swapped:
+    for seq in scheduler.swapped:
         n = min(seq.num_computed_tokens, seq.num_tokens)
         out.append(ExpectedKV(seq.seq_id, list(seq.cpu_block_table), seq.token_ids(0, n), on_cpu=True))
-    if engine.radix is not None:
-        for node in engine.radix.nodes.values():
-            if node is engine.radix.root:
+    if radix is not None:
+        for node in radix.nodes.values():
+            if node is radix.root:
                 continue
             depth = sum(len(n.tokens) for n in node.path()[1:])   # tokens above this node's span
             out.append(ExpectedKV(f"radix node {node.node_id}", list(node.block_ids), list(node.tokens), depth))
