@@ -20,7 +20,7 @@ replacement keeps the default's constructor (or function) signature:
     kv_manager(pool, radix, cpu_pool, emit, clock=clock) -> a KVManager-like object
     scheduler(config, kv, emit, clock=clock)           -> a Scheduler-like object
     verify(p, draft, q, greedy, generator)             -> (tokens, num_accepted)
-    attention_backend(name, fast_paths)                -> an AttentionBackend ("torch" or "triton")
+    attention_backend(name, grouped)                   -> an AttentionBackend ("torch" or "triton")
 
 (`clock` is the engine's `events.StepClock`: the one step number every part stamps
 its events with.) Nothing here is global: two engines in one process can run different parts.
