@@ -64,7 +64,8 @@ def parse_sets(items: list[str]) -> dict:
         if not sep or not key:
             raise FieldError("set", f"{item!r} is not key=value (e.g. --set preemption_mode=swap)")
         if key not in types:
-            raise FieldError("set", f"{item}: {key} is not an engine setting; settings are: {', '.join(types)}")
+            raise FieldError("set", f"{item}: {key} is not an engine setting; settings are: "
+                                    f"{', '.join(t for t in types if t not in OLD_NAMES)}")
         try:
             changes[key] = parse_value(key, text.strip())
         except ValueError as exc:
