@@ -95,6 +95,9 @@ def add_engine_flags(parser, own: tuple[str, ...] = (), renamed: dict[str, str] 
         flag, dest = FLAGS[field.name], (renamed or {}).get(field.name, field.name)
         spellings = flag.names if dest == field.name and flag.names else ("--" + dest.replace("_", "-"),)
         common = dict(dest=dest, action=Setting, field=field.name, default=field.default)
+        if field.name == "path":   # the older spelling, kept (first, so that an error names --path)
+            parser.add_argument("--reading-path", nargs=0, const="reading", help="the same as --path reading",
+                                **common)
         if field.type.startswith("bool"):   # on by default: the flag turns it off; else (False, None) on
             parser.add_argument(*spellings, nargs=0, const=field.default is not True, help=flag.help, **common)
         else:
@@ -102,9 +105,6 @@ def add_engine_flags(parser, own: tuple[str, ...] = (), renamed: dict[str, str] 
             shown = "" if field.default is None else " (default: %(default)s)"
             parser.add_argument(*spellings, type=kind, choices=flag.choices, metavar=flag.metavar,
                                 help=flag.help + shown, **common)
-        if field.name == "path":   # the older spelling, kept: --reading-path is --path reading
-            parser.add_argument("--reading-path", nargs=0, const="reading", help="the same as --path reading",
-                                **common)
 
 
 def engine_settings(args: argparse.Namespace) -> dict:
