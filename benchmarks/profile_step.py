@@ -1,7 +1,7 @@
 """Where a step's time goes: schedule, prepare, forward (by layer, attention apart), sample, postprocess, events.
 
     python benchmarks/profile_step.py                       # SmolLM2-135M, bench_throughput's workload
-    python benchmarks/profile_step.py --dtype bfloat16 --set fast_paths=false
+    python benchmarks/profile_step.py --dtype bfloat16 --set path=reading
     python benchmarks/profile_step.py --model tiny-llama --steps 30 --no-plot
 
 It runs bench_throughput.py's workload (32 requests, all at once) for `--steps`
@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_throughput import DTYPES, workload  # noqa: E402
 
 from nanoserve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from nanoserve.config import current_names  # noqa: E402
 from nanoserve.fold import fold  # noqa: E402
 from nanoserve.models.loader import load_model  # noqa: E402
 
@@ -227,6 +228,7 @@ def main() -> None:
     for kv in args.set:
         key, value = kv.split("=", 1)
         config[key] = json.loads(value) if value[:1] in "0123456789-tfn[{\"" else value
+    config = current_names(config)          # (older names read too: fast_paths=false is path=reading)
     print(f"model {args.model}, {args.dtype}, torch threads: {torch.get_num_threads()}, config {config}")
     run(loaded, reqs[:4], config, 3, events_on=False)          # warm-up
     off = summarise(run(loaded, reqs, config, args.steps, events_on=False), args.num_requests)
@@ -245,7 +247,7 @@ def main() -> None:
                   f"events on {ms_on:7.2f} ms ({100 * sh_on:4.1f} %)")
     if not args.no_plot:
         plot(off, on, Path(args.out), f"{args.model}, {args.dtype}, torch threads: {torch.get_num_threads()}, "
-             f"{config.get('fast_paths', True) and 'fast paths' or 'plain path'}, batch of {args.num_requests}")
+             f"{config.get('path', 'fast')} path, batch of {args.num_requests}")
 
 
 if __name__ == "__main__":

@@ -30,12 +30,12 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 def make_engine(**config) -> LLMEngine:
-    # fast_paths=False: the reading path, the code this lesson reads (models/llama.py, kernels/reference.py:
+    # path="reading": the reading path, the code this lesson reads (models/llama.py, kernels/reference.py:
     # padded tables, masks). By default a CPU runs the fast path of nanoserve/cpu/ instead, whose attention
     # kernel (cpu/attention.c) reads each sequence's own tokens and needs neither. engine.implementation
     # says which one ran.
     return LLMEngine(EngineConfig(model="tiny-llama", block_size=BS, num_blocks=64, max_num_batched_tokens=64,
-                                  fast_paths=False, **config))
+                                  path="reading", **config))
 
 
 engine = make_engine()
@@ -138,7 +138,7 @@ short = int(group.seq_lens.argmin())
 assert group.block_tables[short, -1] == 0 and dmask[short, -BS:].sum() == 0, "padding: block 0, masked"
 say("""The decodes' tables are padded to the longest with block 0; the mask hides the padding and
 the unused slots of each last block. (This is the reading path, which this lesson's engine takes with
-fast_paths=False. By default a CPU runs every row in the C kernel of cpu/attention.c, which walks
+path="reading". By default a CPU runs every row in the C kernel of cpu/attention.c, which walks
 each row's own block table up to its length: no padding, no mask, no gathered copy. A prefill chunk's
 query at position p is a row over the first p + 1 tokens of the chunk's table: causal by construction.)""")
 

@@ -30,11 +30,12 @@ Plan: who runs this step, how many tokens each, in which blocks
 
 Compute: one forward pass over the step's tokens, then the token choice
     runner.py           the KV cache tensors, the flat token row and its block tables, the forward
+    implementation.py   which code runs: "auto" turned into names once, built, said in one line
     cuda_graphs.py      pure-decode steps padded to batch-size buckets, replayed as CUDA graphs
     attention.py        the attention backend interface and `paged_attention`
     models/             GPT-2 and Llama reading K/V through block tables, and their loader
     kernels/            attention kernels: the torch reference, the torch and Triton backends
-    cpu/                the CPU fast path: C kernels, packed weights (only the runner imports it)
+    cpu/                the CPU fast path: C kernels, packed weights (only implementation.py imports it)
     token_choice.py     logits -> each sequence's next token(s), changing no bookkeeping
     prompt_logprobs.py  log-probabilities of the prompt's own tokens, from the prefill's logits
     sampler.py          logits processors, then greedy or sampled tokens
@@ -69,6 +70,7 @@ Around the engine
     distributed/        tensor parallelism and prefill/decode disaggregation across processes
     threads.py          how many CPU threads torch may use
     cli.py              the `nanoserve` command line
+    engine_flags.py     a flag for every EngineConfig field, shared by every command that builds an engine
     cli_generate.py     `nanoserve generate`: structured-output flags, the loop that runs the prompts, --stats
     __main__.py         `python -m nanoserve`: the same command line
 """

@@ -17,10 +17,11 @@ One prompt streams its text as it is generated; several prompts run as one
 continuous batch and print each completion as it finishes.
 
 Bad input (an unknown model, a bad setting, a broken file) prints one line
-that names what was wrong, by its flag, and exits with code 2. The flags of
-`generate` that set an `EngineConfig` or `SamplingParams` field store into
-an argparse `dest` named after that field, so building the config and
-naming the flag in an error both come from the same definitions.
+that names what was wrong, by its flag, and exits with code 2. Every command
+that builds an engine has a flag for each `EngineConfig` field, made from the
+dataclass (engine_flags.py); `generate`'s sampling flags store into dests
+named after `SamplingParams` fields. So building the config and naming the
+flag in an error both come from the same definitions.
 
 Nothing heavy is imported at the top: `nanoserve --help` and the error paths
 never load torch or transformers.
@@ -34,9 +35,10 @@ import warnings
 from pathlib import Path
 
 from nanoserve.cli_generate import add_structured_flags, run_generate, say, structured_flags
+from nanoserve.engine_flags import add_engine_flags, engine_settings
 from nanoserve.errors import FieldError
 from nanoserve.labs.plug import components_from
-from nanoserve.models.resolve import ACCEPTED, TINY_MODELS, resolve_model_path
+from nanoserve.models.resolve import TINY_MODELS, resolve_model_path
 from nanoserve.scenarios import SCENARIOS
 from nanoserve.serve.command import add_serve_parser
 from nanoserve.threads import THREADS_ENV, apply_thread_policy
@@ -45,6 +47,7 @@ from nanoserve_labkit.command import add_lab_parser, cmd_lab
 from nanoserve_tui.web_command import add_web_parser
 
 ENGINE_GROUP, SAMPLING_GROUP = "engine", "sampling"   # `generate`'s argument groups
+SCENARIO_ENGINE = "settings over the scenario's (EngineConfig fields; engine_flags.py)"
 
 
 def add_lab_option(parser) -> None:
@@ -88,37 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print steps, tokens and throughput at the end")
     add_lab_option(gen)
     add_threads(gen)
-    # Each flag below stores into a dest named after its dataclass field; `group_kwargs` reads the groups.
+    # The engine group's flags are EngineConfig's fields (engine_flags.py); the sampling group's store into
+    # dests named after SamplingParams' fields (`group_kwargs` reads them).
     eng = gen.add_argument_group(ENGINE_GROUP, "settings of the engine (EngineConfig fields)")
-    eng.add_argument("--model", "-m", dest="model", default="tiny-llama",
-                     help=f"model to run: {ACCEPTED} (default: %(default)s)")
-    eng.add_argument("--dtype", dest="dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                     help="weights and KV cache (default: %(default)s)")
-    eng.add_argument("--device", dest="device", default="cpu", help="cpu or cuda (default: %(default)s)")
-    eng.add_argument("--block-size", dest="block_size", type=int, default=16, metavar="N",
-                     help="tokens per KV block (default: %(default)s)")
-    eng.add_argument("--num-blocks", dest="num_blocks", type=int, default=None, metavar="N",
-                     help="KV blocks in the pool (default: fill 256 MB)")
-    eng.add_argument("--max-batched-tokens", dest="max_num_batched_tokens", type=int, default=512, metavar="N",
-                     help="token budget per step (default: %(default)s)")
-    eng.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                     help="turn the radix prefix cache off")
-    eng.add_argument("--preemption-mode", dest="preemption_mode", choices=["recompute", "swap"],
-                     default="recompute", help="what happens to a preempted request's KV (default: %(default)s)")
-    eng.add_argument("--speculative", dest="speculative_method", choices=["ngram", "draft"], default=None,
-                     help="speculative decoding: n-gram prompt lookup, or a draft model (default: off)")
-    eng.add_argument("--num-speculative-tokens", "-k", dest="num_speculative_tokens", type=int, default=4,
-                     metavar="K", help="tokens drafted per step with --speculative (default: %(default)s)")
-    eng.add_argument("--draft-model", dest="draft_model", default=None,
-                     help="draft model for --speculative draft (default: the target's first --draft-layers layers)")
-    eng.add_argument("--draft-layers", dest="draft_num_layers", type=int, default=2, metavar="N",
-                     help="layers of the truncated draft (default: %(default)s)")
-    eng.add_argument("--reading-path", dest="fast_paths", action="store_false",
-                     help="run the reading path: models/ and kernels/reference.py only, none of nanoserve/cpu/ "
-                          "(EngineConfig fast_paths=False; the same tokens, slower on a CPU)")
-    eng.add_argument("--tensor-parallel-size", "--tp", dest="tensor_parallel_size", type=int, default=1,
-                     metavar="N", help="split the model over N processes (gloo; it must divide the heads; "
-                                       "default: %(default)s)")
+    add_engine_flags(eng, renamed={"seed": "engine_seed"})    # --seed is a request's (SamplingParams)
     smp = gen.add_argument_group(SAMPLING_GROUP, "how each prompt is completed (SamplingParams fields)")
     smp.add_argument("--max-tokens", dest="max_tokens", type=int, default=64, metavar="N",
                      help="tokens to generate per prompt (default: %(default)s)")
@@ -146,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--model", "-m", dest="model", default="tiny-llama", help="model to run (default: %(default)s)")
     add_lab_option(rec)
     add_threads(rec)
+    add_engine_flags(rec.add_argument_group(ENGINE_GROUP, SCENARIO_ENGINE), own=("model",))
 
     exp = sub.add_parser(
         "export", help="draw the block tables, the pool or the radix tree at one step of a trace, "
@@ -175,11 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--attach", default=None, metavar="URL", help="watch a running `nanoserve serve` (read-only)")
     tui.add_argument("--scenario", "-s", default=None, help=f"start a live run with a scenario: {', '.join(SCENARIOS)}")
     tui.add_argument("--api-key", default=None, help="with --attach: the server's API key (default: $NANOSERVE_API_KEY)")
-    tui.add_argument("--reading-path", action="store_true",
-                     help="run the reading path: models/ and kernels/reference.py only, none of nanoserve/cpu/ "
-                          "(EngineConfig fast_paths=False; the same tokens, slower on a CPU)")
     add_lab_option(tui)
     add_threads(tui)
+    add_engine_flags(tui.add_argument_group(ENGINE_GROUP, SCENARIO_ENGINE), own=("model",))
 
     add_threads(add_serve_parser(sub))
     add_web_parser(sub)
@@ -210,6 +185,8 @@ def add_whatif_parsers(sub) -> None:
     cmp.add_argument("--tui", action="store_true",
                      help="show the two runs side by side in the terminal UI, in lockstep (keys: space, b, d)")
     add_threads(cmp)
+    add_engine_flags(cmp.add_argument_group(ENGINE_GROUP, "settings of both runs, over the scenario's "
+                                                          "(EngineConfig fields)"), own=("model",))
 
     plot = sub.add_parser(
         "plot", help="draw a figure of a recorded trace with matplotlib (PNG or SVG)",
@@ -268,7 +245,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     check_output(args.output, "--output")
     components = components_from(args.lab)
     threads = apply_thread_policy(args.threads)
-    steps = record(args.scenario, args.output, args.model, components=components)
+    steps = record(args.scenario, args.output, args.model, components=components, settings=engine_settings(args))
     say(threads.note())
     print(f"nanoserve: recorded {steps} steps of {args.scenario!r} to {args.output}", file=sys.stderr)
     return 0
@@ -319,15 +296,16 @@ def cmd_tui(args: argparse.Namespace) -> int:
         return run_attach(args.attach, args.api_key, scenario=args.scenario)
     if args.lab and args.replay is not None:
         raise FieldError("lab", "needs a live engine; --replay plays a recorded trace")
-    if args.reading_path and (args.replay is not None or args.attach is not None):
-        raise FieldError("reading_path", "needs a live engine (the code that runs is the trace's or the server's)")
+    settings = engine_settings(args)
+    if settings and (args.replay is not None or args.attach is not None):
+        raise FieldError(next(iter(settings)), "needs a live engine (a trace or a server says its own settings)")
     components = components_from(args.lab)
     say(apply_thread_policy(args.threads).note())
     explain = None
     if components is not None:                 # a step that fails in the student's part: said as the checks would
         from nanoserve.labs.plug import explain_failure as explain
     return run_app(model=args.model, replay=args.replay, scenario=args.scenario, components=components,
-                   overrides={"fast_paths": False} if args.reading_path else None, explain=explain)
+                   overrides=settings or None, explain=explain)
 
 
 def cmd_web(args: argparse.Namespace) -> int:
@@ -358,7 +336,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.save is not None:
         check_output(args.save + "-a.jsonl", "--save")
     say(apply_thread_policy(args.threads).note())
-    a, b = scenario_pair(args.scenario, changes, args.model)
+    a, b = scenario_pair(args.scenario, changes, args.model, settings=engine_settings(args))
     if args.save is not None:
         from nanoserve.trace import write_trace
         write_trace(args.save + "-a.jsonl", a.events)
@@ -406,7 +384,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                                                                      # the model loads
     for i, prompt in enumerate(args.prompts):         # ... and so does a prompt with a byte that is not UTF-8
         well_formed("PROMPT" if len(args.prompts) == 1 else f"PROMPT {i + 1}", prompt)
-    config = EngineConfig(**group_kwargs(parser, ENGINE_GROUP, args))
+    config = EngineConfig(**engine_settings(args))   # the flags given; the dataclass's defaults for the rest
     components = components_from(args.lab)            # a student's file that does not load fails here
     threads = apply_thread_policy(args.threads)
     from nanoserve.engine import LLMEngine

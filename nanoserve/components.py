@@ -22,7 +22,7 @@ replacement keeps the default's constructor (or function) signature:
     request_table(config, scheduler, kv, proposer, tokenizer, eos_token_id, emit, clock=clock)
                                                        -> a RequestTable-like object
     verify(p, draft, q, greedy, generator)             -> (tokens, num_accepted)
-    attention_backend(name, fast_paths)                -> an AttentionBackend ("torch" or "triton")
+    attention_backend(name, grouped)                   -> an AttentionBackend ("torch" or "triton")
 
 (`clock` is the engine's `events.StepClock`: the one step number every part stamps
 its events with.) Nothing here is global: two engines in one process can run different parts.

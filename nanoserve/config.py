@@ -11,7 +11,7 @@ memory before a single block is allocated.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 from nanoserve import validation as v
 from nanoserve.errors import FieldError
@@ -34,13 +34,13 @@ class EngineConfig:
     preemption_policy: str = "newest"   # victim: "newest" admitted, lowest "priority", or "shortest_remaining" keeps
                                         # the ones closest to done (the most tokens left is preempted first)
     num_cpu_blocks: int | None = None   # swap space in blocks; None: as many as num_blocks when swapping
+    path: str = "fast"                  # which code computes a step (implementation.py decides): "fast", on a
+                                        # CPU nanoserve/cpu/ with its C files where they build; "torch", the
+                                        # same without the C files; "reading", models/ and kernels/reference.py
+                                        # only. The same tokens on every path. (Older names: fast_paths=False
+                                        # is "reading", c_kernels=False is "torch".)
     attention_backend: str = "auto"     # "torch", "triton" (interpreted on CPU: slow), "cpu" (the C kernel of
-                                        # cpu/attention.c) or "auto": triton on CUDA, cpu on a CPU (else torch)
-    fast_paths: bool = True             # False: the reading path, models/ and kernels/reference.py only (same
-                                        # tokens); True: on a CPU, the fast path of nanoserve/cpu/ (the runner)
-    c_kernels: bool = True              # the CPU fast path's C files (attention, a float32 Llama's small steps and
-                                        # matmuls), compiled with the system's C compiler on first use; False:
-                                        # the fast path in torch only (oneDNN-packed weights, grouped decodes)
+                                        # cpu/attention.c, on the "fast" path) or "auto": implementation.choose
     enforce_eager: bool | None = None   # CUDA graphs for pure-decode steps (cuda_graphs.py): None = on for CUDA,
                                         # True = off; False = on, and on a CPU the same padded path runs uncaptured
     seed: int = 0                       # seeds random weights of tiny models and unseeded requests
@@ -53,9 +53,13 @@ class EngineConfig:
     draft_num_layers: int = 2           # layers kept when the draft is the truncated target
     # Tensor parallelism (distributed/): the model split over this many processes, each with its own KV heads.
     tensor_parallel_size: int = 1
+    # The older names of `path`, still accepted (traces, scripts): not fields, so no flag or trace carries them.
+    fast_paths: InitVar[bool | None] = None   # False: path="reading"
+    c_kernels: InitVar[bool | None] = None    # False: path="torch"
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, fast_paths: bool | None = None, c_kernels: bool | None = None) -> None:
         """Check every field's type and range; a bad one raises FieldError naming it."""
+        self.path = _path(self.path, fast_paths, c_kernels)
         self.model = v.text("model", self.model)
         v.choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
         self.device = _check_device(self.device)
@@ -72,12 +76,10 @@ class EngineConfig:
         v.choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
         v.choice("preemption_policy", self.preemption_policy, ("newest", "priority", "shortest_remaining"))
         self.num_cpu_blocks = v.optional_integer("num_cpu_blocks", self.num_cpu_blocks, minimum=0)
-        v.boolean("fast_paths", self.fast_paths)
-        v.boolean("c_kernels", self.c_kernels)
         v.choice("attention_backend", self.attention_backend, ("torch", "triton", "cpu", "auto"))
-        if self.attention_backend == "cpu" and not (self.device == "cpu" and self.fast_paths and self.c_kernels):
-            raise FieldError("attention_backend", "'cpu' is the CPU fast path's C kernel: it needs device='cpu', "
-                                                  "fast_paths=True and c_kernels=True")
+        if self.attention_backend == "cpu" and not (self.device == "cpu" and self.path == "fast"):
+            raise FieldError("attention_backend", "'cpu' is the CPU fast path's C kernel: it needs device='cpu' "
+                                                  "and path='fast'")
         if self.enforce_eager is not None:
             v.boolean("enforce_eager", self.enforce_eager)
         self.seed = v.integer("seed", self.seed, minimum=0, maximum=2**64 - 1)
@@ -93,20 +95,6 @@ class EngineConfig:
             v.text("draft_model", self.draft_model)
         self.draft_num_layers = v.integer("draft_num_layers", self.draft_num_layers, minimum=1)
         self.tensor_parallel_size = v.integer("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
-
-    def resolved_backend(self) -> str:
-        """The attention backend this config asks for: "auto" is Triton on CUDA (when installed), the C kernel
-        on a CPU with the fast path and its C files on, else torch. (If the C kernel cannot be built here,
-        the runner runs torch and says so: `LLMEngine.implementation`.)"""
-        if self.attention_backend != "auto":
-            return self.attention_backend
-        if self.device.startswith("cuda"):
-            import importlib.util
-            if importlib.util.find_spec("triton") is not None:
-                return "triton"
-        if self.device == "cpu" and self.fast_paths and self.c_kernels:
-            return "cpu"
-        return "torch"
 
     def resolve(self, model_max_len: int, bytes_per_block: int, draft_bytes_per_block: int = 0) -> None:
         """Fill in num_blocks and max_model_len once the model is known.
@@ -161,6 +149,32 @@ class EngineConfig:
             if have is not None and need > have:
                 raise FieldError(name, f"asks for {_size(need)} on {device} for the KV cache and its bookkeeping "
                                        f"({pools}); only {_size(have)} is free")
+
+
+PATHS = ("fast", "torch", "reading")   # EngineConfig.path, fastest first
+OLD_NAMES = {"fast_paths": (False, "reading"), "c_kernels": (False, "torch")}   # older setting: (value, path)
+
+
+def _path(path: str, fast_paths: bool | None, c_kernels: bool | None) -> str:
+    """`path`, or what the older names ask for: fast_paths=False is "reading", c_kernels=False is "torch"."""
+    v.choice("path", path, PATHS)
+    for name, value in (("fast_paths", fast_paths), ("c_kernels", c_kernels)):
+        if value is not None:
+            v.boolean(name, value)
+    if fast_paths is False:
+        return "reading"
+    if c_kernels is False and path == "fast":
+        return "torch"
+    return path
+
+
+def current_names(settings: dict) -> dict:
+    """Engine settings by name (a trace's, a --set's) with the older names of `path` turned into it."""
+    old = {name: settings[name] for name in OLD_NAMES if name in settings}
+    if not old:
+        return dict(settings)
+    rest = {k: value for k, value in settings.items() if k not in OLD_NAMES}
+    return rest | {"path": _path(rest.get("path", "fast"), old.get("fast_paths"), old.get("c_kernels"))}
 
 
 _BOOKKEEPING_BYTES = 100   # a Block object and its place in the pool's lists

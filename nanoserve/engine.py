@@ -61,7 +61,7 @@ from nanoserve.components import Components
 from nanoserve.config import EngineConfig
 from nanoserve.display import Displayable
 from nanoserve.errors import SubscriberError
-from nanoserve.kernels.backends import prepare_backend
+from nanoserve.implementation import choose
 from nanoserve.models.loader import LoadedModel, load_model
 from nanoserve.outputs import RequestOutput, StepResult, StepStats
 from nanoserve.request import Request
@@ -109,7 +109,7 @@ class LLMEngine(Displayable):
         self.cpu_pool = parts.block_pool(config.num_cpu_blocks, config.block_size) if config.num_cpu_blocks else None
         self.kv = parts.kv_manager(self.pool, self.radix, self.cpu_pool, self.emit, clock=self.clock)
         self.scheduler = parts.scheduler(config, self.kv, self.emit, clock=self.clock)
-        backend = prepare_backend(config)     # the attention backend asked for: "torch", "triton" or "cpu"
+        backend = choose(config)              # which code runs: "auto" turned into names, once (implementation.py)
         if config.tensor_parallel_size > 1:   # the model split over processes (distributed/tensor_parallel.py)
             from nanoserve.distributed.tensor_parallel import TensorParallelRunner
             self.runner = TensorParallelRunner(model, config, backend, self.emit, lambda: self.step_count, workers)

@@ -27,12 +27,12 @@ plans are carried out here, before the forward that needs them:
 `copy_blocks` (copy-on-write, on the device) and `swap_out`/`swap_in`
 (between the device cache and a CPU copy of it, pinned when on CUDA).
 
-On a CPU with `fast_paths` on (the default), the model, the attention
-backend and the cache allocation come from the CPU fast path instead
-(nanoserve/cpu/: C kernels, packed weights, 2 MB pages); that is the one
-place the runner wires it in, and `implementation` says what runs.
-`fast_paths=False` is the reading path: the models in models/ and
+Which model view, attention backend and cache allocation run is decided
+once, in implementation.py (`choose`, then `build`): on a CPU on the "fast"
+path (the default) they come from nanoserve/cpu/ (C kernels, packed
+weights, 2 MB pages); `path="reading"` runs the models in models/ and
 kernels/reference.py's attention, nothing else, the same tokens.
+`implementation` says what runs.
 
 CUDA graphs (`graphs`, on for CUDA unless `enforce_eager`): a pure-decode step
 is padded to a batch-size bucket and replays that bucket's graph; the
@@ -42,19 +42,16 @@ padding rows.
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from nanoserve import cpu
+from nanoserve import implementation
 from nanoserve.attention import AttentionBackend, AttentionMetadata, BatchLayout, PrefillChunk
-from nanoserve.cuda_graphs import DecodeGraphs, GraphBatch, GraphSettings
+from nanoserve.cuda_graphs import DecodeGraphs, GraphBatch
+from nanoserve.implementation import Choice, Implementation
 from nanoserve.kernels.backends import make_backend
 
 
@@ -97,68 +94,26 @@ def kv_budget(model: nn.Module, config, dtype: torch.dtype) -> tuple[int, int]:
     return block_bytes, block_bytes * min(config.draft_num_layers, model.num_layers) // model.num_layers   # fewer layers
 
 
-@dataclass(frozen=True, slots=True)
-class Implementation:
-    """What computes a step, as it actually ran: the engine reports it (snapshot, EngineSynced, TUI, --stats)."""
-
-    path: str          # "reading" (fast_paths=False: models/ and kernels/reference.py only) or "fast"
-    model: str         # the model class that runs, and its file
-    attention: str     # the attention backend that runs (AttentionBackend.label)
-    matmul: str        # what multiplies the linear layers
-    note: str = ""     # why a faster part did not run, e.g. "attention.c not built: no C compiler found ..."
-
-    def summary(self) -> str:
-        """One line: "fast path: CpuLlama (cpu/llama.py) · attention cpu (cpu/attention.c) · matmul ..."."""
-        line = f"{self.path} path: {self.model} · attention {self.attention} · matmul {self.matmul}"
-        return line + (f" ({self.note})" if self.note else "")
-
-    def as_dict(self) -> dict[str, str]:
-        return dataclasses.asdict(self)
-
-
-def where(obj: object) -> str:
-    """A class's name and its file inside nanoserve: "Llama (models/llama.py)"."""
-    cls = obj if isinstance(obj, type) else type(obj)
-    try:
-        path = Path(inspect.getfile(cls)).resolve()
-        package = Path(__file__).resolve().parent
-        file = path.relative_to(package).as_posix() if path.is_relative_to(package) else path.name
-    except (TypeError, OSError):
-        file = cls.__module__
-    return f"{cls.__name__} ({file})"
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.zeros(shape, dtype=dtype, device=device)
-
-
 class ModelRunner:
     @classmethod
-    def from_config(cls, model: nn.Module, config, dtype: torch.dtype, backend: str,
+    def from_config(cls, model: nn.Module, config, dtype: torch.dtype, choice: Choice,
                     make_attention: Callable[[str, bool], AttentionBackend] = make_backend) -> ModelRunner:
-        """The runner an EngineConfig asks for, in this process (tensor parallelism has its own)."""
-        return cls(model, config.num_blocks, config.block_size, dtype, torch.device(config.device), backend,
-                   fast_paths=config.fast_paths, c_kernels=config.c_kernels, make_attention=make_attention,
-                   graphs=GraphSettings.from_config(config))
+        """The runner an EngineConfig asks for (`choice`: implementation.choose(config)), in this process."""
+        return cls(model, config.num_blocks, config.block_size, dtype, torch.device(config.device), choice,
+                   make_attention=make_attention)
 
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, backend: str = "torch", fast_paths: bool = True, c_kernels: bool = True,
-                 make_attention: Callable[[str, bool], AttentionBackend] = make_backend,
-                 graphs: GraphSettings | None = None) -> None:
-        """`backend`: "torch", "triton" or "cpu" (the C kernel: asked of the CPU fast path, which falls back
-        to torch where it cannot build it). `make_attention` builds "torch" and "triton" (components.py).
-        `graphs`: pure-decode steps padded to batch-size buckets and replayed as CUDA graphs (cuda_graphs.py)."""
+                 device: torch.device, choice: Choice = Choice(),
+                 make_attention: Callable[[str, bool], AttentionBackend] = make_backend) -> None:
+        """`choice`: which path and attention backend run, and the CUDA-graph settings (implementation.py
+        builds them; `make_attention` builds "torch" and "triton", components.py). With `choice.graphs`,
+        pure-decode steps are padded to batch-size buckets and replayed as CUDA graphs (cuda_graphs.py)."""
         self.block_size = block_size
         self.device = device
-        self.fast_paths = fast_paths
-        self.attn: AttentionBackend = make_attention("torch" if backend == "cpu" else backend, fast_paths)
-        self.model = model
-        zeros, matmul, note = partial(_zeros, device=device), "torch (nn.Linear)", ""
-        if fast_paths and device.type == "cpu":    # the CPU fast path, all of it in nanoserve/cpu/
-            fast = cpu.fast_path(model, self.attn, dtype, c_kernels, c_attention=backend == "cpu")
-            self.model, self.attn, zeros, matmul, note = fast.model, fast.attention, fast.zeros, fast.matmul, fast.note
-        self.implementation = Implementation("fast" if fast_paths else "reading", where(self.model),
-                                             self.attn.label, matmul, note)
+        built = implementation.build(model, dtype, device, choice, make_attention)
+        self.model, self.attn = built.model, built.attention
+        self.implementation: Implementation = built.implementation
+        zeros, graphs = built.zeros, choice.graphs
         # With graphs, one scratch block past the pool's last: padding rows write their K/V there.
         shape = (num_blocks + (graphs is not None), block_size, model.num_kv_heads, model.head_dim)
         # One (k_cache, v_cache) pair per layer.

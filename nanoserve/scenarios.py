@@ -251,16 +251,19 @@ def request_args(arrival: Arrival, chat: bool, tokenizer) -> tuple[str | list[in
 class ScenarioRunner:
     """Steps an engine through a scenario: adds each request at its step, then steps."""
 
-    def __init__(self, scenario: Scenario, model: str = "tiny-llama", loaded=None, components=None) -> None:
+    def __init__(self, scenario: Scenario, model: str = "tiny-llama", loaded=None, components=None,
+                 settings: dict | None = None) -> None:
+        """`settings`: EngineConfig fields over the scenario's own (the command line's engine flags)."""
         from nanoserve.config import EngineConfig
         from nanoserve.engine import LLMEngine
-        from nanoserve.models.loader import load_model
 
         self.scenario = scenario
-        loaded = loaded or load_model(model)
+        settings = settings or {}
+        loaded = loaded or load_for(model, settings)
         self.chat = has_chat_template(loaded.tokenizer) and scenario.chat is not None
         workload = scenario.workload(self.chat)
-        self.engine = LLMEngine(EngineConfig(model=model, **workload.config), loaded=loaded, components=components)
+        config = EngineConfig(**{**workload.config, **settings, "model": model})
+        self.engine = LLMEngine(config, loaded=loaded, components=components)
         self.pending = sorted(workload.arrivals, key=lambda a: a.step)
         self.add_due()                     # the first arrivals wait in the queue before step 1
 
@@ -284,13 +287,24 @@ class ScenarioRunner:
         return result
 
 
+def load_for(model: str, settings: dict):
+    """The model loaded as engine settings ask (dtype, device, seed: none of them a scenario's own)."""
+    import torch
+
+    from nanoserve.models.loader import load_model
+
+    dtype = getattr(torch, settings.get("dtype", "float32"))
+    return load_model(model, dtype, settings.get("device", "cpu"), settings.get("seed", 0))
+
+
 def record(name: str, path: str | Path, model: str = "tiny-llama", max_steps: int = 1000, loaded=None,
-           components=None) -> int:
+           components=None, settings: dict | None = None) -> int:
     """Run scenario `name` to the end, writing every event to `path`; returns the number of steps.
-    `components` (a `Components`) runs the engine with replaced parts, e.g. a lab's."""
+    `components` (a `Components`) runs the engine with replaced parts, e.g. a lab's; `settings` are
+    EngineConfig fields over the scenario's."""
     from nanoserve.trace import JsonlRecorder
 
-    runner = ScenarioRunner(get_scenario(name), model, loaded=loaded, components=components)
+    runner = ScenarioRunner(get_scenario(name), model, loaded=loaded, components=components, settings=settings)
     with runner.engine, JsonlRecorder(path) as recorder:   # (the engine stops any worker processes at the end)
         runner.engine.subscribe(recorder)
         steps = 0

@@ -45,12 +45,14 @@ for rejected positions).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from nanoserve.block_pool import BlockPool
+from nanoserve.implementation import Choice, choose
 from nanoserve.runner import ModelRunner, RunInput
 from nanoserve.sampler import SampledToken, SamplingRow, draw, probs
 from nanoserve.sequence import Sequence
@@ -167,14 +169,13 @@ class DraftModelProposer:
     method = "draft"
 
     def __init__(self, model: nn.Module, k: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, eos_token_id: int | None, backend: str = "torch",
-                 fast_paths: bool = True, c_kernels: bool = True) -> None:
+                 dtype: torch.dtype, device: torch.device, eos_token_id: int | None,
+                 choice: Choice = Choice()) -> None:
         self.k = k
         self.eos = eos_token_id
         self.pool = BlockPool(num_blocks, block_size)
-        # The draft model runs with the engine's speed switches, so switching one off switches it off here too.
-        self.runner = ModelRunner(model, num_blocks, block_size, dtype, device, backend,
-                                  fast_paths=fast_paths, c_kernels=c_kernels)
+        # The draft model runs the engine's path and attention (implementation.choose), without CUDA graphs.
+        self.runner = ModelRunner(model, num_blocks, block_size, dtype, device, choice)
         self.states: dict[str, _DraftState] = {}
 
     def propose(self, seqs: list[Sequence], limits: dict[str, int]) -> Drafts:
@@ -274,8 +275,8 @@ def build_proposer(config, loaded, dtype: torch.dtype):
             raise ValueError(f"draft model {config.draft_model!r} has a vocabulary of {draft.config.vocab_size} "
                              f"tokens, the target {target.config.vocab_size}: they must share a tokenizer")
     return DraftModelProposer(draft, k, config.num_blocks, config.block_size, dtype,
-                              torch.device(config.device), loaded.eos_token_id, config.resolved_backend(),
-                              fast_paths=config.fast_paths, c_kernels=config.c_kernels)
+                              torch.device(config.device), loaded.eos_token_id,
+                              dataclasses.replace(choose(config), graphs=None))
 
 
 # -- the engine's side: propose before scheduling, decide after the forward ----------------

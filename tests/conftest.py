@@ -85,6 +85,47 @@ def tiny_gpt2(tiny_gpt2_dir):
     return load_model(tiny_gpt2_dir, device=DEVICE)
 
 
+# The server tests' model (test_serve.py, test_serve_clients.py): tiny-llama with a chat template.
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from serve_helpers import save_chat_model
+
+    return save_chat_model(tmp_path_factory.mktemp("chat-llama"))
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    return load_model(model_dir)
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    """LLM.generate on the same weights: what every response of the server must equal."""
+    from serve_helpers import CONFIG
+
+    from nanoserve import LLM, SamplingParams
+
+    llm = LLM(model_dir, **CONFIG)
+    return lambda prompts, **params: llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
+
+
+class FullDisk:
+    """A file that takes `room` more bytes, then fails as a full disk does (maybe half way through a write)."""
+
+    def __init__(self, real, room: int) -> None:
+        self.real, self.room = real, room
+
+    def write(self, data) -> int:
+        if self.room <= 0:
+            raise OSError(28, "No space left on device")
+        n = min(len(data), self.room)
+        self.room -= n
+        return self.real.write(bytes(data[:n]))
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
 @contextlib.contextmanager
 def without_c_compiler(monkeypatch, *loads):
     """$CC points nowhere and `loads` (cached kernel loaders) forget their libraries, for the duration:

@@ -263,7 +263,7 @@ def run_mixed_batch(block_size, hq, hkv, decode_lens, prefill_specs, seed):
     layout = BatchLayout(block_size, torch.cat(slots), list(decode_lens),
                          [seqs[i][0] for i in range(len(decode_lens))], prefills)
     q, k, v = torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows)
-    backends = [TorchBackend(fast=False), TorchBackend(fast=True, group_size=2)]
+    backends = [TorchBackend(grouped=False), TorchBackend(grouped=True, group_size=2)]
     if cpu_attention.load(torch.float32) is not None:    # the CPU backend: store and every row in C
         backends.append(CpuBackend(cpu_attention.load(torch.float32), cpu_attention.load_store(torch.float32)))
     outs, caches = [], []
@@ -337,9 +337,9 @@ def test_fast_path_multiplies_a_bf16_cache_in_float32():
     v_new = torch.stack([v[-1] for _, v in full])
     slots = torch.cat([cache.slots(t, L - 1, L) for t, L in zip(tables, lens)])
     layout = BatchLayout(bs, slots, lens, tables)
-    fast = TorchBackend(fast=True, compute_dtype=torch.float32)
+    fast = TorchBackend(grouped=True, compute_dtype=torch.float32)
     got = paged_attention(q, k_new, v_new, cache.k, cache.v, fast.prepare(layout), 0.3)
-    plain = TorchBackend(fast=False)
+    plain = TorchBackend(grouped=False)
     got_plain = paged_attention(q, k_new, v_new, cache.k, cache.v, plain.prepare(layout), 0.3)
     for i, (k, v) in enumerate(full):
         want = naive_attention(q[i : i + 1].float(), k.float(), v.float(), 0.3)[0]

@@ -54,7 +54,7 @@ def test_every_generate_flag_is_named_after_its_field():
     from nanoserve.sampling_params import SamplingParams
 
     gen = subparser(build_parser(), "generate")
-    groups = {g.title: {a.dest for a in g._group_actions} for g in gen._action_groups}
+    groups = {g.title: {getattr(a, "field", a.dest) for a in g._group_actions} for g in gen._action_groups}
     assert groups["engine"] <= {f.name for f in dataclasses.fields(EngineConfig)}
     assert groups["sampling"] <= {f.name for f in dataclasses.fields(SamplingParams)}
     flags = field_flags(gen)
@@ -74,7 +74,7 @@ def test_field_error_names_the_flag(field, flag):
 def test_field_error_from_the_config_reaches_the_user_as_a_flag(capsys, monkeypatch):
     import nanoserve.config
 
-    def reject(self):
+    def reject(self, *older_names):    # (EngineConfig's InitVars: fast_paths, c_kernels)
         raise FieldError("max_num_batched_tokens", "must be at least 1, got 0")
 
     monkeypatch.setattr(nanoserve.config.EngineConfig, "__post_init__", reject)

@@ -153,7 +153,7 @@ def test_store_refuses_a_slot_outside_the_pool_and_writes_nothing():
 
 def test_engine_tokens_equal_with_the_kernel_on_and_off(tiny_llama):
     on = make_engine(tiny_llama, block_size=4, num_blocks=64)
-    off = make_engine(tiny_llama, block_size=4, num_blocks=64, c_kernels=False)
+    off = make_engine(tiny_llama, block_size=4, num_blocks=64, path="torch")
     assert isinstance(on.runner.attn, CpuBackend) and on.implementation.attention.startswith("cpu")
     assert isinstance(off.runner.attn, TorchBackend) and off.implementation.attention.startswith("torch")
     prompts = [[5, 9, 200, 31, 7, 7, 100], [3, 1, 4, 1, 5], [42], list(range(30, 53))]
@@ -168,7 +168,7 @@ def test_a_failed_build_falls_back_to_torch(tiny_llama, monkeypatch):
     with without_c_compiler(monkeypatch, cpu_decode.library, cpu_decode.load, cpu_decode.load_store):
         with pytest.warns(UserWarning, match="torch path"):
             engine = make_engine(tiny_llama, block_size=4, num_blocks=64)
-        assert isinstance(engine.runner.attn, TorchBackend) and engine.runner.attn.fast
+        assert isinstance(engine.runner.attn, TorchBackend) and engine.runner.attn.grouped
         # ... and says so: what ran, and why not the C kernel
         assert engine.implementation.attention.startswith("torch")
         assert "attention.c not built: no C compiler found" in engine.implementation.note

@@ -5,7 +5,7 @@
   batch, widths that are not a multiple of the vector width, extreme inputs;
 * bad arguments are refused with a ValueError naming them, before the C code runs;
 * the whole model: the same logits as llama.py through the packed view, and the
-  same greedy tokens with the CPU path on, off (`c_kernels=False`) and plain;
+  same greedy tokens with the CPU path on, off (`path="torch"`) and plain (`path="reading"`);
 * where it does not apply (GPT-2, bf16 without bf16 units, a tensor-parallel shard) or cannot be
   built, the runner keeps the torch path;
 * the memory hints of cpu/memory.py change nothing but speed.
@@ -23,6 +23,7 @@ from nanoserve.cpu import linear as cpu_linear
 from nanoserve.cpu import ops as cpu_ops
 from nanoserve.cpu.llama import CpuLlama, supports
 from nanoserve.cpu.memory import huge_page_zeros, keep_freed_memory
+from nanoserve.implementation import Choice
 from nanoserve.models.llama import Llama, RMSNorm, apply_rotary
 from nanoserve.runner import ModelRunner, RunInput
 
@@ -145,8 +146,8 @@ def prompts_inputs():
 @needs_ops
 def test_cpu_llama_logits_match_the_packed_view(tiny_llama):
     fast = make_engine(tiny_llama, block_size=4, num_blocks=64)
-    torch_only = make_engine(tiny_llama, block_size=4, num_blocks=64, c_kernels=False)
-    plain = make_engine(tiny_llama, block_size=4, num_blocks=64, fast_paths=False)
+    torch_only = make_engine(tiny_llama, block_size=4, num_blocks=64, path="torch")
+    plain = make_engine(tiny_llama, block_size=4, num_blocks=64, path="reading")
     assert isinstance(fast.runner.model, CpuLlama)
     assert not isinstance(torch_only.runner.model, CpuLlama) and not isinstance(plain.runner.model, CpuLlama)
     logits = [e.runner.run(e.runner.prepare(prompts_inputs())) for e in (fast, torch_only, plain)]
@@ -170,7 +171,7 @@ def test_bf16_cpu_llama_matches_the_reading_path(tiny_llama_dir, panels, monkeyp
         monkeypatch.setattr(cpu_matmul, "load", lambda dtype=torch.float32: None)
     loaded = load_model(tiny_llama_dir, torch.bfloat16)
     fast = make_engine(loaded, dtype="bfloat16", block_size=4, num_blocks=64)
-    plain = make_engine(loaded, dtype="bfloat16", block_size=4, num_blocks=64, fast_paths=False)
+    plain = make_engine(loaded, dtype="bfloat16", block_size=4, num_blocks=64, path="reading")
     assert isinstance(fast.runner.model, CpuLlama)
     assert fast.implementation.matmul == ("panels bf16 (cpu/matmul_bf16.c)" if panels
                                           else "oneDNN packed bf16 (cpu/linear.py)")
@@ -185,7 +186,7 @@ def test_bf16_cpu_llama_matches_the_reading_path(tiny_llama_dir, panels, monkeyp
 @needs_ops
 def test_greedy_tokens_equal_with_the_cpu_path_on_and_off(tiny_llama):
     outs = []
-    for config in ({}, {"c_kernels": False}, {"fast_paths": False}):
+    for config in ({}, {"path": "torch"}, {"path": "reading"}):
         engine = make_engine(tiny_llama, block_size=4, num_blocks=64, max_num_batched_tokens=16, **config)
         for i in range(5):     # mixed prefill chunks and decodes in one step
             engine.add_request(str(i), list(range(3 + 7 * i, 20 + 9 * i)),
@@ -224,7 +225,7 @@ def test_cpu_llama_matches_llama_on_other_shapes(overrides):
     """Prefill then a decode step through both runners: the same logits to float32 rounding."""
     model = random_llama(**overrides)
     assert supports(model)
-    runners = [ModelRunner(model, 16, 4, torch.float32, torch.device("cpu"), c_kernels=c) for c in (True, False)]
+    runners = [ModelRunner(model, 16, 4, torch.float32, torch.device("cpu"), Choice(path)) for path in ("fast", "torch")]
     assert isinstance(runners[0].model, CpuLlama) and not isinstance(runners[1].model, CpuLlama)
     prompts = [[5, 9, 20, 31, 7, 7, 60], [3, 1, 4, 1, 5], [42]]
     prefill = [RunInput(p, 0, [2 * i, 2 * i + 1]) for i, p in enumerate(prompts)]
@@ -261,12 +262,12 @@ def test_where_it_does_not_apply(tiny_llama, tiny_gpt2, tiny_llama_dir, monkeypa
 
 @needs_ops
 def test_a_draft_model_follows_the_engines_switch(tiny_llama):
-    """Speculative decoding's draft runner takes c_kernels from the engine, as the target's runner does."""
-    for c_kernels in (True, False):
+    """Speculative decoding's draft runner takes the engine's path, as the target's runner does."""
+    for path in ("fast", "torch"):
         engine = make_engine(tiny_llama, block_size=4, num_blocks=64, speculative_method="draft",
-                             draft_num_layers=1, c_kernels=c_kernels)
-        assert isinstance(engine.runner.model, CpuLlama) == c_kernels
-        assert isinstance(engine.proposer.runner.model, CpuLlama) == c_kernels
+                             draft_num_layers=1, path=path)
+        assert isinstance(engine.runner.model, CpuLlama) == (path == "fast")
+        assert isinstance(engine.proposer.runner.model, CpuLlama) == (path == "fast")
 
 
 def test_a_failed_build_keeps_the_torch_path(tiny_llama, monkeypatch):

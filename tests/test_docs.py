@@ -155,6 +155,22 @@ def test_output_fits_100_columns(page: Path):
     assert not wide, f"{len(wide)} output line(s) wider than 100 columns, first: {wide[0]!r}"
 
 
+# "20 modules", "3348 non-blank lines", or a generated fact that is a count or a size of the code.
+SIZES = re.compile(r"(\d[\d,]*|<!--/gen-->)\s*(non-blank\s+)?(lines|modules)\b"
+                   r"|<!--gen:[\w.-]*(lines|nonblank|_count|longest)[\w.-]*-->", re.IGNORECASE)
+# A limit a lesson's script asserts on the code the student writes (not a size of nanoserve).
+LIMITS = {"lessons/11-write-a-viewer.md": "30 lines"}
+
+
+@pytest.mark.parametrize("page", CODE_PAGES, ids=[str(p.relative_to(DOCS)) for p in CODE_PAGES])
+def test_prose_states_no_line_or_module_counts(page: Path):
+    """A page states facts that teach, not sizes: a size changes with every edit that keeps behaviour, and
+    then the docs would need regenerating for nothing. (The route of a request is a list of modules.)"""
+    allowed = LIMITS.get(str(page.relative_to(DOCS)))
+    found = [m[0] for m in SIZES.finditer(page.read_text()) if m[0] != allowed]
+    assert not found, f"{page.relative_to(DOCS)} states sizes of the code: {found}"
+
+
 def test_no_design_notes_cited():
     """Our internal design notes are not something a reader can open: cite real sources (papers, vLLM, SGLang)."""
     found = []

@@ -80,14 +80,14 @@ def expected(tiny_llama_dir, tiny_gpt2_dir):
     return get
 
 
-@pytest.mark.parametrize("fast_paths", [True, False], ids=["fast", "plain"])
+@pytest.mark.parametrize("path", ["fast", "reading"])
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_matches_hf(kind, name, fast_paths, expected, tiny_llama, tiny_gpt2):
-    """Every config with the runner's speed paths on and off (runner.py): the same tokens as HF."""
+def test_greedy_matches_hf(kind, name, path, expected, tiny_llama, tiny_gpt2):
+    """Every config on the fast and the reading path (implementation.py): the same tokens as HF."""
     loaded = tiny_llama if kind == "llama" else tiny_gpt2
     config, must_preempt = CONFIGS[name]
-    got, preempted = engine_greedy(loaded, prompts(257), MAX_TOKENS, fast_paths=fast_paths, **config)
+    got, preempted = engine_greedy(loaded, prompts(257), MAX_TOKENS, path=path, **config)
     assert got == expected(kind)
     if must_preempt:
         assert preempted > 0, "the pool was meant to be small enough to force preemption"

@@ -6,30 +6,11 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from serve_helpers import CONFIG, client, on_engine, running_server, save_chat_model, wait_idle
+from serve_helpers import client, on_engine, running_server, wait_idle
 
-from nanoserve import LLM, SamplingParams
-from nanoserve.models.loader import load_model
 from nanoserve.trace import fold, fold_all, read_trace, synced_event
 
 PROMPTS = ["Hello", "The capital of France is", "Once upon a time, in a land far away,", "abc"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_chat_model(tmp_path_factory.mktemp("chat-llama"))
-
-
-@pytest.fixture(scope="module")
-def loaded(model_dir):
-    return load_model(model_dir)
-
-
-@pytest.fixture(scope="module")
-def offline(model_dir):
-    """LLM.generate on the same weights: what every response must equal."""
-    llm = LLM(model_dir, **CONFIG)
-    return lambda prompts, **params: llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
 
 
 @pytest.fixture(scope="module")

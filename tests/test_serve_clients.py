@@ -18,29 +18,10 @@ import httpx
 import openai
 import pytest
 import torch
-from serve_helpers import CONFIG, check_clean, client, on_engine, running_server, save_chat_model, wait_idle
-
-from nanoserve import LLM, SamplingParams
-from nanoserve.models.loader import load_model
+from serve_helpers import CONFIG, check_clean, client, on_engine, running_server, wait_idle
 
 PROMPTS = ["Hello", "The capital of France is", "abc"]
 IDS = [[72, 101, 108, 108, 111], [66, 121, 101, 32, 98, 121, 101]]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_chat_model(tmp_path_factory.mktemp("chat-llama"))
-
-
-@pytest.fixture(scope="module")
-def loaded(model_dir):
-    return load_model(model_dir)
-
-
-@pytest.fixture(scope="module")
-def offline(model_dir):
-    llm = LLM(model_dir, **CONFIG)
-    return lambda prompts, **params: llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import time
 
 import httpx
 import pytest
+from conftest import FullDisk
 from serve_helpers import check_clean, on_engine, running_server, save_chat_model, wait_idle
 
 from nanoserve import events as ev
@@ -233,23 +234,6 @@ def test_the_metrics_and_an_events_watcher_fail(server, loaded, monkeypatch):
         assert list(stream.iter_lines()) is not None        # the stream ends (closed); nothing hangs
     monkeypatch.undo()
     still_serving(url, srv, loaded.name)
-
-
-class FullDisk:
-    """The recorder's file, failing like a full disk once `room` more bytes are written."""
-
-    def __init__(self, real, room: int) -> None:
-        self.real, self.room = real, room
-
-    def write(self, data) -> int:
-        if self.room <= 0:
-            raise OSError(28, "No space left on device")
-        n = min(len(data), self.room)
-        self.room -= n
-        return self.real.write(bytes(data[:n]))
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
 
 
 def test_record_onto_a_full_disk(loaded, tmp_path):

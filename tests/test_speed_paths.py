@@ -1,4 +1,4 @@
-"""The runner's speed paths (EngineConfig.fast_paths) against the plain path they stand beside.
+"""The runner's speed paths (EngineConfig.path="fast") against the plain path they stand beside.
 
 Greedy parity with Hugging Face for both settings is in test_parity.py; here:
 
@@ -31,13 +31,13 @@ def layout(bs: int = 4) -> BatchLayout:
 
 
 def test_torch_backend_builds_only_torch_tensors():
-    meta = TorchBackend(fast=False).prepare(layout())
+    meta = TorchBackend(grouped=False).prepare(layout())
     assert isinstance(meta, TorchMetadata)
     assert [(g.start, g.end) for g in meta.decode_groups] == [(0, 2)]          # plain: one group
     assert meta.decode_groups[0].block_tables.tolist() == [[0, 1, 2], [3, 0, 0]]
     assert meta.decode_groups[0].mask.shape == (2, 1, 1, 12)
     assert not hasattr(meta, "prefill_query_start")                             # no Triton arrays
-    fast = TorchBackend(fast=True, group_size=1).prepare(layout())
+    fast = TorchBackend(grouped=True, group_size=1).prepare(layout())
     assert [g.block_tables.tolist() for g in fast.decode_groups] == [[[0, 1, 2]], [[3]]]   # no padding
 
 
@@ -95,7 +95,7 @@ def test_bf16_engine_on_a_cpu_without_bf16_units(tiny_llama_dir, monkeypatch, ha
     loaded = load_model(tiny_llama_dir, torch.bfloat16)
     # (torch attention: the C kernel, the default, reads a bf16 cache with float32 math itself)
     fast = make_engine(loaded, dtype="bfloat16", block_size=4, num_blocks=64, attention_backend="torch")
-    plain = make_engine(loaded, dtype="bfloat16", block_size=4, num_blocks=64, fast_paths=False)
+    plain = make_engine(loaded, dtype="bfloat16", block_size=4, num_blocks=64, path="reading")
     # Only a CPU without bf16 units gets the float32 view; one with them multiplies bf16 weights (in the CPU
     # Llama path, cpu/llama.py): packed in matmul_bf16.c's panels where it builds (AVX512-BF16), else by
     # oneDNN. The loaded model stays bf16 either way.
@@ -118,9 +118,12 @@ def test_bf16_engine_on_a_cpu_without_bf16_units(tiny_llama_dir, monkeypatch, ha
     torch.testing.assert_close(logits[0].log_softmax(-1), logits[1].log_softmax(-1), atol=0.1, rtol=0)
 
 
-def test_fast_paths_must_be_a_bool():
+def test_path_is_one_of_three_and_its_older_names_still_read():
+    with pytest.raises(ValueError, match="path"):
+        EngineConfig(path="quick")
     with pytest.raises(ValueError, match="fast_paths"):
         EngineConfig(fast_paths="yes")
+    assert EngineConfig(fast_paths=False).path == "reading" and EngineConfig(c_kernels=False).path == "torch"
 
 
 def test_fp32_view_has_its_own_hooks():

@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from conftest import FullDisk
 
 from nanoserve.cli import main
 from nanoserve.trace import JsonlRecorder, TraceWarning, read_trace
@@ -172,23 +173,6 @@ def test_a_cut_last_line_is_left_out_with_a_warning(capsys, tmp_path):
     path.write_bytes(cut + b"\n" + whole.splitlines()[-1] + b"\n")
     with pytest.raises(ValueError, match=f"{path}:{len(events) + 1}:"):
         load_trace(path)
-
-
-class FullDisk:
-    """A file that takes `room` more bytes, then fails as a full disk does (maybe half way through a write)."""
-
-    def __init__(self, real, room: int) -> None:
-        self.real, self.room = real, room
-
-    def write(self, data) -> int:
-        if self.room <= 0:
-            raise OSError(28, "No space left on device")
-        n = min(len(data), self.room)
-        self.room -= n
-        return self.real.write(bytes(data[:n]))
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
 
 
 def test_a_recorder_on_a_full_disk_keeps_whole_lines(tmp_path):

@@ -395,7 +395,7 @@ class NanoserveApp(App[None]):
 def make_source(model: str | None = None, replay: str | None = None, scenario: str | None = None,
                 components=None, overrides: dict | None = None, explain=None) -> Source:
     """The source for the command line's choice; ValueError / OSError on bad input.
-    `overrides`: engine settings over the scenario's (`--reading-path`: {"fast_paths": False}); `explain`: for
+    `overrides`: engine settings over the scenario's (`--reading-path`: {"path": "reading"}); `explain`: for
     `--lab`, a failed step's exception -> (where and what, hint), shown in one panel."""
     if replay is not None:
         if model is not None or scenario is not None or components is not None or overrides:

@@ -59,7 +59,7 @@ class LiveSource(Source):
                  record: str | Path | None = None, components=None, overrides: dict | None = None,
                  explain=None) -> None:
         self.model = model or DEFAULT_MODEL
-        self.overrides = dict(overrides or {})       # settings over the scenario's, e.g. {"fast_paths": False}
+        self.overrides = dict(overrides or {})       # settings over the scenario's, e.g. {"path": "reading"}
         self.scenario = get_scenario(scenario) if scenario else PLAYGROUND   # ValueError when unknown
         self.record = record                          # also write every event to this JSONL trace
         self.components = components                  # `--lab`: the engine's parts replaced (None: its own)
@@ -207,7 +207,7 @@ class LiveSource(Source):
         """The worker: load the model, then execute commands until told to stop."""
         worker = get_current_worker()
         try:
-            runner = scenario_start(self.scenario, self.model, components=self.components, changes=self.overrides)
+            runner = scenario_start(self.scenario, self.model, components=self.components, settings=self.overrides)
         except Exception as exc:   # noqa: BLE001 -- any loading failure becomes one clear line
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             what = f"could not load model {self.model!r}: {reason}"
@@ -284,7 +284,7 @@ class LiveSource(Source):
         elif command == "restart":                          # a fresh engine; the loaded model stays
             scenario = get_scenario(args[0])
             new = scenario_start(scenario, self.model, runner.engine.loaded,   # may fail: the old one stays
-                                 components=self.components, changes=self.overrides)
+                                 components=self.components, settings=self.overrides)
             runner, self.scenario = self._switch(runner, new), scenario
             self._base_settings = self._settings            # a fresh start: nothing is changed yet
             self._description = f"{scenario.name} on {self.model}{self._yours()}"

@@ -24,13 +24,14 @@ including who can reach the page. The server itself is web_server.py.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import shlex
 import socket
 import sys
 
-API_KEY_ENV = "NANOSERVE_API_KEY"       # as `nanoserve serve` and `nanoserve tui --attach` read it
+from nanoserve.engine_flags import add_engine_flags, command_line, engine_settings
+from nanoserve.serve.command import API_KEY_ENV, is_loopback
+
 SEATS = {"live": 4, "replay": 40, "compare": 40, "attach": 40}   # default --max-sessions, an app per tab
 SHARED_SEATS = 200                                              # ... and with --shared (a websocket each)
 
@@ -59,6 +60,8 @@ def add_web_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-sessions", type=int, default=None, metavar="N",
                    help="browser tabs served at once, one app process each (default: "
                         + ", ".join(f"{n} {mode}" for mode, n in SEATS.items()) + ")")
+    add_engine_flags(p.add_argument_group("engine", "live mode: every tab's engine settings, over the scenario's "
+                                                    "(EngineConfig fields)"), own=("model",))
     return p
 
 
@@ -80,7 +83,7 @@ def tab_command(args: argparse.Namespace) -> list[str]:
     live = [*me, "tui", "--threads", "1"]                 # many tabs share the cores: one torch thread each
     if args.model:
         live += ["--model", args.model]
-    return live + (["--scenario", args.scenario] if args.scenario else [])
+    return live + (["--scenario", args.scenario] if args.scenario else []) + command_line(engine_settings(args))
 
 
 def check(args: argparse.Namespace) -> str:
@@ -92,6 +95,8 @@ def check(args: argparse.Namespace) -> str:
     mode = mode_of(args)
     if args.scenario is not None and mode != "live":
         raise ValueError(f"--scenario starts a live engine; --{mode} takes none")
+    if engine_settings(args) and mode != "live":
+        raise ValueError(f"engine flags set a live engine; --{mode} takes none")
     if mode == "replay":
         from nanoserve_tui.app import replay_source
         replay_source(args.replay)                        # the TUI's own check of the trace
@@ -109,15 +114,6 @@ def check(args: argparse.Namespace) -> str:
     if args.scenario is not None:
         get_scenario(args.scenario)                       # (the model's name: cli.py checks it, as for `tui`)
     return f"nanoserve: {args.scenario or 'playground'} on {args.model or 'tiny-llama'}"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def lan_address() -> str | None:

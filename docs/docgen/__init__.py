@@ -57,7 +57,7 @@ JOBS = [
                                          "memory-pressure pictures"),
     Job("memory", "memory", about="prefix-cache, fork, preemption pictures and their captions"),
     Job("life", "life", about="life-of-a-request.md: one request through the modules"),
-    Job("kernels", "kernel_facts", about="concepts/kernels.md: the C files' functions, sizes and exp, read from them; "
+    Job("kernels", "kernel_facts", about="concepts/kernels.md: the C files' functions and exp, read from them; "
                                          "`gpu_check.py --dry-run` (the resource tables: "
                                          "benchmarks/kernel_resources.py --write-docs)"),
     Job("serving", "serving", about="serve.md: the architecture picture (docs/img/make_serving_pictures.py)"),

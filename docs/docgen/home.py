@@ -42,8 +42,8 @@ def home(read, out: Result) -> None:
         "r1_table": _ranges(r1["block_table"]), "r2_tokens": r2["num_computed_tokens"],
         "r2_block": r2["block_table"][0], "block_size": bs,
     })
-    # counts and sizes of the code itself (docgen/sizes.py), not prose that goes stale
-    out.facts(page, "home", {"num_lessons": sizes.number(len(sizes.lessons())), **sizes.module_facts()})
+    # counts read from the repository (docgen/sizes.py), not prose that goes stale
+    out.facts(page, "home", {"num_lessons": sizes.number(len(sizes.lessons()))})
 
 
 def getting_started(read, out: Result) -> None:

@@ -1,7 +1,7 @@
 """concepts/kernels.md: the C files' facts, and what `benchmarks/gpu_check.py --dry-run` lists.
 
-How many functions each C file of the CPU fast path exports, its length and
-how much of it is comments, and what cpu_math.h says of its exp (lanes per
+Which functions each C file of the CPU fast path exports (never its length:
+a size teaches nothing and changes with every edit), and what cpu_math.h says of its exp (lanes per
 vector, error in ulp) are stated on the page from the sources, so they
 cannot drift when the C changes. The GPU check's list (the checks a GPU run
 makes, their budgets) is its own `--dry-run` output.
@@ -26,16 +26,11 @@ CPU = Path(nanoserve.__file__).parent / "cpu"
 
 
 def c_file_facts(path: Path) -> dict:
-    """Exported functions, lines, non-blank lines and the share of them that are comments."""
+    """The exported functions: how many, and their names (never the file's size: tests/test_docs.py)."""
     text = path.read_text()
     # a top-level definition that is not `static`: `int name(` or `void name(` at the start of a line
     exported = re.findall(r"^(?!static)(?:int|void|float)\s+(\w+)\s*\(", text, flags=re.MULTILINE)
-    no_strings = re.sub(r'"(?:\\.|[^"\\])*"', '""', text)
-    comment_chars = sum(len(m) for m in re.findall(r"/\*.*?\*/|//[^\n]*", no_strings, flags=re.DOTALL))
-    nonblank = [line for line in text.splitlines() if line.strip()]
-    return {"functions": len(exported), "names": ", ".join(f"`{n}`" for n in exported),
-            "lines": len(text.splitlines()), "nonblank": len(nonblank),
-            "comment_share": f"{round(100 * comment_chars / max(len(no_strings), 1) / 5) * 5} %"}
+    return {"functions": len(exported), "names": ", ".join(f"`{n}`" for n in exported)}
 
 
 def exp_facts() -> dict:
@@ -49,8 +44,7 @@ def exp_facts() -> dict:
 
 def make(read) -> Result:
     out = Result()
-    stated = {"attention": ("functions", "names", "nonblank", "comment_share"),   # what the page says of each
-              "ops": ("functions", "names", "nonblank"), "matmul": ("names", "nonblank", "comment_share")}
+    stated = {"attention": ("functions", "names"), "ops": ("functions", "names"), "matmul": ("names",)}
     for name, keys in stated.items():
         facts = c_file_facts(CPU / f"{name}.c")
         out.facts(PAGE, f"kernels.{name}", {k: facts[k] for k in keys})

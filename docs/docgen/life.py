@@ -17,7 +17,7 @@ from pathlib import Path
 from graphviz import Digraph
 
 import nanoserve
-from docgen import Result, regions, sizes
+from docgen import Result, regions
 from docgen.home import _ranges
 from docgen.pictures import graphviz_svg
 from docgen.scenarios import words
@@ -134,12 +134,6 @@ def route(step: int, **settings) -> tuple[list[str], list[str]]:
     return seen, sorted(set(c_files))
 
 
-def lines_of(modules: list[str]) -> int:
-    """Non-blank lines of these files of the package (what a reader of the route reads)."""
-    root = Path(nanoserve.__file__).parent
-    return sum(1 for m in modules for line in (root / m).read_text().splitlines() if line.strip())
-
-
 def route_list(modules: list[str], c_files: list[str]) -> str:
     items = [f"{i}. `{m}`: {ROLES[m]}" for i, m in enumerate(modules, 1)]
     items += [f"{i}. `{c}`: C, called through ctypes" for i, c in enumerate(c_files, len(modules) + 1)]
@@ -239,13 +233,10 @@ def make(read) -> Result:
     out.region(PAGE, "life.code", regions.block(CODE, "python"))
     reading, _ = route(prefill[-1].step, fast_paths=False)
     default, c_files = route(prefill[-1].step)
-    assert len(reading) <= 20, f"the reading path's route has {len(reading)} modules (the page promises at most 20)"
-    out.facts(PAGE, "life", {
-        "route_step": prefill[-1].step, "route_count": len(reading), "route_lines": lines_of(reading),
-        "fast_count": len(default), "fast_c": len(c_files), "fast_lines": lines_of(default),
-        "fast_only": words([f"`{m}`" for m in default if m not in reading]),
+    assert len(reading) <= 20, f"the reading path's route has {len(reading)} modules (at most 20 stay readable)"
+    out.facts(PAGE, "life", {   # the route as lists of modules; never their counts or sizes (tests/test_docs.py)
+        "route_step": prefill[-1].step, "fast_only": words([f"`{m}`" for m in default if m not in reading]),
     })
     out.region(PAGE, "life.route", route_list(reading, []))
     out.region(PAGE, "life.fast_route", route_list(default, c_files))
-    out.facts(PAGE, "life", {"longest": sizes.module_facts()["longest"]})   # the reading order's sizes
     return out

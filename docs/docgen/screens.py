@@ -1,7 +1,7 @@
-"""The TUI's own screenshots (`docs/img/tui-*.svg`), shot the way `nanoserve_tui.screenshots` shoots them.
+"""The TUI's own screenshots (`docs/img/tui-*.svg`): `python docs/generate.py screens`.
 
 Each scenario is recorded on tiny-llama, replayed headless at 160×50, and
-saved at its showcase step (the memory-pressure one also at 100×30). The tour
+saved at its showcase step (`nanoserve_tui.screenshots.showcase_step`) (the memory-pressure one also at 100×30). The tour
 page's sentences about the 100×30 layout are checked on that screenshot's text.
 """
 
@@ -23,8 +23,8 @@ from nanoserve_tui.widgets.pool import PoolGrid
 
 
 async def shoot(trace: Path, step: int, size: tuple[int, int], out: Path, select: str | None = None) -> None:
-    """`nanoserve_tui.screenshots.shoot`, waiting until the screen has settled: the key bar at the bottom
-    is drawn a refresh or two after the panels, and a screenshot taken before it would differ."""
+    """The app's own SVG screenshot at `step` (`select`: show this request's last block), taken once the
+    screen has settled: the key bar at the bottom is drawn a refresh or two after the panels."""
     source = ReplaySource.from_path(trace)
     source.position = next(i for i, group in enumerate(source.groups)
                            if any(isinstance(e, ev.StepStarted) and e.step == step for e in group))

@@ -3,11 +3,13 @@
 The code a student reads — models/llama.py, models/gpt2.py, kernels/reference.py
 behind kernels/torch_backend.py — computes every step on any device. On a CPU
 that is several times slower than it needs to be, so by default the runner
-swaps parts of it for the ones here. Only the runner imports this package
-(tests/test_import_graph.py checks it), in one call, `fast_path()`, and the
-engine says what ran (`LLMEngine.implementation`, the TUI header, `--stats`).
-`EngineConfig(fast_paths=False)` (`--reading-path` on the command line) runs
-none of it: the reading path, the same tokens.
+swaps parts of it for the ones here. Only the resolver of which
+code runs imports this package (implementation.py; tests/test_import_graph.py
+checks it), in one call, `fast_path()`, and the engine says what ran
+(`LLMEngine.implementation`, the TUI header, `--stats`).
+`EngineConfig(path="reading")` (`--reading-path` on the command line) runs
+none of it: the reading path, the same tokens; `path="torch"` runs it without
+the C files.
 
     build.py      compile a C file with the system's compiler on first use, cache the library
     cpu_math.h    what the C files share: vector types (8 floats, and the CPU's widest), a vectorisable exp
@@ -27,15 +29,15 @@ none of it: the reading path, the same tokens.
 
 What `fast_path()` picks (each part falls back alone, and says why):
 
-    model      CpuLlama (a float32 Llama, or a bf16 one on a CPU with bf16 units; `c_kernels` on,
+    model      CpuLlama (a float32 Llama, or a bf16 one on a CPU with bf16 units; the C files allowed,
                ops.c built), else the loaded model with its linear layers swapped (linear.py),
                else the loaded model itself
     matmul     float32: matmul.c's panels (oneDNN-packed where matmul.c is not built); bf16 on a CPU
                with bf16 units: matmul_bf16.c's panels (AVX512-BF16), else oneDNN-packed bf16 weights on
                those units (AMX without AVX512-BF16, or matmul_bf16.c not built); bf16 without them:
                float32 copies of the weights, oneDNN-packed
-    attention  the "cpu" backend (`c_kernels` on, attention.c built, a float32 or bf16 cache),
-               else the torch backend the runner made
+    attention  the "cpu" backend (when chosen: attention.c built, a float32 or bf16 cache), else
+               None: the torch backend (float32 math on a bf16 cache when `upcast`)
     KV cache   allocated with 2 MB pages (memory.py)
 """
 
@@ -55,8 +57,6 @@ from nanoserve.cpu.backend import CpuBackend
 from nanoserve.cpu.linear import can_pack, can_pack_dtype, cpu_linear_view, half_matmuls_need_fp32
 from nanoserve.cpu.llama import cpu_llama_view
 from nanoserve.cpu.memory import huge_page_zeros, keep_freed_memory
-from nanoserve.kernels import reference
-from nanoserve.kernels.torch_backend import TorchBackend
 
 
 @dataclass(slots=True)
@@ -64,25 +64,24 @@ class FastPath:
     """What the runner uses on a CPU, and how to say so."""
 
     model: nn.Module                 # a view of the loaded model (which is never changed), or the model itself
-    attention: AttentionBackend      # the "cpu" backend, or the runner's own
+    attention: AttentionBackend | None   # the "cpu" backend when asked for and built; None: torch's
+    upcast: bool                     # a bf16 cache on a CPU without bf16 units: torch attention in float32 is faster
     zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]   # allocates the KV cache
     matmul: str                      # what multiplies the linear layers
     note: str = ""                   # why a part fell back ("" when everything here runs)
 
 
-def fast_path(model: nn.Module, attention: AttentionBackend, dtype: torch.dtype, c_kernels: bool,
-              c_attention: bool) -> FastPath:
+def fast_path(model: nn.Module, dtype: torch.dtype, c_files: bool, c_attention: bool) -> FastPath:
     """The CPU versions of the model, its attention and its KV cache (see the module docstring).
 
-    `c_kernels`: the C files may be used (EngineConfig.c_kernels); `c_attention`: the "cpu" attention
-    backend was asked for. `attention` is the backend the runner built; it is replaced only when it is
-    the engine's own torch backend (a lab's backend, a student's code, always runs as given)."""
+    `c_files`: the C files may be used (the "fast" path; "torch" leaves them out); `c_attention`: the
+    "cpu" attention backend was chosen (implementation.choose)."""
     keep_freed_memory()
     notes, failed = [], []      # why parts fell back; the C files this tried to build
     upcast = half_matmuls_need_fp32(dtype)          # bf16 weights on a CPU without bf16 units: float32 math
     pack = can_pack() and (upcast or can_pack_dtype(dtype))   # bf16 packs where the CPU has bf16 units
     view, matmul = model, "torch (nn.Linear)"
-    if c_kernels and pack and not upcast:
+    if c_files and pack and not upcast:
         fused = cpu_llama_view(model, dtype)        # None: not a plain float32/bf16 Llama, or ops.c did not build
         if fused is not None:
             view = fused
@@ -93,17 +92,15 @@ def fast_path(model: nn.Module, attention: AttentionBackend, dtype: torch.dtype,
         view = cpu_linear_view(model, upcast, pack)
         matmul = ("oneDNN packed" + ("" if upcast else _bf16(dtype)) if pack else "torch") \
             + (", float32 math on bf16 weights" if upcast else "") + " (cpu/linear.py)"
-    own_torch = type(attention) is TorchBackend and attention.ops is reference
-    if own_torch and upcast:        # gather bf16 K/V, multiply in float32 (kernels/torch_backend.py)
-        attention = TorchBackend(fast=True, compute_dtype=torch.float32)
-    if own_torch and c_kernels and c_attention and dtype in cpu_attention.CACHE_DTYPES:
+    attention = None
+    if c_files and c_attention and dtype in cpu_attention.CACHE_DTYPES:
         attend, store = cpu_attention.load(dtype), cpu_attention.load_store(dtype)
         if attend is not None and store is not None:
             attention = CpuBackend(attend, store)
         failed.append("attention.c")
-    elif own_torch and c_kernels and c_attention:
+    elif c_files and c_attention:
         notes.append(f"the C attention kernel reads float32 and bfloat16 caches, not {str(dtype)[6:]}")
-    return FastPath(view, attention, huge_page_zeros, matmul, "; ".join(notes + _failures(failed)))
+    return FastPath(view, attention, upcast, huge_page_zeros, matmul, "; ".join(notes + _failures(failed)))
 
 
 def _bf16(dtype: torch.dtype) -> str:

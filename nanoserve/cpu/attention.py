@@ -12,7 +12,7 @@ their slots.
 It is compiled on first use and cached (cpu/build.py). Without a
 compiler, or if the build fails, `load()` warns once and returns None, and
 the engine runs the torch backend instead: the same numbers, a little
-slower. `EngineConfig(c_kernels=False)` never builds it.
+slower. `EngineConfig(path="torch")` never builds it.
 
     decode = load(torch.float32)            # None if it cannot be built here
     out = decode(q, k_cache, v_cache, block_tables, seq_lens, scale)   # [B, Hq, D]

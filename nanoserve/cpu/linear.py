@@ -34,7 +34,7 @@ the original model, which is left untouched (engines may share one loaded model)
    oneDNN does (it prefetches the next panel while multiplying this one) and
    costs a few microseconds a call instead of oneDNN's tens. The CPU Llama
    path (cpu/llama.py) uses it where the C code builds; CpuLinear
-   stays the matmul of every other model and of `c_kernels=False`.
+   stays the matmul of every other model and of `path="torch"`.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ over 25 small ops per layer. Per layer:
 
 Float32 models, and bf16 ones on a CPU with bf16 units (AVX512-BF16, AMX:
 there ops.c's bf16 build rounds to bf16 where llama.py does), on one
-process (no tensor-parallel shards). The runner uses it on a CPU with fast
-paths on and `c_kernels` on; tests/test_cpu_llama.py checks it against
+process (no tensor-parallel shards). The runner uses it on a CPU on the
+"fast" path (EngineConfig.path); tests/test_cpu_llama.py checks it against
 llama.py. The loaded model is not changed: this holds
 packed copies of its matmul weights and shares everything else.
 """

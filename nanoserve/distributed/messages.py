@@ -37,10 +37,9 @@ class PoolSpec:
     block_size: int
     dtype: str                    # "float32", "bfloat16", "float16"
     device: str
-    backend: str                  # attention backend: "torch" or "triton"
-    fast_paths: bool
+    attention: str                # attention backend: "torch", "triton" or "cpu" (implementation.choose)
+    path: str                     # "fast", "torch" or "reading" (EngineConfig.path)
     num_cpu_blocks: int = 0
-    c_kernels: bool = True       # EngineConfig.c_kernels
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ from torch import nn
 from nanoserve.distributed.layers import attach
 from nanoserve.distributed.ledger import ExpectedKV, SlotLedger
 from nanoserve.distributed.messages import AllocateSwap, Check, Load, Move, PoolSpec, RankReport, Step, Stop
+from nanoserve.implementation import Choice
 from nanoserve.runner import Batch, ModelRunner, kv_bytes_per_block
 
 
@@ -33,7 +34,7 @@ class RankRunner:
         self.rank = comm.rank
         self.kv_heads: tuple[int, ...] = shard.kv_heads
         self.runner = ModelRunner(shard, spec.num_blocks, spec.block_size, dtype, torch.device(spec.device),
-                                  spec.backend, fast_paths=spec.fast_paths, c_kernels=spec.c_kernels)
+                                  Choice(spec.path, spec.attention))
         self.ledger = SlotLedger(spec.num_blocks, spec.block_size)
         self.bytes_per_block = kv_bytes_per_block(shard, spec.block_size, dtype)
         self.allocate_swap(spec.num_cpu_blocks)

@@ -41,6 +41,7 @@ from nanoserve.distributed.ledger import ExpectedKV
 from nanoserve.distributed.messages import AllocateSwap, Check, Load, PoolSpec, RankReport, Step, Stop
 from nanoserve.distributed.rank import RankRunner, worker_main
 from nanoserve.distributed.sharding import check_shardable, shard_model
+from nanoserve.implementation import Choice
 from nanoserve.runner import Batch, RunInput
 
 
@@ -53,7 +54,7 @@ class TPBatch:
 
 
 class TensorParallelRunner:
-    def __init__(self, model: nn.Module, config, backend: str, emit: Callable[[ev.Event], None],
+    def __init__(self, model: nn.Module, config, choice: Choice, emit: Callable[[ev.Event], None],
                  current_step: Callable[[], int], workers: WorkerGroup | None = None) -> None:
         n = config.tensor_parallel_size
         check_shardable(model, n)                        # a bad size fails before any process starts
@@ -71,8 +72,8 @@ class TensorParallelRunner:
                              f"{' serving another engine' if workers.owner is not None else ''}")
         self.group = workers
         self.group.owner = self
-        self.spec = PoolSpec(config.num_blocks, config.block_size, config.dtype, config.device, backend,
-                             config.fast_paths, c_kernels=config.c_kernels)
+        self.spec = PoolSpec(config.num_blocks, config.block_size, config.dtype, config.device, choice.attention,
+                             choice.path)
         shards = [shard_model(model, r, n) for r in range(n)]
         self.kv_heads = [s.kv_heads for s in shards]     # which of the model's KV heads each rank holds
         try:

@@ -4,12 +4,12 @@ Per layer it stores the step's K/V at their slots, runs decode attention over
 the decoding sequences, then each prefill chunk causally over its cached
 prefix and itself. Every read of K/V goes through block tables.
 
-Two paths, chosen once per engine (`fast`, EngineConfig.fast_paths):
+Two ways, chosen once per engine (`grouped`: off on EngineConfig.path="reading"):
 
 * plain  one `reference.decode_attention` call over all B decodes: every
          sequence's blocks are gathered into one [B, nb * bs, Hkv, D] copy,
          padded with block 0 up to the longest sequence and masked.
-* fast   the runner puts decodes longest first and they are attended in
+* grouped the runner puts decodes longest first and they are attended in
          groups of `group_size` neighbours, each padded only to its own
          longest, so a batch of mixed lengths gathers (and multiplies) far
          less padding. With `compute_dtype=float32` (the CPU fast path sets it
@@ -17,7 +17,7 @@ Two paths, chosen once per engine (`fast`, EngineConfig.fast_paths):
          K/V are gathered in bf16, half the bytes, and multiplied in float32,
          where torch's CPU attention runs about 3x faster.
 
-Both paths compute the same attention (the tests compare them). On a CPU the
+Both compute the same attention (the tests compare them). On a CPU the
 engine runs the C kernel of nanoserve/cpu/ instead where it builds (the "cpu"
 backend, cpu/backend.py), which reads K/V in place with no copies at all.
 Measured with benchmarks/bench_decode_attention.py on one core of an AMD EPYC
@@ -67,22 +67,22 @@ class TorchMetadata(AttentionMetadata):
 class TorchBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, fast: bool = True, group_size: int = 8, compute_dtype: torch.dtype | None = None,
+    def __init__(self, grouped: bool = True, group_size: int = 8, compute_dtype: torch.dtype | None = None,
                  ops=reference):
         # The paged-attention functions (store_kv, decode_attention, prefill_attention, decode_mask,
         # prefill_mask): kernels/reference.py, or a student's copy of it (`nanoserve lab paged-attention`).
         self.ops = ops
-        self.fast = fast
+        self.grouped = grouped
         self.group_size = group_size
-        # None: multiply in the cache's dtype; float32: upcast a half-precision cache's K/V (fast path only).
+        # None: multiply in the cache's dtype; float32: upcast a half-precision cache's K/V (grouped only).
         self.compute_dtype = compute_dtype
 
     @property
     def label(self) -> str:
         """"torch (kernels/reference.py, decodes in groups of 8)", or a lab's ops module in its place."""
         ops = "kernels/reference.py" if self.ops is reference else getattr(self.ops, "__name__", "ops")
-        how = [f"decodes in groups of {self.group_size}"] if self.fast else []
-        if self.fast and self.compute_dtype is not None:
+        how = [f"decodes in groups of {self.group_size}"] if self.grouped else []
+        if self.grouped and self.compute_dtype is not None:
             how.append(f"{str(self.compute_dtype)[6:]} math")
         return f"torch ({', '.join([ops, *how])})"
 
@@ -90,7 +90,7 @@ class TorchBackend(AttentionBackend):
         dev, bs = layout.device, layout.block_size
         meta = TorchMetadata(self, layout.slot_mapping, layout.num_decodes)
         nd, prefills = layout.num_decodes, layout.prefills
-        size = self.group_size if self.fast else max(nd, 1)
+        size = self.group_size if self.grouped else max(nd, 1)
         for s in range(0, nd, size):
             tables, lens = layout.decode_block_tables[s : s + size], layout.decode_seq_lens[s : s + size]
             width = max(len(t) for t in tables)
@@ -110,16 +110,16 @@ class TorchBackend(AttentionBackend):
         # 1. Write this step's K/V first, so every query below can see its own token.
         self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        # 2. Decodes: one query each, batched (plain: one group; fast: groups of similar length).
+        # 2. Decodes: one query each, batched (plain: one group; grouped: groups of similar length).
         for g in meta.decode_groups:
             out[g.start : g.end] = self._decode(q[g.start : g.end], k_cache, v_cache, g, scale)
         # 3. Prefill chunks: causal over (cached prefix + chunk), one sequence at a time.
         for c in meta.prefills:
             out[c.start : c.end] = self.ops.prefill_attention(
                 q[c.start : c.end], k_cache, v_cache, c.block_table, c.context_len, scale, c.mask,
-                compute_dtype=self.compute_dtype if self.fast else None)
+                compute_dtype=self.compute_dtype if self.grouped else None)
         return out
 
     def _decode(self, q, k_cache, v_cache, g: DecodeGroup, scale: float) -> torch.Tensor:
         return self.ops.decode_attention(q, k_cache, v_cache, g.block_tables, g.seq_lens, scale, g.mask,
-                                          compute_dtype=self.compute_dtype if self.fast else None)
+                                          compute_dtype=self.compute_dtype if self.grouped else None)

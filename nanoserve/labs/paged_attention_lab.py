@@ -25,11 +25,11 @@ N, BS, H, D = 6, 4, 2, 3
 
 
 def _backend_for(module):
-    def make(name: str, fast_paths: bool):
+    def make(name: str, grouped: bool):
         if name != "torch":
-            return make_backend(name, fast_paths)
+            return make_backend(name, grouped)
         from nanoserve.kernels.torch_backend import TorchBackend
-        return TorchBackend(fast=fast_paths, ops=module)
+        return TorchBackend(grouped=grouped, ops=module)
     return make
 
 
@@ -108,8 +108,8 @@ def engine_runs(ctx: Context) -> None:
     from nanoserve.sampling_params import SamplingParams
     greedy = SamplingParams(max_tokens=8, temperature=0)
     reqs = [(f"r{i}", p, greedy) for i, p in enumerate(prompts(4, 13, shared=8))]
-    for fast in (True, False):
-        same_as_engine(ctx, reqs, {"num_blocks": 32, "max_num_batched_tokens": 16, "fast_paths": fast},
+    for path in ("fast", "reading"):
+        same_as_engine(ctx, reqs, {"num_blocks": 32, "max_num_batched_tokens": 16, "path": path},
                        "the engine's tokens differ with your attention (prefix hits, chunked prefill, batched "
                        "decodes of different lengths): check the masks against padding and the cached prefix")
 

@@ -138,9 +138,9 @@ def _components(m) -> Components:
     from nanoserve.kernels.backends import make_backend
     from nanoserve.kernels.triton_backend import TritonBackend
 
-    def make(name: str, fast_paths: bool):
+    def make(name: str, grouped: bool):
         if name != "triton":
-            return make_backend(name, fast_paths)
+            return make_backend(name, grouped)
         decode, prefill = worker_helper(m, f"{KERNELS}:kernels_with")   # built where the student's code runs
         return TritonBackend(decode, prefill)
     return Components(attention_backend=make)

@@ -18,6 +18,7 @@ import ipaddress
 import os
 import sys
 
+from nanoserve.engine_flags import add_engine_flags, engine_settings
 from nanoserve.serve.limits import MAX_BODY_BYTES
 
 API_KEY_ENV = "NANOSERVE_API_KEY"
@@ -43,31 +44,12 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--record", default=None, metavar="FILE", help="write every event to this JSONL trace")
     p.add_argument("--max-request-bytes", type=int, default=MAX_BODY_BYTES, metavar="N",
                    help="largest request body; larger ones get HTTP 413 (default: %(default)s)")
-    eng = p.add_argument_group("engine")
-    eng.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
-    eng.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: fill 256 MB)")
-    eng.add_argument("--max-num-seqs", type=int, default=32, help="sequences per step (default: %(default)s)")
-    eng.add_argument("--max-batched-tokens", dest="max_num_batched_tokens", type=int, default=512, metavar="N",
-                     help="token budget per step (default: %(default)s)")   # dest: the EngineConfig field
-    eng.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
-    eng.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
-    eng.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                     help="(default: %(default)s)")
-    eng.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                     help="turn the radix prefix cache off")
-    eng.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute",
-                     help="what happens to a preempted request's KV (default: %(default)s)")
-    eng.add_argument("--speculative", dest="speculative_method", choices=["ngram", "draft"], default=None,
-                     help="speculative decoding: n-gram prompt lookup, or a draft model (default: off)")
-    eng.add_argument("--num-speculative-tokens", type=int, default=4, help="(default: %(default)s)")
-    eng.add_argument("--seed", type=int, default=0, help="seeds unseeded requests (default: %(default)s)")
-    eng.add_argument("--reading-path", dest="fast_paths", action="store_false",
-                     help="run the reading path: models/ and kernels/reference.py only, none of nanoserve/cpu/ "
-                          "(EngineConfig fast_paths=False; the same tokens, slower on a CPU)")
+    add_engine_flags(p.add_argument_group("engine", "settings of the engine (EngineConfig fields)"), own=("model",))
     return p
 
 
 def is_loopback(host: str) -> bool:
+    """Whether `host` is this machine only (localhost, 127.0.0.0/8, ::1): `serve` and `web` warn otherwise."""
     if host == "localhost":
         return True
     try:
@@ -100,13 +82,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from nanoserve import EngineConfig, LLMEngine
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    config = EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-        num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-        preemption_mode=args.preemption_mode, speculative_method=args.speculative_method,
-        num_speculative_tokens=args.num_speculative_tokens, seed=args.seed, fast_paths=args.fast_paths,
-    )
+    config = EngineConfig(**engine_settings(args), model=args.model)
     try:   # bind first: a port in use should not cost a model load
         sock = listen(args.host, args.port)
     except OSError as exc:

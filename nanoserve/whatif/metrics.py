@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nanoserve import events as ev
+from nanoserve.config import current_names
 from nanoserve.fold import fold
 from nanoserve.view import ViewState
 
@@ -119,7 +120,7 @@ def measure(events) -> RunMetrics:
     for event in events:
         state = fold(state, event)
         if isinstance(event, ev.EngineSynced):
-            config = dict(event.config)
+            config = current_names(dict(event.config))   # a trace recorded before `path` says it by its name
             requests = {rid: RequestRow(rid, event.step) for rid in state.sequences}
         elif isinstance(event, (ev.RequestAdded, ev.Forked)):
             requests[event.seq_id] = RequestRow(event.seq_id, event.step)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import OLD_NAMES, EngineConfig, current_names
 from nanoserve.errors import FieldError
 
 BRANCH_SETTINGS = ("preemption_mode", "preemption_policy", "enable_prefix_caching", "block_size",
@@ -28,8 +28,9 @@ _TRUE, _FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
 
 
 def field_types() -> dict[str, str]:
-    """EngineConfig field -> its annotation as written, e.g. {"num_blocks": "int | None", ...}."""
-    return {f.name: str(f.type) for f in dataclasses.fields(EngineConfig)}
+    """EngineConfig field -> its annotation as written, e.g. {"num_blocks": "int | None", ...}; the older
+    names of `path` (fast_paths, c_kernels: booleans) are read too."""
+    return {f.name: str(f.type) for f in dataclasses.fields(EngineConfig)} | dict.fromkeys(OLD_NAMES, "bool")
 
 
 def parse_value(name: str, text: str):
@@ -63,12 +64,13 @@ def parse_sets(items: list[str]) -> dict:
         if not sep or not key:
             raise FieldError("set", f"{item!r} is not key=value (e.g. --set preemption_mode=swap)")
         if key not in types:
-            raise FieldError("set", f"{item}: {key} is not an engine setting; settings are: {', '.join(types)}")
+            raise FieldError("set", f"{item}: {key} is not an engine setting; settings are: "
+                                    f"{', '.join(t for t in types if t not in OLD_NAMES)}")
         try:
             changes[key] = parse_value(key, text.strip())
         except ValueError as exc:
             raise FieldError("set", f"{item}: {key} {exc}") from None
-    return changes
+    return current_names(changes)
 
 
 def checked_config(base: dict, changes: dict) -> EngineConfig:

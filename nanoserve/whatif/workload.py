@@ -12,7 +12,7 @@ shared by both engines.
 from __future__ import annotations
 
 from nanoserve.errors import FieldError
-from nanoserve.scenarios import Scenario, get_scenario, has_chat_template, request_args
+from nanoserve.scenarios import Scenario, get_scenario, has_chat_template, load_for, request_args
 from nanoserve.whatif.log import Command
 from nanoserve.whatif.run import FIXED, Run
 from nanoserve.whatif.settings import checked_config
@@ -29,18 +29,17 @@ def scenario_script(scenario: Scenario, chat: bool, tokenizer) -> tuple[dict, li
 
 
 def scenario_start(scenario: Scenario, model: str = "tiny-llama", loaded=None, changes: dict | None = None,
-                   components=None) -> Run:
-    """A run at step 0 of `scenario` (its first arrivals queued), with `changes` to its settings.
+                   components=None, settings: dict | None = None) -> Run:
+    """A run at step 0 of `scenario` (its first arrivals queued), with `changes` to its settings
+    (`settings`: the command line's engine flags, over the scenario's own, under `changes`).
 
     A bad change raises FieldError("set", ...), also when the engine refuses it (a pool that
     does not fit the model's memory budget is only known once the model is)."""
-    from nanoserve.models.loader import load_model
-
-    changes = changes or {}
-    loaded = loaded or load_model(model)
+    changes, settings = changes or {}, settings or {}
+    loaded = loaded or load_for(model, settings)
     chat = has_chat_template(loaded.tokenizer) and scenario.chat is not None
     config, script = scenario_script(scenario, chat, loaded.tokenizer)
-    config = checked_config({**config, "model": model}, changes)
+    config = checked_config({**config, **settings, "model": model}, changes)
     try:
         return Run.start(config, loaded=loaded, script=script, components=components)
     except FieldError as exc:
@@ -55,15 +54,16 @@ def scenario_run(name: str, changes: dict | None = None, model: str = "tiny-llam
     return scenario_start(get_scenario(name), model, loaded, changes).run_to(max_steps=max_steps)
 
 
-def scenario_pair(name: str, changes: dict, model: str = "tiny-llama", loaded=None) -> tuple[Run, Run]:
-    """The scenario as written (A) and with `changes` (B), on one loaded model."""
-    from nanoserve.models.loader import load_model
-
+def scenario_pair(name: str, changes: dict, model: str = "tiny-llama", loaded=None,
+                  settings: dict | None = None) -> tuple[Run, Run]:
+    """The scenario as written (A) and with `changes` (B), on one loaded model; `settings` apply to both."""
     get_scenario(name)                                   # a bad name fails before the model loads
     for key in changes:
         if key in FIXED:
             raise FieldError("set", f"{key}={changes[key]}: both runs share one loaded model, so {key} cannot "
                                     "differ (compare two recorded traces instead)")
-    checked_config({"model": model, **get_scenario(name).config}, changes)   # ... and so does a bad --set
-    loaded = loaded or load_model(model)
-    return scenario_run(name, {}, model, loaded), scenario_run(name, changes, model, loaded)
+    settings = settings or {}
+    checked_config({**get_scenario(name).config, **settings, "model": model}, changes)   # ... and a bad --set
+    loaded = loaded or load_for(model, settings)
+    return (scenario_start(get_scenario(name), model, loaded, {}, settings=settings).run_to(max_steps=1000),
+            scenario_start(get_scenario(name), model, loaded, changes, settings=settings).run_to(max_steps=1000))

@@ -3,7 +3,7 @@
 The last part says which implementation computes the steps (the engine's
 `implementation`, from the trace's EngineSynced): "fast path: CpuLlama ·
 attention cpu · matmul panels" by default on a CPU, "reading path: Llama ·
-attention torch · matmul torch" with `fast_paths=False`. On a narrow screen
+attention torch · matmul torch" with `path="reading"`. On a narrow screen
 it is cut first.
 
     nanoserve  LIVE   memory-pressure on smollm2  what if preemption_mode=swap  step 31  paused  2 steps/s

@@ -1,9 +1,9 @@
 """Before/after of the CPU fast path's choices, in one process: each variant against the default, interleaved.
 
-    OMP_NUM_THREADS=1 python benchmarks/ab_cpu_paths.py --dtype bfloat16 bf16-before
-    OMP_NUM_THREADS=1 python benchmarks/ab_cpu_paths.py --dtype bfloat16 bf16-onednn
-    OMP_NUM_THREADS=1 python benchmarks/ab_cpu_paths.py --dtype float32 panels-8
-    OMP_NUM_THREADS=1 python benchmarks/ab_cpu_paths.py --dtype float32 budget-2048
+    OMP_NUM_THREADS=1 python benchmarks/archive/ab_cpu_paths.py --dtype bfloat16 bf16-before
+    OMP_NUM_THREADS=1 python benchmarks/archive/ab_cpu_paths.py --dtype bfloat16 bf16-onednn
+    OMP_NUM_THREADS=1 python benchmarks/archive/ab_cpu_paths.py --dtype float32 panels-8
+    OMP_NUM_THREADS=1 python benchmarks/archive/ab_cpu_paths.py --dtype float32 budget-2048
 
 bench_throughput.py's workload (32 requests, SmolLM2-135M, greedy, EOS
 ignored) through nanoserve with the default fast path ("now") and with one
@@ -28,15 +28,19 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
+import sys
+from pathlib import Path
 
 import torch
-from bench_throughput import machine, nanoserve_run, workload
 
-import nanoserve.cpu as fast_path
-import nanoserve.cpu.llama as cpu_llama
-from nanoserve.cpu import build
-from nanoserve.cpu import matmul as cpu_matmul
-from nanoserve.models.loader import load_model
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # benchmarks/: bench_throughput's workload
+from bench_throughput import machine, nanoserve_run, workload  # noqa: E402
+
+import nanoserve.cpu as fast_path  # noqa: E402
+import nanoserve.cpu.llama as cpu_llama  # noqa: E402
+from nanoserve.cpu import build  # noqa: E402
+from nanoserve.cpu import matmul as cpu_matmul  # noqa: E402
+from nanoserve.models.loader import load_model  # noqa: E402
 
 ORIGINAL = dict(view=fast_path.cpu_llama_view, can_pack_dtype=fast_path.can_pack_dtype, load=cpu_matmul.load)
 VARIANTS = {"bf16-before": {}, "bf16-onednn": {}, "panels-8": {}, "budget-2048": {"max_num_batched_tokens": 2048}}

@@ -1,7 +1,7 @@
 """Does torch.compile (Inductor's CPU backend) pay for nanoserve's model forward? Compile time and speed.
 
-    python benchmarks/check_compile.py                 # SmolLM2-135M's layer shapes, float32
-    python benchmarks/check_compile.py --dtype bfloat16 --threads 2
+    python benchmarks/archive/check_compile.py                 # SmolLM2-135M's layer shapes, float32
+    python benchmarks/archive/check_compile.py --dtype bfloat16 --threads 2
 
 What it compiles: one decoder layer's dense part, the whole layer except
 paged attention (RMSNorm, q/k/v projections, RoPE, o projection and residual,

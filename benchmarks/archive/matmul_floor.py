@@ -1,7 +1,7 @@
 """How close is a run to its matmul floor? The workload's own matmuls, replayed alone, against the whole run.
 
-    python benchmarks/matmul_floor.py                  # SmolLM2-135M, float32, bench_throughput's workload
-    python benchmarks/matmul_floor.py --threads 1
+    python benchmarks/archive/matmul_floor.py                  # SmolLM2-135M, float32, bench_throughput's workload
+    python benchmarks/archive/matmul_floor.py --threads 1
 
 On a CPU a small model's serving time is mostly matmuls. This script runs
 bench_throughput.py's workload once through the engine (fast paths on, the
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # benchmarks/
 from bench_throughput import nanoserve_run, workload  # noqa: E402
 
 from nanoserve.cpu import linear as cpu_linear  # noqa: E402

@@ -1,6 +1,6 @@
 """Keep-alive latency with and without TCP_NODELAY on the server's connections.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_keepalive.py --requests 40
+    OMP_NUM_THREADS=1 python benchmarks/archive/bench_keepalive.py --requests 40
 
 Two servers in this process, on loopback, the same engine settings (tiny-llama): one listens
 on a socket made as `nanoserve serve` makes it (`listener.listen`: IPPROTO_TCP, so asyncio
