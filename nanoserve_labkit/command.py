@@ -163,6 +163,7 @@ def lab_grade(args) -> int:
     from rich.progress import track
 
     from nanoserve.labs import get_lab
+    from nanoserve_labkit.confine import describe
     from nanoserve_labkit.grade import grade, read_submissions
     from nanoserve_labkit.integrity import check_installed
     from nanoserve_labkit.report import grade_rows, grade_table, write_csv
@@ -177,6 +178,7 @@ def lab_grade(args) -> int:
     _check_limit(args.time_limit)
     check_installed()
     console = Console(stderr=True)
+    console.print(f"nanoserve: on this machine, {describe()}", highlight=False, markup=False)
     graded = grade(lab, submissions, args.time_limit,
                    progress=lambda names: track(names, description=f"checking {len(names)} files", console=console))
     rows = grade_rows(lab, {name: g.results for name, g in graded.items()},
