@@ -7,7 +7,8 @@ what was handed in, whatever a file's code later does to a classmate's file.
 Each file is then written alone into a fresh folder and checked there by a
 fresh checker process (`python -I -B`, nanoserve imported from this process's
 own folder, `sandbox.isolated`), which prints one JSON row per check
-(`python -m nanoserve_labkit.grade LAB FILE LIMIT CONFINE`). So a file that
+(`python -m nanoserve_labkit.grade LAB FILE LIMIT CONFINE`; its stdin is its
+lifeline: when `lab grade` ends, however, it ends too). So a file that
 breaks its checker breaks only its own grade:
 
 * a checker that is killed (SIGKILL, SIGTERM, ...) or stopped (SIGSTOP), or
@@ -113,7 +114,7 @@ def check_apart(lab, name: str, data: bytes, time_limit_s: float | None = None, 
         limit = "" if time_limit_s is None else repr(float(time_limit_s))
         checker = subprocess.Popen(isolated("nanoserve_labkit.grade", lab.name, str(copy), limit, confine,
                                             roots=roots),
-                                   cwd=folder, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   cwd=folder, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, env={**os.environ, "TRITON_INTERPRET": "1"})
         out: list[bytes] = []
         err: list[bytes] = []
@@ -121,7 +122,10 @@ def check_apart(lab, name: str, data: bytes, time_limit_s: float | None = None, 
                    for s, b in ((checker.stdout, out), (checker.stderr, err))]
         for r in readers:
             r.start()
-        verdict = _wait(checker, time.monotonic() + _whole_limit(lab, time_limit_s))
+        try:
+            verdict = _wait(checker, time.monotonic() + _whole_limit(lab, time_limit_s))
+        finally:
+            checker.stdin.close()        # its lifeline (if we are gone, it goes too: see main)
         for r in readers:
             r.join(timeout=30)
         if verdict is not None:
@@ -182,6 +186,11 @@ def main(argv: list[str]) -> int:
     from nanoserve_labkit.run import run_checks
 
     lab_name, path, limit, confine = argv
+
+    def lifeline() -> None:       # stdin closes when `lab grade` is done with us, or is gone (even kill -9)
+        sys.stdin.buffer.read()
+        os._exit(3)               # (our guardian's lifeline closes with us: the worker goes too)
+    threading.Thread(target=lifeline, daemon=True).start()
     for row in run_checks(get_lab(lab_name), path, float(limit) if limit else None, confine=confine):
         print(row.to_json(), flush=True)
     return 0

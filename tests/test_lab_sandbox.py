@@ -167,12 +167,15 @@ def test_misbehaving_files_end_in_a_verdict(tmp_path, monkeypatch):
     assert all(_gone(pid) for pid in watch.seen), "a process the student's file started outlived the check"
 
 
-def test_nothing_outlives_a_killed_checker(tmp_path):
-    """`kill -9` of `nanoserve lab check` itself: the guardian still kills the worker and what it started."""
+@pytest.mark.parametrize("command", ["check", "grade"])
+def test_nothing_outlives_a_killed_checker(command, tmp_path):
+    """`kill -9` of `nanoserve lab check` (or `lab grade`, whose checker of the file is a process of its own)
+    itself: the guardian still kills the worker and what it started."""
     marker = f"nanoserve-test-{os.getpid()}-{time.monotonic_ns()}"
     path = tmp_path / "stuck.py"
     path.write_text(override("while True:\n    pass") + FORK.format(marker=marker))
-    checker = subprocess.Popen([sys.executable, "-m", "nanoserve.cli", "lab", "check", "block-pool", str(path)],
+    target = str(path) if command == "check" else str(tmp_path)
+    checker = subprocess.Popen([sys.executable, "-m", "nanoserve.cli", "lab", command, "block-pool", target],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while not marked(marker):
@@ -182,7 +185,7 @@ def test_nothing_outlives_a_killed_checker(tmp_path):
     time.sleep(1.0)                     # the check is now spinning in allocate
     checker.send_signal(signal.SIGKILL)
     checker.wait()
-    assert _gone(pid), "the grandchild outlived a killed `lab check`"
+    assert _gone(pid), f"the grandchild outlived a killed `lab {command}`"
 
 
 # -- the channel ---------------------------------------------------------------------------------
