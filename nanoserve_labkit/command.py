@@ -114,6 +114,7 @@ def lab_start(args) -> int:
 
 def lab_check(args) -> int:
     from nanoserve.labs import get_lab
+    from nanoserve_labkit.confine import landlock_abi
     from nanoserve_labkit.integrity import ImportPathWatch, check_installed
     from nanoserve_labkit.report import print_results
     from nanoserve_labkit.run import CheckResult, Status, run_checks
@@ -124,7 +125,7 @@ def lab_check(args) -> int:
         raise FieldError("FILE", f"{path} does not exist (start the lab with: nanoserve lab start {lab.name})")
     _check_limit(args.time_limit)
     check_installed()
-    watch = ImportPathWatch()
+    watch = ImportPathWatch([] if landlock_abi() >= 1 else None)     # (Landlock: the worker cannot write there)
     results = run_checks(lab, path, args.time_limit, fail_fast=args.fail_fast)
     added = watch.remove_added()
     if added:        # (only where the worker is not confined by Landlock: see confine.py)

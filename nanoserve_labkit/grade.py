@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanoserve_labkit.confine import landlock_abi
 from nanoserve_labkit.integrity import ImportPathWatch
 from nanoserve_labkit.run import OWN_TIME_S, STARTUP_S, CheckResult, Status
 from nanoserve_labkit.sandbox import isolated, package_roots
@@ -164,12 +165,13 @@ def _wait(checker: subprocess.Popen, deadline: float) -> str | None:
 
 def grade(lab, submissions: dict[str, bytes], time_limit_s: float | None = None, confine: str = "landlock",
           watch_dirs: list[str] | None = None, progress=lambda items: items) -> dict[str, Graded]:
-    """Every submission, each apart (`check_apart`), the import path watched around each."""
+    """Every submission, each apart (`check_apart`), the import path (or `watch_dirs`) watched around each."""
     roots = package_roots()
-    dirs = child_import_path(roots) if watch_dirs is None else watch_dirs
+    if watch_dirs is None:      # (where Landlock confines the worker's writes, nothing of its can appear there)
+        watch_dirs = [] if confine == "landlock" and landlock_abi() >= 1 else child_import_path(roots)
     graded = {}
     for name in progress(list(submissions)):
-        watch = ImportPathWatch(dirs)
+        watch = ImportPathWatch(watch_dirs)
         result = check_apart(lab, name, submissions[name], time_limit_s, confine, roots)
         added = watch.remove_added()
         if added:
@@ -188,7 +190,8 @@ def main(argv: list[str]) -> int:
     lab_name, path, limit, confine = argv
 
     def lifeline() -> None:       # stdin closes when `lab grade` is done with us, or is gone (even kill -9)
-        sys.stdin.buffer.read()
+        while os.read(0, 4096):   # (the raw fd: a daemon thread blocked in sys.stdin aborts the exit)
+            pass
         os._exit(3)               # (our guardian's lifeline closes with us: the worker goes too)
     threading.Thread(target=lifeline, daemon=True).start()
     for row in run_checks(get_lab(lab_name), path, float(limit) if limit else None, confine=confine):

@@ -12,6 +12,9 @@ are the checks for everywhere else, and for what was done before this run:
 * `ImportPathWatch`: the folders on the import path, listed before a file is
   graded and after; what appeared in between was written by that file's code
   (nothing else of ours writes there), is named in its verdict and removed.
+  Used only where Landlock does not confine the worker's writes (where it
+  does, the worker cannot write there, and whatever appears is someone
+  else's).
 """
 
 from __future__ import annotations
@@ -81,8 +84,10 @@ def check_installed() -> None:
 
 
 def import_path_dirs() -> list[str]:
-    """The folders on this interpreter's import path (sys.path's existing folders)."""
-    return [p for p in dict.fromkeys(os.path.abspath(p or ".") for p in sys.path) if os.path.isdir(p)]
+    """The folders on this interpreter's import path (sys.path's existing folders, but not the current one:
+    a checker started with `python -I` does not import from there)."""
+    here = os.path.abspath(".")
+    return [p for p in dict.fromkeys(os.path.abspath(p) for p in sys.path if p) if os.path.isdir(p) and p != here]
 
 
 class ImportPathWatch:
