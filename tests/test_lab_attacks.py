@@ -202,3 +202,14 @@ def test_installed_files_are_checked_against_the_record(tmp_path):
     assert changed_files(dist) == ["nanoserve/engine.py", "nanoserve/forged.py (added)"]
     (info / "direct_url.json").write_text('{"dir_info": {"editable": true}, "url": "file:///src"}')
     assert changed_files(dist) == []
+
+
+def test_the_import_path_watch_names_and_removes_what_appeared(tmp_path):
+    from nanoserve_labkit.integrity import ImportPathWatch
+    (tmp_path / "teacher.py").write_text("")
+    watch = ImportPathWatch([str(tmp_path)])
+    (tmp_path / "zz.pth").write_text("import zz\n")
+    (tmp_path / "zz").mkdir()
+    (tmp_path / "zz" / "__init__.py").write_text("")
+    assert watch.remove_added() == [str(tmp_path / "zz"), str(tmp_path / "zz.pth")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["teacher.py"]
