@@ -14,6 +14,9 @@ student never needs to read it; a lab author reads `mutate.py`. Modules:
     proxy.py      the stand-in for an object of the other process (attributes and calls are requests)
     wire.py       the channel's frames (length-prefixed JSON, never a pickle) and tensor codecs
     sandbox.py    the worker's process: own session, scratch folder, guardian that kills what it started
+    confine.py    what the kernel keeps the worker from: Landlock, a PID namespace, PR_SET_DUMPABLE
+    grade.py      `lab grade`: each submission in its own copy, checked by its own checker process
+    integrity.py  the checker's own code: the installed files against their RECORD, the import path watched
     worker.py     the worker: imports the student's file, answers the checker's requests
     report.py     the results table, `lab grade`'s table and CSV
     mutate.py     mutants of a lab's solution, to test the checks (benchmarks/lab_mutation.py runs them)

@@ -5,6 +5,7 @@
     nanoserve lab start block-pool --mode design   the same file with the contracts only, no step-by-step TODOs
     nanoserve lab check block-pool              checks ./block-pool/block_pool.py (or a FILE you name)
     nanoserve lab grade block-pool submissions/ one row per .py file, a table and submissions/grades.csv
+                                                (each file checked apart: grade.py)
 
 `check` exits 0 only when every check passes (1 otherwise), and then asks the
 lab's "why" questions; `--fail-fast` stops at the first failing check and
@@ -113,15 +114,23 @@ def lab_start(args) -> int:
 
 def lab_check(args) -> int:
     from nanoserve.labs import get_lab
+    from nanoserve_labkit.confine import landlock_abi
+    from nanoserve_labkit.integrity import ImportPathWatch, check_installed
     from nanoserve_labkit.report import print_results
-    from nanoserve_labkit.run import run_checks
+    from nanoserve_labkit.run import CheckResult, Status, run_checks
 
     lab = get_lab(args.name)
     path = Path(args.file if args.file is not None else Path(args.name) / lab.file_name)
     if not path.is_file():
         raise FieldError("FILE", f"{path} does not exist (start the lab with: nanoserve lab start {lab.name})")
     _check_limit(args.time_limit)
+    check_installed()
+    watch = ImportPathWatch([] if landlock_abi() >= 1 else None)     # (Landlock: the worker cannot write there)
     results = run_checks(lab, path, args.time_limit, fail_fast=args.fail_fast)
+    added = watch.remove_added()
+    if added:        # (only where the worker is not confined by Landlock: see confine.py)
+        text = f"{path.name} wrote into the import path: {', '.join(added)} (removed)"
+        results = [CheckResult(r.check, Status.FAIL, text, "", r.function) for r in results]
     if args.json:
         for r in results:
             print(r.to_json())
@@ -155,21 +164,26 @@ def lab_grade(args) -> int:
     from rich.progress import track
 
     from nanoserve.labs import get_lab
+    from nanoserve_labkit.confine import describe
+    from nanoserve_labkit.grade import grade, read_submissions
+    from nanoserve_labkit.integrity import check_installed
     from nanoserve_labkit.report import grade_rows, grade_table, write_csv
-    from nanoserve_labkit.run import run_checks
 
     lab = get_lab(args.name)
     folder = Path(args.dir)
     if not folder.is_dir():
         raise FieldError("DIR", f"{folder} is not a folder of submissions")
-    files = sorted(p for p in folder.rglob("*.py") if p.is_file())
-    if not files:
+    submissions = read_submissions(folder)      # every file as handed in, before any of them runs
+    if not submissions:
         raise FieldError("DIR", f"{folder} holds no .py files")
-    console = Console(stderr=True)
     _check_limit(args.time_limit)
-    results = {str(p.relative_to(folder)): run_checks(lab, p, args.time_limit)
-               for p in track(files, description=f"checking {len(files)} files", console=console)}
-    rows = grade_rows(lab, results)
+    check_installed()
+    console = Console(stderr=True)
+    console.print(f"nanoserve: on this machine, {describe()}", highlight=False, markup=False)
+    graded = grade(lab, submissions, args.time_limit,
+                   progress=lambda names: track(names, description=f"checking {len(names)} files", console=console))
+    rows = grade_rows(lab, {name: g.results for name, g in graded.items()},
+                      {name: g.verdict for name, g in graded.items()})
     out = Path(args.csv) if args.csv else folder / "grades.csv"
     write_csv(rows, out)
     Console().print(grade_table(lab, rows))

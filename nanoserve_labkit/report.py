@@ -35,12 +35,14 @@ def print_results(lab_name: str, path: str, results: list[CheckResult], console:
     (console or Console()).print(results_table(lab_name, path, results))
 
 
-def grade_rows(lab, submissions: dict[str, list[CheckResult]]) -> list[dict]:
-    """One row per submission: file, passed, total, then pass/fail/timeout for every check."""
+def grade_rows(lab, submissions: dict[str, list[CheckResult]], verdicts: dict[str, str] | None = None) -> list[dict]:
+    """One row per submission: file, passed, total, then pass/fail/timeout for every check, then how its
+    checking ended ("checked", or "stopped its checker (SIGKILL)" and the like: grade.py)."""
     rows = []
     for name, results in submissions.items():
         row = {"submission": name, "passed": sum(r.passed for r in results), "total": len(results)}
         row.update({c.name: r.status.value for c, r in zip(lab.checks, results)})
+        row["verdict"] = (verdicts or {}).get(name, "checked")
         rows.append(row)
     return rows
 
@@ -64,4 +66,7 @@ def grade_table(lab, rows: list[dict]) -> Table:
                  for c in lab.checks]
         table.add_row(row["submission"], f"{row['passed']}/{row['total']}", *marks)
     table.caption = "  ".join(f"{i}: {c.name}" for i, c in enumerate(lab.checks, 1))
+    for row in rows:
+        if row.get("verdict", "checked") != "checked":
+            table.caption += f"\n{escape(row['submission'])}: {escape(row['verdict'])}"
     return table

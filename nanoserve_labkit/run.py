@@ -34,6 +34,7 @@ from pathlib import Path
 from nanoserve.labs.lab import CheckFailed, Context, Lab
 from nanoserve.labs.load import invariant_text, where
 from nanoserve_labkit import wire
+from nanoserve_labkit.confine import undumpable
 from nanoserve_labkit.remote import Endpoint, Loopback, Proxy
 from nanoserve_labkit.sandbox import WorkerProcess
 from nanoserve_labkit.wire import ChannelBroken, Deadline
@@ -71,8 +72,9 @@ class CheckResult:
 class Session:
     """One student's file on the checker's side: the worker (started when needed), the channel, the module."""
 
-    def __init__(self, lab: Lab, path: Path, loopback: bool = False, time_limit_s: float | None = None) -> None:
-        self.lab, self.path, self.loopback = lab, path.resolve(), loopback
+    def __init__(self, lab: Lab, path: Path, loopback: bool = False, time_limit_s: float | None = None,
+                 confine: str = "landlock") -> None:
+        self.lab, self.path, self.loopback, self.confine = lab, path.resolve(), loopback, confine
         # the worker's CPU-time cap: twice every check's limit, and the imports (a last line of defence:
         # the limits above stop a check first)
         self.cpu_s = int(2 * sum(time_limit_s or c.time_limit_s for c in lab.checks) + 3 * STARTUP_S)
@@ -90,7 +92,10 @@ class Session:
             worker.install(pair.worker)
             self.ep = pair.parent
         else:
-            self.process = WorkerProcess([self.lab.module, *self.lab.worker_imports], cpu_s=self.cpu_s)
+            if self.confine != "none":     # our /proc/PID/{fd,environ,mem} closed to the worker (confine.py)
+                undumpable()
+            self.process = WorkerProcess([self.lab.module, *self.lab.worker_imports], cpu_s=self.cpu_s,
+                                         confine=self.confine)
             read_fd, write_fd = self.process.start()
             self.ep = Endpoint(send=lambda m: wire.send(write_fd, m),
                                recv=lambda deadline: wire.recv(read_fd, deadline), strict=True)
@@ -166,9 +171,10 @@ _models: dict = {}     # model name -> LoadedModel: loaded once per checker proc
 
 
 def run_checks(lab: Lab, path: str | Path, time_limit_s: float | None = None, fail_fast: bool = False,
-               loopback: bool = False) -> list[CheckResult]:
-    """Every check of `lab` on the file at `path`; `time_limit_s` replaces every check's own limit."""
-    session = Session(lab, Path(path), loopback, time_limit_s)
+               loopback: bool = False, confine: str = "landlock") -> list[CheckResult]:
+    """Every check of `lab` on the file at `path`; `time_limit_s` replaces every check's own limit;
+    `confine` the best confinement of the worker to use where the kernel has it (confine.LEVELS)."""
+    session = Session(lab, Path(path), loopback, time_limit_s, confine)
     results: list[CheckResult] = []
     load_failed: LoadFailed | None = None     # an import that failed or blocked fails every check the same way
     try:

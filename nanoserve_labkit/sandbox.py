@@ -14,10 +14,14 @@ student's code started. Processes that lose their parent are handed to the
 subreaper, not to init, so a child that double-forks or calls setsid() is
 still found and killed. The scratch folder is removed afterwards.
 
-What this cannot stop (said on the teacher's page): the code runs as the
-same user, so it can read and write that user's files by absolute path and
-talk to the network; for grading strangers' files, use a container or a
-throwaway account.
+Both run isolated (`python -I -B`: no PYTHONPATH, no user site, no bytecode
+written), with nanoserve's own folder named on the command line
+(`isolated()`), so an addition to the user's import path is never imported
+here. The worker is confined by the kernel where it can be (`confine.py`:
+Landlock, else a PID namespace): it writes only in its scratch folder and
+cannot signal or read the checker. What stays possible (it reads the user's
+files, talks to the network) is said on the teacher's page; for grading
+strangers' files, use a container or a throwaway account.
 """
 
 from __future__ import annotations
@@ -33,7 +37,28 @@ import tempfile
 import time
 from pathlib import Path
 
+from nanoserve_labkit import confine
+
 PR_SET_CHILD_SUBREAPER = 36
+
+# `python -I -c BOOT ROOTS MODULE ARGS...`: MODULE run as __main__ with ROOTS (nanoserve's folders) first on the path
+BOOT = ("import os, runpy, sys\n"
+        "roots = sys.argv.pop(1).split(os.pathsep); name = sys.argv.pop(1)\n"
+        "sys.path[:0] = [r for r in roots if r not in sys.path]\n"
+        "runpy.run_module(name, run_name='__main__', alter_sys=True)\n")
+
+
+def package_roots() -> str:
+    """The folders this process imported nanoserve and nanoserve_labkit from (os.pathsep between)."""
+    import nanoserve
+    import nanoserve_labkit
+    roots = [str(Path(m.__file__).resolve().parent.parent) for m in (nanoserve_labkit, nanoserve)]
+    return os.pathsep.join(dict.fromkeys(roots))
+
+
+def isolated(module: str, *args: str, roots: str | None = None) -> list[str]:
+    """The command line that runs `python -m module args` isolated, importing nanoserve from `roots`."""
+    return [sys.executable, "-I", "-B", "-c", BOOT, roots or package_roots(), module, *args]
 
 
 def _children(pid: int) -> list[int]:
@@ -85,7 +110,17 @@ def _kill_descendants() -> None:
 
 
 def guardian(argv: list[str]) -> int:
-    """`python -m nanoserve_labkit.sandbox READ_FD WRITE_FD CPU_S MODULE...`: start the worker, watch the lifeline."""
+    """`python -m nanoserve_labkit.sandbox LEVEL ROOTS READ_FD WRITE_FD CPU_S MODULE...`: start the worker
+    (confined as `LEVEL` allows, see confine.py), watch the lifeline."""
+    level, roots, argv = argv[0], argv[1], argv[2:]
+    if level in ("landlock", "namespace"):
+        confine.own_namespace()          # where allowed: the worker (our next child) is PID 1 of its own namespace
+    scratch = os.getcwd()
+
+    def restrict() -> None:              # in the worker's process, before it runs anything
+        if level == "landlock":
+            confine.landlock(scratch)
+
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     except (OSError, AttributeError):
@@ -93,8 +128,9 @@ def guardian(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # only the lifeline ends us
     signal.signal(signal.SIGTERM, lambda *_: None)
     fds = (int(argv[0]), int(argv[1]))
-    worker = subprocess.Popen([sys.executable, "-m", "nanoserve_labkit.worker", *argv], pass_fds=fds,
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = subprocess.Popen(isolated("nanoserve_labkit.worker", *argv, roots=roots), pass_fds=fds,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              preexec_fn=restrict)
     for fd in fds:
         os.close(fd)
     try:
@@ -119,8 +155,8 @@ def guardian(argv: list[str]) -> int:
 class WorkerProcess:
     """One worker for one student's file, from `start()` to `stop()` (which leaves nothing running)."""
 
-    def __init__(self, modules: list[str], cpu_s: int = 3600) -> None:
-        self.modules, self.cpu_s = modules, cpu_s
+    def __init__(self, modules: list[str], cpu_s: int = 3600, confine: str = "landlock") -> None:
+        self.modules, self.cpu_s, self.confine = modules, cpu_s, confine
         self.guardian: subprocess.Popen | None = None
         self.scratch: str | None = None
         self.read_fd = self.write_fd = self._lifeline = -1
@@ -135,9 +171,10 @@ class WorkerProcess:
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TRITON_INTERPRET": "1",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8"}
         try:
+            roots = package_roots()
             self.guardian = subprocess.Popen(
-                [sys.executable, "-m", "nanoserve_labkit.sandbox", str(to_worker_r), str(to_parent_w),
-                 str(self.cpu_s), *self.modules],
+                isolated("nanoserve_labkit.sandbox", self.confine, roots, str(to_worker_r), str(to_parent_w),
+                         str(self.cpu_s), *self.modules, roots=roots),
                 stdin=life_r, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(to_worker_r, to_parent_w),
                 cwd=self.scratch, env=env, start_new_session=True)
         finally:

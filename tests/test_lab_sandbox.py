@@ -12,8 +12,10 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import types
+from pathlib import Path
 
 import pytest
 
@@ -61,14 +63,38 @@ def _gone(pid: int, within_s: float = 20.0) -> bool:
 
 
 FORK = """
-import os, time
+import os
 if os.fork() == 0:                      # a child that leaves its session and double-forks
     os.setsid()
-    if os.fork() == 0:
-        open({pidfile!r}, "w").write(str(os.getpid()))
-        time.sleep(600)
+    if os.fork() == 0:                  # (named by its argv[0]: it cannot write outside its scratch folder)
+        os.execv("/bin/sleep", [{marker!r}, "600"])
     os._exit(0)
 """
+
+
+def marked(marker: str) -> list[int]:
+    """The pids of live processes whose command line starts with `marker`."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if cmdline.read_bytes().startswith(marker.encode()) and _alive(int(cmdline.parent.name)):
+                pids.append(int(cmdline.parent.name))
+        except (OSError, ValueError):
+            pass
+    return pids
+
+
+class Watch(threading.Thread):
+    """Every pid seen running with `marker` while the watch is on."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__(daemon=True)
+        self.marker, self.seen, self.on = marker, set(), True
+
+    def run(self) -> None:
+        while self.on:
+            self.seen.update(marked(self.marker))
+            time.sleep(0.05)
 
 PATCH_CHECKS = """
 import nanoserve.labs
@@ -88,8 +114,7 @@ for fd in range(3, 40):
 """
 
 
-def cases(tmp_path):
-    pidfile = tmp_path / "grandchild.pid"
+def cases(marker):
     return {
         "syntax": ("def broken(:\n", "fail", "syntax error"),
         "loops": (override("while True:\n    pass"), "timeout", "still running after"),
@@ -100,7 +125,7 @@ def cases(tmp_path):
         "input": (GOOD + "\ninput()\n", "fail", "EOFError"),
         "blocks_at_import": (GOOD + "\nimport time\ntime.sleep(600)\n", "timeout", "did not finish within"),
         "prints_megabytes": (GOOD + "\nfor _ in range(4000):\n    print('x' * 500)\n", "pass", ""),
-        "forks": (GOOD + FORK.format(pidfile=str(pidfile)), "pass", ""),
+        "forks": (GOOD + FORK.format(marker=marker), "pass", ""),
         "patches_checks": (override("return []") + PATCH_CHECKS, "fail", "allocate"),
         "writes_to_channel": (override("return []") + WRITE_CHANNEL, "fail", ""),
         "deletes_its_folder": (GOOD + "\nimport os\nfor f in os.listdir('.'):\n    os.remove(f)\n", "pass", ""),
@@ -113,7 +138,10 @@ def test_misbehaving_files_end_in_a_verdict(tmp_path, monkeypatch):
     folder.mkdir()
     (folder / "keep.txt").write_text("the teacher's file")
     monkeypatch.chdir(folder)
-    for name, (text, want, phrase) in cases(tmp_path).items():
+    marker = f"nanoserve-test-{os.getpid()}-{time.monotonic_ns()}"
+    watch = Watch(marker)
+    watch.start()
+    for name, (text, want, phrase) in cases(marker).items():
         path = folder / f"{name}.py"
         path.write_text(text)
         t0 = time.monotonic()
@@ -133,25 +161,31 @@ def test_misbehaving_files_end_in_a_verdict(tmp_path, monkeypatch):
         if name == "blocks_at_import":      # one import, one limit: not one per check
             assert seconds < 3 * LIMIT + 60, seconds
     assert (folder / "keep.txt").read_text() == "the teacher's file"   # it ran in a scratch folder
-    pid = int((tmp_path / "grandchild.pid").read_text())
-    assert _gone(pid), "a process the student's file started outlived the check"
+    watch.on = False
+    watch.join()
+    assert watch.seen, "the forking file's grandchild never ran"
+    assert all(_gone(pid) for pid in watch.seen), "a process the student's file started outlived the check"
 
 
-def test_nothing_outlives_a_killed_checker(tmp_path):
-    """`kill -9` of `nanoserve lab check` itself: the guardian still kills the worker and what it started."""
-    pidfile = tmp_path / "grandchild.pid"
+@pytest.mark.parametrize("command", ["check", "grade"])
+def test_nothing_outlives_a_killed_checker(command, tmp_path):
+    """`kill -9` of `nanoserve lab check` (or `lab grade`, whose checker of the file is a process of its own)
+    itself: the guardian still kills the worker and what it started."""
+    marker = f"nanoserve-test-{os.getpid()}-{time.monotonic_ns()}"
     path = tmp_path / "stuck.py"
-    path.write_text(override("while True:\n    pass") + FORK.format(pidfile=str(pidfile)))
-    checker = subprocess.Popen([sys.executable, "-m", "nanoserve.cli", "lab", "check", "block-pool", str(path)],
+    path.write_text(override("while True:\n    pass") + FORK.format(marker=marker))
+    target = str(path) if command == "check" else str(tmp_path)
+    checker = subprocess.Popen([sys.executable, "-m", "nanoserve.cli", "lab", command, "block-pool", target],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while not pidfile.exists() or not pidfile.read_text():
+    while not marked(marker):
         assert time.monotonic() < deadline and checker.poll() is None, "the student's file never ran"
         time.sleep(0.1)
+    (pid,) = marked(marker)
     time.sleep(1.0)                     # the check is now spinning in allocate
     checker.send_signal(signal.SIGKILL)
     checker.wait()
-    assert _gone(int(pidfile.read_text())), "the grandchild outlived a killed `lab check`"
+    assert _gone(pid), f"the grandchild outlived a killed `lab {command}`"
 
 
 # -- the channel ---------------------------------------------------------------------------------
