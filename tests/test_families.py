@@ -25,10 +25,11 @@ from nanoserve.models.loader import load_model
 
 FAMILIES = ["tiny-qwen2", "tiny-qwen3", "tiny-gemma3"]
 # bfloat16 near-tie rule: where the engine's greedy token differs from HF's bfloat16 one, HF's own
-# bfloat16 logits at that point must put the two tokens within this of each other (a tie that rounding
-# can flip: bf16 keeps 8 significant bits, so logits of about 1 are only known to ~0.004 each, and the
-# sums over hidden and heads add up such errors); the request is not compared past that point.
-NEAR_TIE = 0.05
+# bfloat16 logits at that point must put the two tokens within NEAR_TIE of each other, a tie that rounding
+# can flip (bf16 keeps 8 significant bits: between 1 and 2 its neighbouring values are 1/128 apart, and the
+# engine sums the same products in another order); the request is not compared past that point. Measured
+# on 64 requests per tiny config: Qwen2 64 equal, Qwen3 58 (gaps <= 0.002), Gemma 3 51 (gaps <= 0.008).
+NEAR_TIE = 0.02
 
 
 @pytest.fixture(scope="module")
@@ -272,15 +273,15 @@ def prefix_waves(path, loaded):
     return got, hf_greedy(path, [p for wave in waves for p in wave], MAX_TOKENS), hits
 
 
-def assert_bf16_near_ties(path, loaded, count: int) -> None:
+def assert_bf16_near_ties(path, loaded, count: int) -> tuple[int, list[float]]:
     """The engine in bfloat16 against HF in bfloat16: every token equal, or the first difference a near tie
-    of HF's own logits (NEAR_TIE above)."""
+    of HF's own logits (NEAR_TIE above). Returns (requests equal, the logit gap where each other one differs)."""
     bf16 = load_model(path, dtype=torch.bfloat16, device=DEVICE)
     prompt_list = many_prompts(9, count)
     got, _ = engine_greedy(bf16, prompt_list, MAX_TOKENS, dtype="bfloat16", block_size=4, num_blocks=2048,
                            max_num_batched_tokens=64)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    equal = ties = 0
+    equal, gaps = 0, []
     for p, tokens in zip(prompt_list, got):
         ids = torch.tensor([p])
         with torch.inference_mode():
@@ -295,5 +296,6 @@ def assert_bf16_near_ties(path, loaded, count: int) -> None:
             logits = hf(torch.tensor([p + want[:i]])).logits[0, -1].float()
         gap = (logits[want[i]] - logits[tokens[i]]).abs().item()
         assert gap <= NEAR_TIE, f"request {p[:5]}...: token {i} is {tokens[i]}, HF's {want[i]}, logits {gap:.4f} apart"
-        ties += 1
+        gaps.append(gap)
     assert equal >= count // 2, f"only {equal}/{count} bfloat16 requests equal to HF's"
+    return equal, gaps
