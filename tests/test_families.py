@@ -96,6 +96,24 @@ def test_gemma3_local_layers_really_are_windowed(family, expected):
     assert sum(g != w for g, w in zip(got, expected("tiny-gemma3"))) >= 8
 
 
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_other_sliding_window_configs(kind, tmp_path):
+    """Mistral's `sliding_window` windows every layer; Qwen2's `use_sliding_window` the layers from
+    `max_window_layers` on. Both at HF parity with an 8-token window (the loader used to refuse them)."""
+    from transformers import MistralConfig, Qwen2Config
+
+    shape = dict(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, sliding_window=8)
+    config = MistralConfig(**shape) if kind == "mistral" else \
+        Qwen2Config(**shape, use_sliding_window=True, max_window_layers=1)
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), device=DEVICE)
+    assert loaded.model.sliding_windows == ([8, 8] if kind == "mistral" else [None, 8])
+    got, _ = engine_greedy(loaded, prompts(257), MAX_TOKENS, block_size=4, num_blocks=512, max_num_batched_tokens=16)
+    assert got == hf_greedy(str(tmp_path), prompts(257), MAX_TOKENS)
+
+
 def test_fast_path_says_what_falls_back(family):
     """On a CPU, Qwen runs the fused CpuLlama and the C attention kernel; Gemma 3 keeps torch attention and
     the engine's Implementation says why."""
