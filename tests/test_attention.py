@@ -37,8 +37,9 @@ HEAD_DIM = 8
 ATOL = 1e-5
 
 
-def naive_attention(q, k, v, scale):
-    """q [Tq, Hq, D] at positions [L - Tq, L); k, v [L, Hkv, D] contiguous -> [Tq, Hq, D]."""
+def naive_attention(q, k, v, scale, window=None):
+    """q [Tq, Hq, D] at positions [L - Tq, L); k, v [L, Hkv, D] contiguous -> [Tq, Hq, D].
+    `window`: each query sees only the keys less than `window` positions behind it."""
     tq, hq, _ = q.shape
     L, hkv, _ = k.shape
     group = hq // hkv
@@ -48,6 +49,8 @@ def naive_attention(q, k, v, scale):
     q_pos = torch.arange(L - tq, L)[:, None]
     k_pos = torch.arange(L)[None, :]
     scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    if window is not None:
+        scores = scores.masked_fill(k_pos <= q_pos - window, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -224,7 +227,7 @@ def test_prefill_ignores_blocks_past_context():
 # -- paged_attention on a mixed batch --------------------------------------------------------
 
 
-def run_mixed_batch(block_size, hq, hkv, decode_lens, prefill_specs, seed):
+def run_mixed_batch(block_size, hq, hkv, decode_lens, prefill_specs, seed, window=None):
     """Build a runner-shaped batch (decodes first, then prefill chunks) and check every row.
 
     decode_lens: context length of each decoding sequence (the new token included).
@@ -269,7 +272,7 @@ def run_mixed_batch(block_size, hq, hkv, decode_lens, prefill_specs, seed):
     outs, caches = [], []
     for backend in backends:          # each path writes this step's K/V into its own copy of the cache
         caches.append((cache.k.clone(), cache.v.clone()))
-        outs.append(paged_attention(q, k, v, *caches[-1], backend.prepare(layout), scale))
+        outs.append(paged_attention(q, k, v, *caches[-1], backend.prepare(layout), scale, window=window))
     for other, (k_other, v_other) in zip(outs[1:], caches[1:]):
         torch.testing.assert_close(other, outs[0], atol=ATOL, rtol=0)   # plain, fast and C paths agree
         assert torch.equal(k_other, caches[0][0]) and torch.equal(v_other, caches[0][1])   # and store alike
@@ -280,13 +283,23 @@ def run_mixed_batch(block_size, hq, hkv, decode_lens, prefill_specs, seed):
     for i, (table, start, L) in enumerate(seqs):
         n = L - start
         kf, vf = full[i]
-        expected = naive_attention(q_rows[i], kf, vf, scale)
+        expected = naive_attention(q_rows[i], kf, vf, scale, window)
         torch.testing.assert_close(out[row : row + n], expected, atol=ATOL, rtol=0)
         # The whole sequence is now readable through its table.
         t = torch.tensor(table)[None]
         assert torch.equal(gather_kv(cache.k, t)[0, :L], kf)
         assert torch.equal(gather_kv(cache.v, t)[0, :L], vf)
         row += n
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_paged_attention_sliding_window(block_size, window):
+    """A sliding-window layer (Gemma 3's local layers): every backend with window masks (torch plain and
+    grouped, the C kernel) attends each query to its last `window` keys only, decodes and chunks alike,
+    windows that start mid-block and chunks longer than the window included."""
+    run_mixed_batch(block_size, 4, 2, decode_lens=[1, 2, 7, 20], prefill_specs=[(0, 9), (5, 3), (11, 12)],
+                    seed=window * 7 + block_size, window=window)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

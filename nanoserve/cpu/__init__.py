@@ -34,8 +34,8 @@ What `fast_path()` picks (each part falls back alone, and says why):
                with bf16 units: matmul_bf16.c's panels (AVX512-BF16), else oneDNN-packed bf16 weights on
                those units (AMX without AVX512-BF16, or matmul_bf16.c not built); bf16 without them:
                float32 copies of the weights, oneDNN-packed
-    attention  the "cpu" backend (`c_kernels` on, attention.c built, a float32 or bf16 cache, no
-               sliding-window layers), else the torch backend the runner made
+    attention  the "cpu" backend (`c_kernels` on, attention.c built, a float32 or bf16 cache),
+               else the torch backend the runner made
     KV cache   allocated with 2 MB pages (memory.py)
 """
 
@@ -96,11 +96,7 @@ def fast_path(model: nn.Module, attention: AttentionBackend, dtype: torch.dtype,
     own_torch = type(attention) is TorchBackend and attention.ops is reference
     if own_torch and upcast:        # gather bf16 K/V, multiply in float32 (kernels/torch_backend.py)
         attention = TorchBackend(fast=True, compute_dtype=torch.float32)
-    windowed = any(w is not None for w in getattr(model, "sliding_windows", ()))
-    if own_torch and c_kernels and c_attention and windowed:
-        notes.append("attention.c has no sliding-window mask: the torch backend attends for this model, "
-                     "whose local layers need one")
-    elif own_torch and c_kernels and c_attention and dtype in cpu_attention.CACHE_DTYPES:
+    if own_torch and c_kernels and c_attention and dtype in cpu_attention.CACHE_DTYPES:
         attend, store = cpu_attention.load(dtype), cpu_attention.load_store(dtype)
         if attend is not None and store is not None:
             attention = CpuBackend(attend, store)

@@ -24,9 +24,9 @@ over 25 small ops per layer. Per layer:
   C call each (cpu/ops.c) instead of 4 to 10 torch ops.
 * The residual stream h is one tensor, updated in place.
 
-Llama, Qwen2 (its q/k/v biases ride in the merged matmul) and Qwen3 (its
-QK-norm is two torch calls after that matmul); not a model with
-sliding-window layers (Gemma 3), which attention.c cannot mask.
+Llama (Mistral's sliding window too), Qwen2 (its q/k/v biases ride in the
+merged matmul) and Qwen3 (its QK-norm is two torch calls after that matmul);
+not Gemma 3, whose extra norms and scalings keep models/gemma3.py's forward.
 Float32 models, and bf16 ones on a CPU with bf16 units (AVX512-BF16, AMX:
 there ops.c's bf16 build rounds to bf16 where llama.py does), on one
 process (no tensor-parallel shards). The runner uses it on a CPU with fast
@@ -75,8 +75,6 @@ def supports(model: nn.Module) -> bool:
     this module would skip it silently otherwise."""
     if type(model) not in (Llama, Qwen2, Qwen3) or getattr(model, "tp_size", 1) != 1:
         return False
-    if any(w is not None for w in model.sliding_windows):     # attention.c has no window mask
-        return False
     if not can_pack_dtype(model.lm_head.weight.dtype) or type(model.model.norm) is not RMSNorm:
         return False
     for layer in model.model.layers:
@@ -97,7 +95,7 @@ class CpuLlamaLayer(nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
         self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.scale = attn.scale
+        self.scale, self.window = attn.scale, attn.window
         self.qkv = projection(stacked(attn.q_proj, attn.k_proj, attn.v_proj), mm)
         self.o = projection(attn.o_proj, mm)
         self.gate_up = projection(stacked(mlp.gate_proj, mlp.up_proj), mm)
@@ -126,7 +124,7 @@ class CpuLlamaLayer(nn.Module):
             heads[:, Hq : Hq + Hkv] = k_norm.forward(heads[:, Hq : Hq + Hkv])
         self.ops.rotary_(heads[:, : Hq + Hkv], cos, sin, check=check)      # positions into q and k, in place
         q, k, v = heads.split([Hq, Hkv, Hkv], dim=1)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, window=self.window)
         x = self.ops.add_rms_norm(h, self.o.forward(o.reshape(T, -1)), *self.norm2_args, check=check)
         return self.down.forward(self.ops.silu_mul(self.gate_up.forward(x), check=check))
 
