@@ -96,6 +96,23 @@ def test_gemma3_local_layers_really_are_windowed(family, expected):
     assert sum(g != w for g, w in zip(got, expected("tiny-gemma3"))) >= 8
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3"])
+def test_a_gguf_file_loads_the_same_model(name, tmp_path, monkeypatch):
+    """A .gguf of each Qwen family (written here with the `gguf` package, float32 tensors under llama.cpp's
+    names, a byte-level tokenizer) loads through transformers' GGUF reader into the same model as the
+    Hugging Face directory it came from. (Gemma 3's GGUF path is tested on the real 270M file.)"""
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "cache"))
+    # transformers' GGUF reader takes Qwen3's head_dim from Qwen3Config's default (128, as in every
+    # released Qwen3): the tiny config uses it here.
+    source = save_tiny(name, tmp_path / "hf", **({"head_dim": 128} if name == "tiny-qwen3" else {}))
+    write_gguf(source, tmp_path / f"{name}.gguf", name.removeprefix("tiny-"))
+    ours, theirs = load_model(str(tmp_path / f"{name}.gguf")), load_model(source)
+    assert type(ours.model) is type(theirs.model) and ours.model.head_dim == theirs.model.head_dim
+    a, b = ours.model.state_dict(), theirs.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert ours.tokenizer("hi").input_ids == [104, 105] and ours.eos_token_id == 256
+
+
 @pytest.mark.parametrize("kind", ["mistral", "qwen2"])
 def test_other_sliding_window_configs(kind, tmp_path):
     """Mistral's `sliding_window` windows every layer; Qwen2's `use_sliding_window` the layers from
@@ -273,6 +290,45 @@ def test_tensor_parallel_2_equals_1(name, tmp_path):
 
 
 # -- helpers -------------------------------------------------------------------------------------
+
+
+def write_gguf(hf_dir, out, arch_name: str) -> None:
+    """A GGUF file of a tiny Qwen2/Qwen3 directory: its config as GGUF keys, its tensors in float32 under
+    llama.cpp's names (gguf's own name map), and the byte-level tokenizer as a "gpt2" BPE without merges."""
+    import gguf
+    import numpy as np
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    c = hf.config
+    w = gguf.GGUFWriter(str(out), arch_name)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    chars = bytes_to_unicode()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([chars[b] for b in range(256)] + ["<|endoftext|>"])
+    w.add_token_types([1] * 256 + [3])      # normal tokens, then a control token
+    w.add_token_scores([0.0] * 257)
+    w.add_token_merges([])
+    w.add_eos_token_id(256)
+    w.add_bos_token_id(256)
+    w.add_pad_token_id(256)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch_name.upper()), c.num_hidden_layers)
+    for key, value in hf.state_dict().items():
+        base, suffix = key.rsplit(".", 1)
+        w.add_tensor(f"{names.get_name(base)}.{suffix}", value.numpy().astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def prefix_waves(path, loaded):
