@@ -137,10 +137,19 @@ class ModelRunner:
     @classmethod
     def from_config(cls, model: nn.Module, config, dtype: torch.dtype, backend: str,
                     make_attention: Callable[[str, bool], AttentionBackend] = make_backend) -> ModelRunner:
-        """The runner an EngineConfig asks for, in this process (tensor parallelism has its own)."""
-        return cls(model, config.num_blocks, config.block_size, dtype, torch.device(config.device), backend,
-                   fast_paths=config.fast_paths, c_kernels=config.c_kernels, make_attention=make_attention,
-                   graphs=GraphSettings.from_config(config))
+        """The runner an EngineConfig asks for, in this process (tensor parallelism has its own).
+
+        "auto" chose Triton, which has no sliding-window mask, for a model with windowed layers (Gemma 3):
+        torch attends instead, and the runner's implementation says why."""
+        windowed = any(w is not None for w in getattr(model, "sliding_windows", ()))
+        swap = backend == "triton" and config.attention_backend == "auto" and windowed
+        runner = cls(model, config.num_blocks, config.block_size, dtype, torch.device(config.device),
+                     "torch" if swap else backend, fast_paths=config.fast_paths, c_kernels=config.c_kernels,
+                     make_attention=make_attention, graphs=GraphSettings.from_config(config))
+        if swap:
+            note = "; ".join(filter(None, [runner.implementation.note, "Triton has no sliding-window mask"]))
+            runner.implementation = dataclasses.replace(runner.implementation, note=note)
+        return runner
 
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, backend: str = "torch", fast_paths: bool = True, c_kernels: bool = True,

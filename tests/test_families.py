@@ -151,6 +151,18 @@ def test_triton_refuses_a_windowed_model(family):
         make_engine(family("tiny-gemma3")[1], num_blocks=64, attention_backend="triton")
 
 
+def test_auto_takes_torch_instead_of_triton_for_a_windowed_model(family):
+    """Where "auto" would pick Triton (CUDA with triton installed), a model with windowed layers gets the
+    torch backend, and the implementation says why."""
+    from nanoserve import EngineConfig
+    from nanoserve.runner import ModelRunner
+
+    config = EngineConfig(model="tiny-gemma3", num_blocks=16, block_size=4)
+    runner = ModelRunner.from_config(family("tiny-gemma3")[1].model, config, torch.float32, "triton")
+    assert runner.implementation.attention.startswith("torch")
+    assert "Triton has no sliding-window mask" in runner.implementation.note
+
+
 def test_bf16_gemma3_within_near_ties(family):
     assert_bf16_near_ties(*family("tiny-gemma3"), count=16)
 
