@@ -137,19 +137,10 @@ class ModelRunner:
     @classmethod
     def from_config(cls, model: nn.Module, config, dtype: torch.dtype, backend: str,
                     make_attention: Callable[[str, bool], AttentionBackend] = make_backend) -> ModelRunner:
-        """The runner an EngineConfig asks for, in this process (tensor parallelism has its own).
-
-        "auto" chose Triton, which has no sliding-window mask, for a model with windowed layers (Gemma 3):
-        torch attends instead, and the runner's implementation says why."""
-        windowed = any(w is not None for w in getattr(model, "sliding_windows", ()))
-        swap = backend == "triton" and config.attention_backend == "auto" and windowed
-        runner = cls(model, config.num_blocks, config.block_size, dtype, torch.device(config.device),
-                     "torch" if swap else backend, fast_paths=config.fast_paths, c_kernels=config.c_kernels,
-                     make_attention=make_attention, graphs=GraphSettings.from_config(config))
-        if swap:
-            note = "; ".join(filter(None, [runner.implementation.note, "Triton has no sliding-window mask"]))
-            runner.implementation = dataclasses.replace(runner.implementation, note=note)
-        return runner
+        """The runner an EngineConfig asks for, in this process (tensor parallelism has its own)."""
+        return cls(model, config.num_blocks, config.block_size, dtype, torch.device(config.device), backend,
+                   fast_paths=config.fast_paths, c_kernels=config.c_kernels, make_attention=make_attention,
+                   graphs=GraphSettings.from_config(config))
 
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, backend: str = "torch", fast_paths: bool = True, c_kernels: bool = True,
@@ -168,8 +159,8 @@ class ModelRunner:
             fast = cpu.fast_path(model, self.attn, dtype, c_kernels, c_attention=backend == "cpu")
             self.model, self.attn, zeros, matmul, note = fast.model, fast.attention, fast.zeros, fast.matmul, fast.note
         if any(w is not None for w in getattr(model, "sliding_windows", ())) and not self.attn.windows:
-            raise FieldError("attention_backend", f"is {self.attn.name!r}, which has no sliding-window mask, and "
-                                                  f"this model's local layers need one; use 'torch'")
+            raise FieldError("attention_backend", f"runs {self.attn.label}, which has no sliding-window mask, "
+                                                  f"and this model's local layers need one")
         self.implementation = Implementation("fast" if fast_paths else "reading", where(self.model),
                                              self.attn.label, matmul, note)
         # With graphs, one scratch block past the pool's last: padding rows write their K/V there.

@@ -13,6 +13,7 @@ with its plain path and its fast path (decodes in groups), which must agree.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -227,7 +228,7 @@ def test_prefill_ignores_blocks_past_context():
 # -- paged_attention on a mixed batch --------------------------------------------------------
 
 
-def run_mixed_batch(block_size, hq, hkv, decode_lens, prefill_specs, seed, window=None):
+def run_mixed_batch(block_size, hq, hkv, decode_lens, prefill_specs, seed, window=None, extra_backends=()):
     """Build a runner-shaped batch (decodes first, then prefill chunks) and check every row.
 
     decode_lens: context length of each decoding sequence (the new token included).
@@ -266,7 +267,7 @@ def run_mixed_batch(block_size, hq, hkv, decode_lens, prefill_specs, seed, windo
     layout = BatchLayout(block_size, torch.cat(slots), list(decode_lens),
                          [seqs[i][0] for i in range(len(decode_lens))], prefills)
     q, k, v = torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows)
-    backends = [TorchBackend(fast=False), TorchBackend(fast=True, group_size=2)]
+    backends = [TorchBackend(fast=False), TorchBackend(fast=True, group_size=2), *extra_backends]
     if cpu_attention.load(torch.float32) is not None:    # the CPU backend: store and every row in C
         backends.append(CpuBackend(cpu_attention.load(torch.float32), cpu_attention.load_store(torch.float32)))
     outs, caches = [], []
@@ -296,10 +297,15 @@ def run_mixed_batch(block_size, hq, hkv, decode_lens, prefill_specs, seed, windo
 @pytest.mark.parametrize("block_size", [1, 4])
 def test_paged_attention_sliding_window(block_size, window):
     """A sliding-window layer (Gemma 3's local layers): every backend with window masks (torch plain and
-    grouped, the C kernel) attends each query to its last `window` keys only, decodes and chunks alike,
-    windows that start mid-block and chunks longer than the window included."""
-    run_mixed_batch(block_size, 4, 2, decode_lens=[1, 2, 7, 20], prefill_specs=[(0, 9), (5, 3), (11, 12)],
-                    seed=window * 7 + block_size, window=window)
+    grouped, the C kernel, the Triton kernels where triton is installed: under its interpreter on a CPU)
+    attends each query to its last `window` keys only, decodes and chunks alike, windows that start
+    mid-block and chunks longer than the window included."""
+    extra = []
+    if importlib.util.find_spec("triton") is not None:
+        from nanoserve.kernels.triton_backend import TritonBackend
+        extra.append(TritonBackend())
+    run_mixed_batch(block_size, 4, 2, decode_lens=[1, 2, 7, 20, 70], prefill_specs=[(0, 9), (5, 3), (11, 40)],
+                    seed=window * 7 + block_size, window=window, extra_backends=extra)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
