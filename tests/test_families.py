@@ -76,6 +76,18 @@ def test_greedy_matches_hf_chunked_with_preemption(name, family, expected):
     assert preempted > 0
 
 
+def test_qwen2_untied_with_gqa_6_to_1(tmp_path):
+    """Qwen2.5-1.5B's shape in small: 12 query heads over 2 KV heads (6:1) and an untied output projection
+    (tiny-qwen2 has 7:1 and ties it, as Qwen2.5-0.5B does)."""
+    path = save_tiny("tiny-qwen2", tmp_path, hidden_size=48, num_attention_heads=12, num_key_value_heads=2,
+                     tie_word_embeddings=False)
+    loaded = load_model(path, device=DEVICE)
+    assert not loaded.model.tie_word_embeddings and loaded.model.lm_head.weight is not \
+        loaded.model.model.embed_tokens.weight
+    got, _ = engine_greedy(loaded, prompts(257), MAX_TOKENS, **CONFIGS["bs16-chunked"][0])
+    assert got == hf_greedy(path, prompts(257), MAX_TOKENS)
+
+
 def test_gemma3_prefix_cache_hits_across_the_window(family):
     """A 37-token shared prefix, far longer than the 8-token window: the second wave's prefills start past
     the cached blocks, and the local layers still mask exactly as HF does."""
