@@ -87,8 +87,8 @@ def tiny_hf_config(name: str, vocab_size: int = 257):
 
     257 tokens: the byte tokenizer's 256 bytes and <|endoftext|>, so every id decodes. The Qwen and Gemma
     ones keep their family's shape where it matters: Qwen2's GQA 7:1, Qwen3's head_dim unlike
-    hidden / heads, Gemma 3's one KV head, head_dim 256 and local layers with a window shorter than
-    the test prompts.
+    hidden / heads, Gemma 3's one KV head, head_dim 256, an attention scale that is not head_dim ** -0.5
+    (as in Gemma 3 27B), a final logit cap and local layers with a window shorter than the test prompts.
     """
     from transformers import Gemma3TextConfig, GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -105,7 +105,7 @@ def tiny_hf_config(name: str, vocab_size: int = 257):
                            tie_word_embeddings=False, **ids)
     if name == "tiny-gemma3":
         return Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
-                                num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=8,
+                                num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=64, sliding_window=8,
                                 layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                                 max_position_embeddings=2048, final_logit_softcapping=30.0, **ids)
     return LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
