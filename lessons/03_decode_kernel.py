@@ -91,7 +91,7 @@ _paged_decode_kernel[(2, HKV, S)](
     k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
     v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
     block_tables.stride(0), part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-    scale, tokens_per_split,
+    scale, tokens_per_split, 0,          # 0: no sliding window (Gemma 3's local layers pass theirs)
     GROUP=HQ // HKV, GROUP_PAD=16, HEAD_DIM=D, HEAD_DIM_PAD=D, BLOCK_SIZE=BS, BLOCK_N=BLOCK_N,
 )
 console.print(f"lse of sequence 0, head 3, per split: {lse[0, 3].tolist()}")

@@ -70,9 +70,13 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    """The interface: `prepare` once per step, `forward` in every layer, `copy_blocks` for copy-on-write."""
+    """The interface: `prepare` once per step, `forward` in every layer, `copy_blocks` for copy-on-write.
+
+    A backend with `windows = True` takes `window=W` in `forward`: a query at position p then sees only
+    the keys at positions p - W + 1 .. p (a sliding-window layer, as in Gemma 3 and Mistral)."""
 
     name = "base"
+    windows = False
 
     @property
     def label(self) -> str:
@@ -100,9 +104,19 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:          # [T, Hq, D]
     """Store this step's k, v at their slots, then attend for every token of the row.
 
+    `window`: a sliding-window layer's window (each query sees only its last `window` keys, itself
+    included); None for full causal attention. A backend without window masks refuses it rather than
+    attend to keys it should not.
+
     q, k and v may be views whose rows lie apart in memory (cpu/llama.py passes slices of one
     merged q/k/v matmul output); each head's head_dim values are contiguous."""
-    return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+    if window is None:
+        return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+    if not meta.backend.windows:
+        raise ValueError(f"attention backend {meta.backend.label} has no sliding-window mask, which this "
+                         f"model's windowed layers need; use the torch backend")
+    return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale, window=window)

@@ -51,6 +51,7 @@ from torch import nn
 from nanoserve import implementation
 from nanoserve.attention import AttentionBackend, AttentionMetadata, BatchLayout, PrefillChunk
 from nanoserve.cuda_graphs import DecodeGraphs, GraphBatch
+from nanoserve.errors import FieldError
 from nanoserve.implementation import Choice, Implementation
 from nanoserve.kernels.backends import make_backend
 
@@ -114,6 +115,9 @@ class ModelRunner:
         self.model, self.attn = built.model, built.attention
         self.implementation: Implementation = built.implementation
         zeros, graphs = built.zeros, choice.graphs
+        if any(w is not None for w in getattr(model, "sliding_windows", ())) and not self.attn.windows:
+            raise FieldError("attention_backend", f"runs {self.attn.label}, which has no sliding-window mask, "
+                                                  f"and this model's local layers need one")
         # With graphs, one scratch block past the pool's last: padding rows write their K/V there.
         shape = (num_blocks + (graphs is not None), block_size, model.num_kv_heads, model.head_dim)
         # One (k_cache, v_cache) pair per layer.

@@ -13,6 +13,7 @@ with its plain path and its fast path (decodes in groups), which must agree.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -37,8 +38,9 @@ HEAD_DIM = 8
 ATOL = 1e-5
 
 
-def naive_attention(q, k, v, scale):
-    """q [Tq, Hq, D] at positions [L - Tq, L); k, v [L, Hkv, D] contiguous -> [Tq, Hq, D]."""
+def naive_attention(q, k, v, scale, window=None):
+    """q [Tq, Hq, D] at positions [L - Tq, L); k, v [L, Hkv, D] contiguous -> [Tq, Hq, D].
+    `window`: each query sees only the keys less than `window` positions behind it."""
     tq, hq, _ = q.shape
     L, hkv, _ = k.shape
     group = hq // hkv
@@ -48,6 +50,8 @@ def naive_attention(q, k, v, scale):
     q_pos = torch.arange(L - tq, L)[:, None]
     k_pos = torch.arange(L)[None, :]
     scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    if window is not None:
+        scores = scores.masked_fill(k_pos <= q_pos - window, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -224,7 +228,7 @@ def test_prefill_ignores_blocks_past_context():
 # -- paged_attention on a mixed batch --------------------------------------------------------
 
 
-def run_mixed_batch(block_size, hq, hkv, decode_lens, prefill_specs, seed):
+def run_mixed_batch(block_size, hq, hkv, decode_lens, prefill_specs, seed, window=None, extra_backends=()):
     """Build a runner-shaped batch (decodes first, then prefill chunks) and check every row.
 
     decode_lens: context length of each decoding sequence (the new token included).
@@ -263,13 +267,13 @@ def run_mixed_batch(block_size, hq, hkv, decode_lens, prefill_specs, seed):
     layout = BatchLayout(block_size, torch.cat(slots), list(decode_lens),
                          [seqs[i][0] for i in range(len(decode_lens))], prefills)
     q, k, v = torch.cat(q_rows), torch.cat(k_rows), torch.cat(v_rows)
-    backends = [TorchBackend(grouped=False), TorchBackend(grouped=True, group_size=2)]
+    backends = [TorchBackend(grouped=False), TorchBackend(grouped=True, group_size=2), *extra_backends]
     if cpu_attention.load(torch.float32) is not None:    # the CPU backend: store and every row in C
         backends.append(CpuBackend(cpu_attention.load(torch.float32), cpu_attention.load_store(torch.float32)))
     outs, caches = [], []
     for backend in backends:          # each path writes this step's K/V into its own copy of the cache
         caches.append((cache.k.clone(), cache.v.clone()))
-        outs.append(paged_attention(q, k, v, *caches[-1], backend.prepare(layout), scale))
+        outs.append(paged_attention(q, k, v, *caches[-1], backend.prepare(layout), scale, window=window))
     for other, (k_other, v_other) in zip(outs[1:], caches[1:]):
         torch.testing.assert_close(other, outs[0], atol=ATOL, rtol=0)   # plain, fast and C paths agree
         assert torch.equal(k_other, caches[0][0]) and torch.equal(v_other, caches[0][1])   # and store alike
@@ -280,13 +284,28 @@ def run_mixed_batch(block_size, hq, hkv, decode_lens, prefill_specs, seed):
     for i, (table, start, L) in enumerate(seqs):
         n = L - start
         kf, vf = full[i]
-        expected = naive_attention(q_rows[i], kf, vf, scale)
+        expected = naive_attention(q_rows[i], kf, vf, scale, window)
         torch.testing.assert_close(out[row : row + n], expected, atol=ATOL, rtol=0)
         # The whole sequence is now readable through its table.
         t = torch.tensor(table)[None]
         assert torch.equal(gather_kv(cache.k, t)[0, :L], kf)
         assert torch.equal(gather_kv(cache.v, t)[0, :L], vf)
         row += n
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_paged_attention_sliding_window(block_size, window):
+    """A sliding-window layer (Gemma 3's local layers): every backend with window masks (torch plain and
+    grouped, the C kernel, the Triton kernels where triton is installed: under its interpreter on a CPU)
+    attends each query to its last `window` keys only, decodes and chunks alike, windows that start
+    mid-block and chunks longer than the window included."""
+    extra = []
+    if importlib.util.find_spec("triton") is not None:
+        from nanoserve.kernels.triton_backend import TritonBackend
+        extra.append(TritonBackend())
+    run_mixed_batch(block_size, 4, 2, decode_lens=[1, 2, 7, 20, 70], prefill_specs=[(0, 9), (5, 3), (11, 40)],
+                    seed=window * 7 + block_size, window=window, extra_backends=extra)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

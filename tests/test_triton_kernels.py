@@ -63,6 +63,34 @@ def test_decode_matches_reference(bs, hq, hkv, splits):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [1, 5, 40])
+def test_windowed_decode_and_prefill_match_reference(window):
+    """A sliding window (Gemma 3's local layers): splits wholly before the window are empty, tiles that
+    start before it are masked; the same numbers as the torch reference under the windowed masks."""
+    from nanoserve.kernels.torch_backend import decode_window, prefill_window
+
+    lens = [1, 7, 70, 200]
+    kc, vc = caches(4, 2)
+    bt = shuffled_tables(lens, 4)
+    q = torch.randn(len(lens), 4, D, device=DEVICE)
+    seq_lens = torch.tensor(lens, device=DEVICE)
+    mask = decode_window(reference.decode_mask(seq_lens, bt.shape[1] * 4), seq_lens, window)
+    want = reference.decode_attention(q, kc, vc, bt, seq_lens, 0.3, mask)
+    got = decode_attention(q, kc, vc, bt, seq_lens, 0.3, num_splits=3, block_n=16, window=window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    chunks = [(0, 20), (33, 9)]                           # (cached prefix, chunk length)
+    contexts, qlens = [p + n for p, n in chunks], [n for _, n in chunks]
+    tables = shuffled_tables(contexts, 4, seed=3)
+    qp = torch.randn(sum(qlens), 4, D, device=DEVICE)
+    got = prefill_attention(qp, kc, vc, tables, torch.tensor([0, qlens[0]], device=DEVICE),
+                            torch.tensor(qlens, device=DEVICE), torch.tensor(contexts, device=DEVICE), 0.3,
+                            block_m=16, block_n=16, window=window)
+    for s, n, ctx, table in zip([0, qlens[0]], qlens, contexts, tables):
+        want = reference.prefill_attention(qp[s : s + n], kc, vc, table, ctx, 0.3,
+                                           prefill_window(reference.prefill_mask(n, ctx, DEVICE), window))
+        torch.testing.assert_close(got[s : s + n], want, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_bits_do_not_depend_on_the_table_width():
     """A CUDA graph's batch pads every block table to max_model_len (cuda_graphs.py); the splits are a
     fixed 256 positions, so a sequence's output has the same bits however wide its table is padded."""

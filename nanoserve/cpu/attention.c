@@ -382,7 +382,8 @@ int paged_decode_attention(
     cache_t *out,                  /* [B, Hq, D] (the cache's dtype, as q: rounded once from float32 sums) */
     /* sizes */
     int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t max_blocks, int64_t N,
-    int64_t q_stride, float scale)
+    int64_t q_stride, float scale,
+    int64_t window)                /* 0: every token; W > 0: only each row's last W tokens (a sliding window) */
 {
     /* The indices come from the caller: check every one this call would follow before reading any K/V
        (a few hundred integer compares; in Python they were four tensor reductions per layer). */
@@ -401,11 +402,13 @@ int paged_decode_attention(
     /* One sequence per iteration; threads take the next sequence when they finish one. */
     #pragma omp parallel for schedule(dynamic)
     for (int64_t b = 0; b < B; b++) {
-        const int64_t L = seq_lens[b];
+        /* A sliding window skips the row's first seq_len - W tokens: the rest is the same over L tokens. */
+        const int64_t first = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
+        const int64_t L = seq_lens[b] - first;
         const int64_t Lp = (L + 7) / 8 * 8;        /* a head's scores start 8-aligned: eight stored at once */
         const int64_t *table = block_tables + b * max_blocks;
         /* scratch: scores, then probabilities [Hq, Lp]; q in pass 1's order [Hq, D]; the output in float32
-           [Hq, D]; then each token's row offset in the pools [L] */
+           [Hq, D]; then each attended token's row offset in the pools [L] */
         float *s = malloc(sizeof(float) * (Hq * Lp + 2 * Hq * D) + sizeof(int64_t) * L);
         if (s == NULL) {
             #pragma omp atomic write
@@ -416,9 +419,10 @@ int paged_decode_attention(
         int64_t *slot = (int64_t *)(o + Hq * D);
         for (int64_t h = 0; h < Hq; h++) split_q(q + b * q_stride + h * D, qs + h * D, D);
 
-        /* 0. where each token lies: block by block through the table, no division per token */
-        for (int64_t t = 0, blk = 0; t < L; blk++)
-            for (int64_t i = 0; i < bs && t < L; i++, t++) slot[t] = (table[blk] * bs + i) * row;
+        /* 0. where each attended token lies: block by block through the table from the window's first
+           token (position first + t), no division per token */
+        for (int64_t t = 0, blk = first / bs, i = first % bs; t < L; blk++, i = 0)
+            for (; i < bs && t < L; i++, t++) slot[t] = (table[blk] * bs + i) * row;
 
         scores(qs, k_cache, slot, L, Lp, Hq, G, D, scale, s);
         softmax(s, L, Lp, Hq);

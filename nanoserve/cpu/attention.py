@@ -16,6 +16,7 @@ slower. `EngineConfig(path="torch")` never builds it.
 
     decode = load(torch.float32)            # None if it cannot be built here
     out = decode(q, k_cache, v_cache, block_tables, seq_lens, scale)   # [B, Hq, D]
+    out = decode(..., scale, window=W)      # a sliding-window layer: each row's last W tokens only
 
     store = load_store(torch.float32)       # the same library's store: new K/V rows to their slots
     store(k, v, k_cache, v_cache, slot_mapping)                         # as reference.store_kv
@@ -68,14 +69,16 @@ def c_function(cache_dtype: torch.dtype, name: str, argtypes: list, extra: tuple
 def load(cache_dtype: torch.dtype, extra: tuple[str, ...] = ()):
     """The kernel for a cache of `cache_dtype` as a Python function, or None (with one warning) if unavailable."""
     fn = c_function(cache_dtype, "paged_decode_attention",
-                    [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float], extra)
+                    [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int64], extra)
     if fn is None:
         return None
     check = partial(check_layout, cache_dtype=cache_dtype)     # this build's cache dtype
     layouts = CheckedLayouts()
 
-    def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
-        """q [B, Hq, D], caches [N, bs, Hkv, D], block_tables [B, nb] int64, seq_lens [B] int64 -> [B, Hq, D]."""
+    def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int = 0) -> torch.Tensor:
+        """q [B, Hq, D], caches [N, bs, Hkv, D], block_tables [B, nb] int64, seq_lens [B] int64 -> [B, Hq, D].
+
+        `window` > 0: each row attends only to its last `window` tokens (a sliding-window layer)."""
         # The C code trusts shapes and dtypes; a wrong one would read the wrong memory, so check them all
         # (a ValueError naming the argument, as every kernel wrapper raises: kernels/checks.py). Every layer
         # of a step passes the same layout, so the checks run when it changes: about once a step.
@@ -89,7 +92,7 @@ def load(cache_dtype: torch.dtype, extra: tuple[str, ...] = ()):
         out = torch.empty(B, Hq, D, dtype=q.dtype)
         status = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                     seq_lens.data_ptr(), out.data_ptr(), B, Hq, Hkv, D, bs, block_tables.shape[1], N,
-                    q.stride(0), scale)
+                    q.stride(0), scale, window)
         if status != 0:     # the C code checks every length and block id it would follow, before reading any
             expect(status != BAD_SEQ_LEN, "seq_lens", f"lengths from 1 to {block_tables.shape[1] * bs} (what "
                    "the tables hold)", seq_lens)

@@ -38,6 +38,7 @@ class CpuMetadata(AttentionMetadata):
 
 class CpuBackend(AttentionBackend):
     name = "cpu"
+    windows = True      # a sliding window is each row's last W tokens: the kernel skips the ones before
 
     def __init__(self, attend, store) -> None:
         """`attend`, `store`: cpu/attention.py's load(dtype) and load_store(dtype), built for the cache's dtype."""
@@ -74,8 +75,9 @@ class CpuBackend(AttentionBackend):
         meta.seq_lens = torch.tensor(lens, dtype=torch.int64, device=dev)
         return meta
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:
         # 1. Write this step's K/V first, so every query can see its own token.
         self.store(k, v, k_cache, v_cache, meta.slot_mapping)
-        # 2. One query per row, each over its own table and length.
-        return self.attend(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        # 2. One query per row, each over its own table and length (its last `window` tokens, if windowed).
+        return self.attend(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window or 0)

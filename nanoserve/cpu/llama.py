@@ -24,6 +24,9 @@ over 25 small ops per layer. Per layer:
   C call each (cpu/ops.c) instead of 4 to 10 torch ops.
 * The residual stream h is one tensor, updated in place.
 
+Llama (Mistral's sliding window too), Qwen2 (its q/k/v biases ride in the
+merged matmul) and Qwen3 (its QK-norm is two torch calls after that matmul);
+not Gemma 3, whose extra norms and scalings keep models/gemma3.py's forward.
 Float32 models, and bf16 ones on a CPU with bf16 units (AVX512-BF16, AMX:
 there ops.c's bf16 build rounds to bf16 where llama.py does), on one
 process (no tensor-parallel shards). The runner uses it on a CPU on the
@@ -44,6 +47,8 @@ from nanoserve.cpu.linear import CpuLinear, PanelLinear, can_pack_dtype
 from nanoserve.cpu.matmul import CpuMatmul
 from nanoserve.cpu.ops import CpuOps
 from nanoserve.models.llama import Llama, LlamaAttention, LlamaLayer, LlamaMLP, RMSNorm
+from nanoserve.models.qwen2 import Qwen2
+from nanoserve.models.qwen3 import Qwen3, Qwen3Attention
 
 
 def stacked(*linears: nn.Linear) -> nn.Linear:
@@ -68,15 +73,18 @@ def supports(model: nn.Module) -> bool:
 
     Anything replaced or subclassed (a sharded layer, a student's module) keeps the model's own forward:
     this module would skip it silently otherwise."""
-    if type(model) is not Llama or getattr(model, "tp_size", 1) != 1:
+    if type(model) not in (Llama, Qwen2, Qwen3) or getattr(model, "tp_size", 1) != 1:
         return False
     if not can_pack_dtype(model.lm_head.weight.dtype) or type(model.model.norm) is not RMSNorm:
         return False
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        parts = (type(layer) is LlamaLayer, type(attn) is LlamaAttention, type(mlp) is LlamaMLP,
+        parts = (type(layer) is LlamaLayer, type(attn) in (LlamaAttention, Qwen3Attention), type(mlp) is LlamaMLP,
                  type(layer.input_layernorm) is RMSNorm, type(layer.post_attention_layernorm) is RMSNorm)
-        if not all(parts) or not all(type(p) is nn.Linear for p in (*attn.children(), *mlp.children())):
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *mlp.children())
+        norms = (attn.q_norm, attn.k_norm) if type(attn) is Qwen3Attention else ()
+        if not all(parts) or not all(type(p) is nn.Linear for p in projections) or \
+                not all(type(n) is RMSNorm for n in norms):
             return False
     return True
 
@@ -87,12 +95,13 @@ class CpuLlamaLayer(nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
         self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.scale = attn.scale
+        self.scale, self.window = attn.scale, attn.window
         self.qkv = projection(stacked(attn.q_proj, attn.k_proj, attn.v_proj), mm)
         self.o = projection(attn.o_proj, mm)
         self.gate_up = projection(stacked(mlp.gate_proj, mlp.up_proj), mm)
         self.down = projection(mlp.down_proj, mm)
         self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm   # shared
+        self.qk_norms = (attn.q_norm, attn.k_norm) if type(attn) is Qwen3Attention else None   # Qwen3's QK-norm
         # What forward reads 30 times a step, as plain attributes (a submodule's or parameter's lookup
         # goes through nn.Module.__getattr__, about 1 us each).
         self.norm1_args = (self.norm1.weight, self.norm1.eps)
@@ -109,9 +118,13 @@ class CpuLlamaLayer(nn.Module):
         T, Hq, Hkv = h.shape[0], self.num_heads, self.num_kv_heads
         x = self.ops.add_rms_norm(h, a, *self.norm1_args, check=check)
         heads = self.qkv.forward(x).view(T, Hq + 2 * Hkv, self.head_dim)   # [T, q heads | k heads | v heads, D]
+        if self.qk_norms is not None:                                      # Qwen3: each q and k head normalised
+            q_norm, k_norm = self.qk_norms
+            heads[:, :Hq] = q_norm.forward(heads[:, :Hq])
+            heads[:, Hq : Hq + Hkv] = k_norm.forward(heads[:, Hq : Hq + Hkv])
         self.ops.rotary_(heads[:, : Hq + Hkv], cos, sin, check=check)      # positions into q and k, in place
         q, k, v = heads.split([Hq, Hkv, Hkv], dim=1)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, window=self.window)
         x = self.ops.add_rms_norm(h, self.o.forward(o.reshape(T, -1)), *self.norm2_args, check=check)
         return self.down.forward(self.ops.silu_mul(self.gate_up.forward(x), check=check))
 

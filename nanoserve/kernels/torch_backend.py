@@ -17,7 +17,11 @@ Two ways, chosen once per engine (`grouped`: off on EngineConfig.path="reading")
          K/V are gathered in bf16, half the bytes, and multiplied in float32,
          where torch's CPU attention runs about 3x faster.
 
-Both compute the same attention (the tests compare them). On a CPU the
+A sliding-window layer (`window=W`, Gemma 3's local layers) narrows the same
+masks: a query at position p sees keys p - W + 1 .. p. The blocks before the
+window are still gathered (freeing them is the KV cache groups' job).
+
+Both paths compute the same attention (the tests compare them). On a CPU the
 engine runs the C kernel of nanoserve/cpu/ instead where it builds (the "cpu"
 backend, cpu/backend.py), which reads K/V in place with no copies at all.
 Measured with benchmarks/bench_decode_attention.py on one core of an AMD EPYC
@@ -66,6 +70,7 @@ class TorchMetadata(AttentionMetadata):
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+    windows = True
 
     def __init__(self, grouped: bool = True, group_size: int = 8, compute_dtype: torch.dtype | None = None,
                  ops=reference):
@@ -106,20 +111,37 @@ class TorchBackend(AttentionBackend):
                 self.ops.prefill_mask(c.num_query, c.context_len, dev)))
         return meta
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:
         # 1. Write this step's K/V first, so every query below can see its own token.
         self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         # 2. Decodes: one query each, batched (plain: one group; grouped: groups of similar length).
         for g in meta.decode_groups:
-            out[g.start : g.end] = self._decode(q[g.start : g.end], k_cache, v_cache, g, scale)
+            mask = g.mask if window is None else decode_window(g.mask, g.seq_lens, window)
+            out[g.start : g.end] = self._decode(q[g.start : g.end], k_cache, v_cache, g, scale, mask)
         # 3. Prefill chunks: causal over (cached prefix + chunk), one sequence at a time.
         for c in meta.prefills:
+            mask = c.mask if window is None else prefill_window(c.mask, window)
             out[c.start : c.end] = self.ops.prefill_attention(
-                q[c.start : c.end], k_cache, v_cache, c.block_table, c.context_len, scale, c.mask,
+                q[c.start : c.end], k_cache, v_cache, c.block_table, c.context_len, scale, mask,
                 compute_dtype=self.compute_dtype if self.grouped else None)
         return out
 
-    def _decode(self, q, k_cache, v_cache, g: DecodeGroup, scale: float) -> torch.Tensor:
-        return self.ops.decode_attention(q, k_cache, v_cache, g.block_tables, g.seq_lens, scale, g.mask,
+    def _decode(self, q, k_cache, v_cache, g: DecodeGroup, scale: float, mask: torch.Tensor) -> torch.Tensor:
+        return self.ops.decode_attention(q, k_cache, v_cache, g.block_tables, g.seq_lens, scale, mask,
                                           compute_dtype=self.compute_dtype if self.grouped else None)
+
+
+def decode_window(mask: torch.Tensor, seq_lens: torch.Tensor, window: int) -> torch.Tensor:
+    """A decode mask [B, 1, 1, L] narrowed to each sequence's last `window` tokens (the newest included)."""
+    pos = torch.arange(mask.shape[-1], device=mask.device)
+    return mask & (pos[None, :] >= seq_lens[:, None] - window)[:, None, None, :]
+
+
+def prefill_window(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """A chunk's causal mask [Tq, ctx] narrowed to keys less than `window` positions behind each query."""
+    num_q, ctx = mask.shape
+    q_pos = torch.arange(ctx - num_q, ctx, device=mask.device)
+    k_pos = torch.arange(ctx, device=mask.device)
+    return mask & (k_pos[None, :] > q_pos[:, None] - window)

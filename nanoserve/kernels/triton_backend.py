@@ -63,20 +63,27 @@ class TritonBackend(AttentionBackend):
             meta.max_query_len = max(c.num_query for c in chunks)
         return meta
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float) -> torch.Tensor:
+    @property
+    def windows(self) -> bool:
+        """Our kernels take a sliding window; a lab's kernels in their place are called as they were written."""
+        return self.decode is None and self.prefill is None
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:
         from nanoserve.kernels import triton_cache, triton_decode, triton_prefill
 
         triton_decode, triton_prefill = self.decode or triton_decode, self.prefill or triton_prefill
+        windowed = {} if window is None else {"window": window}    # (paged_attention checked `windows`)
         triton_cache.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
             out[:nd] = triton_decode.decode_attention(
-                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, **windowed)
         if meta.prefill_block_tables is not None:
             triton_prefill.prefill_attention(
                 q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start, meta.prefill_query_len,
-                meta.prefill_context_len, scale, max_query_len=meta.max_query_len, out=out)
+                meta.prefill_context_len, scale, max_query_len=meta.max_query_len, out=out, **windowed)
         return out
 
     def copy_blocks(self, caches, src, dst) -> None:

