@@ -190,11 +190,13 @@ def test_a_backend_without_window_masks_refuses_a_windowed_model(family):
     from nanoserve.kernels import triton_decode, triton_prefill
     from nanoserve.kernels.triton_backend import TritonBackend
 
-    lab = lambda name, fast_paths: TritonBackend(triton_decode, triton_prefill)  # noqa: E731
+    from nanoserve.implementation import Choice
+    from nanoserve.runner import ModelRunner
+
+    lab = lambda name, grouped: TritonBackend(triton_decode, triton_prefill)  # noqa: E731
     with pytest.raises(FieldError, match="sliding-window"):
-        from nanoserve.runner import ModelRunner
-        ModelRunner(family("tiny-gemma3")[1].model, 16, 4, torch.float32, torch.device("cpu"), "triton",
-                    make_attention=lab)
+        ModelRunner(family("tiny-gemma3")[1].model, 16, 4, torch.float32, torch.device("cpu"),
+                    Choice(attention="triton"), make_attention=lab)
 
 
 def test_bf16_gemma3_within_near_ties(family):
