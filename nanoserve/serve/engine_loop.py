@@ -72,9 +72,10 @@ LONG_PROMPT_THREADS = 2      # ... this many at once
 class Sink:
     """The handler's end of one request: the engine thread puts, the handler awaits."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, constraint_field: str | None = None) -> None:
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
+        self.constraint_field = constraint_field   # the request field asking for structured output, if any
 
     def put(self, item: RequestOutput | Exception) -> None:
         """Called on the engine thread."""
@@ -272,7 +273,7 @@ class EngineLoop:
             if sink is None:
                 continue
             error = next((c.error for c in out.outputs if c.error), None)
-            sink.put(ApiError(500, f"the engine gave up on this request: {error}") if error else out)
+            sink.put(_gave_up(error, sink.constraint_field) if error else out)
             if out.finished:
                 del self._sinks[out.request_id]
         if self.metrics:
@@ -384,6 +385,15 @@ class EngineLoop:
         self._sinks.pop(request_id, None)
         if request_id in self.engine.requests:       # not finished in the meantime
             self._engine_abort(request_id)
+
+
+def _gave_up(error: str, constraint_field: str | None) -> ApiError:
+    """The error for a request the engine ended: a constraint that cannot go on is the client's (400,
+    naming its field: found only while decoding, e.g. a choice shorter than min_tokens), else a 500."""
+    if constraint_field is not None and "structured output:" in error:
+        return ApiError(400, f"{constraint_field} cannot be satisfied: {error.split('structured output: ', 1)[1]}",
+                        constraint_field)
+    return ApiError(500, f"the engine gave up on this request: {error}")
 
 
 def _guess_field(message: str) -> str | None:
