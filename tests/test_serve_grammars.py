@@ -104,7 +104,8 @@ def rules(n: int) -> str:
 TOO_LARGE = [
     # (fields, param, words)
     ({"guided_grammar": rules(grammars.MAX_RULES + 10)}, "guided_grammar", ["rules"]),
-    ({"guided_grammar": 'root ::= [a-z]{0,5000}'}, "guided_grammar", ["repeats", "5000"]),
+    ({"guided_grammar": 'root ::= [a-z]{0,5000}'}, "guided_grammar", ["add up to 5000"]),
+    ({"guided_grammar": 'root ::= [a-z]{0,100} "x" [a-z]{3,100}'}, "guided_grammar", ["add up to 200"]),
     ({"guided_regex": "(ab){0,9999}"}, "guided_regex", ["9999"]),
     ({"guided_regex": "a" * 70_000}, "guided_regex", ["characters"]),
     ({"guided_choice": [f"c{i}" for i in range(20_000)]}, "guided_choice", ["characters"]),
@@ -112,7 +113,7 @@ TOO_LARGE = [
         "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(600)}}}}},
      "response_format.json_schema.schema", []),
     ({"guided_json": {"type": "array", "items": {"type": "integer"}, "minItems": 3, "maxItems": 100_000}},
-     "guided_json", ["repeats", "maxItems"]),
+     "guided_json", ["repeats", "maxItems", "4096"]),
 ]
 
 
