@@ -34,7 +34,10 @@ first come, first served; a text prompt longer than LONG_PROMPT_CHARS goes to
 two more threads beside it, so a huge prompt is counted and refused there
 while everyone else is admitted and the engine keeps stepping. Only prompts
 that fit the context reach the engine thread (where `add_request` tokenizes
-them again, which is then bounded by the context length).
+them again, which is then bounded by the context length). Structured
+output's grammars are compiled before the submit, on threads of their own
+(`grammars.py`), so `add_request` finds them in xgrammar's cache; a
+constraint that turns out unsatisfiable while decoding is the client's 400.
 
 No request and no subscriber can stop this thread. A request whose admission
 raises gets an error naming the cause; a step that fails (`StepFailed`: the
