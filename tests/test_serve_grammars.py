@@ -107,6 +107,7 @@ TOO_LARGE = [
     ({"guided_grammar": 'root ::= [a-z]{0,5000}'}, "guided_grammar", ["add up to 5000"]),
     ({"guided_grammar": 'root ::= [a-z]{0,100} "x" [a-z]{3,100}'}, "guided_grammar", ["add up to 200"]),
     ({"guided_regex": "(ab){0,9999}"}, "guided_regex", ["9999"]),
+    ({"guided_regex": "a{" + "9" * 5000 + "}"}, "guided_regex", []),
     ({"guided_regex": "a" * 70_000}, "guided_regex", ["characters"]),
     ({"guided_choice": [f"c{i}" for i in range(20_000)]}, "guided_choice", ["characters"]),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {

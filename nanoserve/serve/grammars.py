@@ -55,7 +55,7 @@ def check_size(spec: StructuredOutputsParams, field: str) -> None:
     rules = text.count("::=")
     if rules > MAX_RULES:
         raise FieldError(field, f"makes a grammar of {rules} rules; the server compiles at most {MAX_RULES}")
-    bounds = [max(int(m.group(1)), int(m.group(2) or 0)) for m in _REPEAT.finditer(text)]
+    bounds = [max(_number(m.group(1)), _number(m.group(2) or "0")) for m in _REPEAT.finditer(text)]
     if spec.kind in ("json", "json_object"):
         if bounds and max(bounds) > MAX_JSON_REPEAT:
             raise FieldError(field, f"repeats something up to {max(bounds)} times (a maxLength, maxItems or "
@@ -64,6 +64,11 @@ def check_size(spec: StructuredOutputsParams, field: str) -> None:
         raise FieldError(field, f"has repetitions {{m,n}} whose bounds add up to {sum(bounds)}; the server "
                                 f"compiles at most {MAX_REPEAT} (a bounded repetition of a character class "
                                 "takes seconds per hundred to compile: use * or + where you can)")
+
+
+def _number(digits: str) -> int:
+    """A bound as printed (capped: a bound of thousands of digits is past every limit, and int() refuses it)."""
+    return int(digits) if len(digits) <= 12 else 10**12
 
 
 class GrammarCompiles:
