@@ -44,6 +44,7 @@ import torch
 from nanoserve.errors import FieldError
 
 EXTRA = "structured output needs xgrammar: pip install xgrammar"
+CACHE_BYTES = 512 << 20   # compiled grammars each GrammarCompiler keeps (least recently used go first)
 _COMPILERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # tokenizer -> {(V, eos): GrammarCompiler}
 
 
@@ -114,7 +115,7 @@ class GrammarCompiler:
         xgr = xgrammar()
         stop = [eos_token_id] if eos_token_id is not None else None
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(self.info.stop_token_ids)
 
@@ -203,6 +204,25 @@ class SequenceGrammar:
             return False
         allowed = allowed_tokens(self.next_mask(), self.vocab_size)
         return set(allowed) <= set(self.stop_token_ids)
+
+
+def check_satisfiable(grammar: SequenceGrammar, spec, params, eos_token_id: int | None,
+                      field: str | None = None) -> None:
+    """FieldError when a fresh request's constraint can never be met, found before it runs: the first
+    position allows no token the sampler may draw (a regex that matches nothing, `root ::= root`; EOS
+    and stop_token_ids do not count before min_tokens), or min_tokens is longer than every choice
+    (a token is at least one byte). `field` names the client's field (default structured_outputs.KIND)."""
+    field = field or f"structured_outputs.{spec.kind}"
+    banned = set(params.stop_token_ids) | ({eos_token_id} if eos_token_id is not None else set()) \
+        if params.min_tokens else set()
+    if allows_nothing(grammar.next_mask(), grammar.vocab_size, banned):
+        raise FieldError(field, "allows no token at the first position: no output can satisfy it"
+                         + (f" (EOS is forbidden there by min_tokens={params.min_tokens})" if banned else ""))
+    if spec.kind == "choice" and params.min_tokens:
+        longest = max(len(c.encode()) for c in spec.choice)
+        if params.min_tokens > longest:
+            raise FieldError("min_tokens", f"is {params.min_tokens}, but the longest choice of {field} is "
+                                           f"{longest} bytes, so at most {longest} tokens: no output can satisfy both")
 
 
 def allowed_tokens(row: torch.Tensor, vocab_size: int) -> list[int]:

@@ -29,7 +29,7 @@ from nanoserve.view import FINISHED_STATUS, HISTORY_LEN, ROOT, RadixNodeView, Se
 
 __all__ = [
     "EventBus", "JsonlRecorder", "TraceWarning", "event_to_dict", "event_from_dict", "write_trace", "read_trace",
-    "read_trace_lines",
+    "read_trace_lines", "quote",
     # the view state and its fold, here too so `from nanoserve.trace import fold, ViewState` keeps working
     "fold", "fold_all", "synced_event", "ViewState", "SequenceView", "RadixNodeView", "FINISHED_STATUS",
     "HISTORY_LEN", "ROOT",
@@ -118,10 +118,20 @@ _RENAMED_TYPES = {"RequestAdmitted": "SequenceAdmitted", "RequestFinished": "Seq
                   "RequestAborted": "SequenceAborted"}
 
 
+def quote(text: str | bytes, limit: int = 120) -> str:
+    """`text` safe to print in one line of an error: bytes that are not UTF-8, control characters and
+    terminal escapes written as escapes (\\x1b, \\xff, \\u2028), cut to about `limit` characters."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "backslashreplace")
+    text = text.strip()
+    shown = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text[:limit])
+    return shown[:limit] + ("..." if len(shown) > limit or len(text) > limit else "")
+
+
 def event_from_dict(d: dict) -> Event:
     """Inverse of `event_to_dict`; ValueError on an unknown type or bad fields."""
     if not isinstance(d, dict):
-        raise ValueError(f"event must be a JSON object, got {d!r}")
+        raise ValueError(f"event must be a JSON object, got {type(d).__name__}")
     d = dict(d)
     name = d.pop("type", None)
     name = _RENAMED_TYPES.get(name, name) if isinstance(name, str) else name
@@ -131,11 +141,11 @@ def event_from_dict(d: dict) -> Event:
     if cls is EVENT_TYPES["EngineSynced"] and "requests" in d:
         d["sequences"] = d.pop("requests")
     if cls is None:
-        raise ValueError(f"unknown event type {name!r} in {d!r}")
+        raise ValueError(f"unknown event type {quote(repr(name), 60)}")
     try:
         return cls(**{k: _tuples(v) for k, v in d.items()})
     except TypeError as e:  # missing or unexpected field names
-        raise ValueError(f"bad fields for {name}: {e}") from None
+        raise ValueError(f"bad fields for {name}: {quote(str(e), 160)}") from None
 
 
 class JsonlRecorder:
@@ -225,9 +235,10 @@ def read_trace_lines(path: str | Path) -> list[tuple[int, Event]]:
                 warnings.warn(f"{path}: line {lineno} is cut short (the recording stopped mid-line); "
                               f"reading the {len(events)} events before it", TraceWarning, stacklevel=3)
                 break
-            raise ValueError(f"{path}:{lineno}: {e}: {raw.strip()[:200].decode('utf-8', 'replace')}") from None
+            why = "not UTF-8" if isinstance(e, UnicodeDecodeError) else f"not JSON ({e})"
+            raise ValueError(f"{path}:{lineno}: {why}: {quote(raw)}") from None
         try:
             events.append((lineno, event_from_dict(d)))
         except ValueError as e:
-            raise ValueError(f"{path}:{lineno}: {e}: {text.strip()[:200]}") from None
+            raise ValueError(f"{path}:{lineno}: {e}: {quote(text)}") from None
     return events

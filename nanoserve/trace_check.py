@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import types
 import typing
@@ -40,6 +41,12 @@ from pathlib import Path
 
 from nanoserve import events as ev
 from nanoserve.fold import fold
+from nanoserve.trace import quote
+
+# The largest traces the viewers open (docs/tui.md): past them a trace is refused in one line, before
+# anything is drawn (a pool is drawn block by block; every step is folded and kept to step back to).
+MAX_EVENTS = 250_000
+MAX_BLOCKS = 262_144
 
 # Fields that hold ids of device (GPU/CPU pool) blocks, and of CPU swap blocks.
 BLOCK_FIELDS = ("block_ids", "free_queue", "kept", "dropped", "src", "dst")
@@ -155,6 +162,9 @@ def check_synced(event: ev.EngineSynced) -> None:
     if event.num_blocks < 1 or event.block_size < 1:
         raise ValueError(f"field num_blocks/block_size: a pool of {event.num_blocks} blocks of "
                          f"{event.block_size} tokens cannot exist")
+    if event.num_blocks > MAX_BLOCKS or event.num_cpu_blocks > MAX_BLOCKS:
+        raise ValueError(f"field num_blocks: a pool of {max(event.num_blocks, event.num_cpu_blocks)} blocks; "
+                         f"nanoserve's viewers draw pools of at most {MAX_BLOCKS} blocks (MAX_BLOCKS)")
     if len(event.ref_counts) != event.num_blocks:
         raise ValueError(f"field ref_counts has {len(event.ref_counts)} entries for {event.num_blocks} blocks")
     for row in event.sequences:
@@ -307,7 +317,32 @@ def check_trace(events: Iterable[ev.Event], path: str | Path = "trace", lines: S
         except (ValueError, KeyError, IndexError, TypeError, AttributeError, AssertionError) as exc:
             where = f"line {lines[n]}" if lines is not None else f"event {n + 1}"
             text = str(exc) if isinstance(exc, ValueError) else f"the events do not replay ({type(exc).__name__}: {exc})"
-            raise ValueError(f"{path}: {where} ({type(event).__name__}, step {event.step!r:.20}): {text}") from None
+            raise ValueError(f"{path}: {where} ({type(event).__name__}, step {quote(repr(event.step), 20)}): "
+                             f"{quote(text, 300)}") from None
+
+
+def count_lines(path: Path) -> int:
+    """The file's lines (a last one without its newline counts), read in blocks: no event is parsed."""
+    lines, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            lines += block.count(b"\n")
+            last = block[-1:]
+    return lines + (last != b"\n")
+
+
+def _check_pool_first(path: Path) -> None:
+    """Refuse a pool past MAX_BLOCKS from the first line's JSON alone, before its lists become events
+    (a 2,000,000-block EngineSynced takes seconds to convert and check; this takes a parse)."""
+    with open(path, "rb") as f:
+        try:
+            head = json.loads(f.readline())
+        except ValueError:
+            return                                  # read_trace_lines says what is wrong with it
+    blocks = head.get("num_blocks") if isinstance(head, dict) else None
+    if isinstance(blocks, int) and blocks > MAX_BLOCKS:
+        raise ValueError(f"{path}: line 1 (EngineSynced): field num_blocks: a pool of {blocks} blocks; "
+                         f"nanoserve's viewers draw pools of at most {MAX_BLOCKS} blocks (MAX_BLOCKS)")
 
 
 def load_trace(path: str | Path) -> list[ev.Event]:
@@ -318,6 +353,11 @@ def load_trace(path: str | Path) -> list[ev.Event]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"trace not found: {path}")
+    lines = count_lines(path)
+    if lines > MAX_EVENTS:
+        raise ValueError(f"{path} has {lines} lines; nanoserve's viewers open traces of at most {MAX_EVENTS} "
+                         "events (MAX_EVENTS): cut it with head -n, keeping the first line (EngineSynced)")
+    _check_pool_first(path)
     numbered = read_trace_lines(path)
     events = [e for _, e in numbered]
     check_trace(events, path, [n for n, _ in numbered])

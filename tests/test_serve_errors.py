@@ -95,6 +95,12 @@ BAD_COMPLETIONS = [
     (lambda m: ok(m, use_beam_search=True), "use_beam_search", ["offline"]),
     (lambda m: ok(m, allowed_token_ids=[1, 2]), "allowed_token_ids", []),
     (lambda m: ok(m, truncate_prompt_tokens=8), "truncate_prompt_tokens", []),
+    (lambda m: ok(m, tool_choice="auto"), "tool_choice", ["function calling"]),
+    (lambda m: ok(m, tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice", []),
+    (lambda m: ok(m, parallel_tool_calls=True), "parallel_tool_calls", ["function calling"]),
+    (lambda m: ok(m, modalities=["text", "audio"]), "modalities", []),
+    (lambda m: ok(m, reasoning_effort="high"), "reasoning_effort", []),
+    (lambda m: ok(m, priority=3), "priority", []),
     # the fields nanoserve honours, with bad values
     (lambda m: ok(m, prompt_logprobs=-1), "prompt_logprobs", []),
     (lambda m: ok(m, prompt_logprobs=99), "prompt_logprobs", []),
@@ -117,7 +123,9 @@ def test_fields_left_off_are_fine(server, loaded):
     """The "off" values of refused fields (what clients send by default) are no error."""
     url, _ = server
     for fields in ({"response_format": {"type": "text"}}, {"response_format": None}, {"use_beam_search": False},
-                   {"guided_json": None}, {"allowed_token_ids": []}, {"some_future_field": 1}):
+                   {"guided_json": None}, {"allowed_token_ids": []}, {"some_future_field": 1},
+                   {"tool_choice": "none"}, {"parallel_tool_calls": False}, {"modalities": ["text"]},
+                   {"priority": 0}):
         assert post(url, "/v1/completions", ok(loaded.name, **fields)).status_code == 200, fields
 
 
@@ -161,6 +169,14 @@ def test_chat_without_a_template_is_a_clear_400(server, loaded):
     url, _ = server
     body = {"model": loaded.name, "messages": [{"role": "user", "content": "hi"}]}
     assert_error(post(url, "/v1/chat/completions", body), 400, "messages", "no chat template")
+
+
+def test_chat_refuses_tool_fields_by_name(server, loaded):
+    """tool_choice and parallel_tool_calls ask for function calling: refused like tools, never ignored."""
+    url, _ = server
+    body = {"model": loaded.name, "messages": [{"role": "user", "content": "hi"}]}
+    for field, value in (("tool_choice", "auto"), ("tool_choice", "required"), ("parallel_tool_calls", True)):
+        assert_error(post(url, "/v1/chat/completions", {**body, field: value}), 400, field, "function calling")
 
 
 def test_unknown_model_is_404_for_the_openai_client(server, loaded):

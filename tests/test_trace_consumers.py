@@ -191,3 +191,64 @@ def test_a_recorder_on_a_full_disk_keeps_whole_lines(tmp_path):
         warnings.simplefilter("error")                     # no cut line to repair
         assert read_trace(path) == events[:written]
     check_trace(events[:written], path)
+
+
+# -- hostile lines are quoted escaped and short; traces past the viewers' limits are refused in one line --
+
+
+HOSTILE = {   # name -> the line put after the first
+    "random bytes": b"\x1b[2J\x1b]0;pwned\x07\xff\xfe\x00" + bytes(range(1, 32)) * 50,
+    "terminal escapes in an event type": json.dumps({"type": "\x1b[31mRED\x1b[0m" * 100, "step": 1}).encode(),
+    "a huge unknown field": json.dumps({"type": "StepStarted", "step": 1, "\x1b[2J" + "x" * 100_000: 1}).encode(),
+    "a megabyte line": b"{" + b"\x9b" * 1_000_000,
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_hostile_line_is_quoted_escaped_and_cut_short(capsys, tmp_path, name):
+    from nanoserve_tui.app import run_app
+
+    path = tmp_path / "hostile.jsonl"
+    path.write_bytes(LINES[0].encode() + b"\n" + HOSTILE[name] + b"\n")
+    with pytest.raises(ValueError) as info:
+        load_trace(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:2") and len(message) < 600, message[:800]
+    assert message.isprintable(), repr(message[:300])       # no escape, no control character, no newline
+    assert run_app(replay=str(path)) == 2
+    assert one_error_line(capsys.readouterr().err) == f"nanoserve: error: {message}"
+    code, err = cli(capsys, *CONSUMERS["export"](path, tmp_path))
+    assert code == 2 and one_error_line(err) == f"nanoserve: error: {message}"
+
+
+def test_a_pool_past_the_limit_is_refused_in_one_line_before_it_is_read(capsys, tmp_path):
+    """2,000,000 blocks: refused from the first line's JSON, naming MAX_BLOCKS, by every consumer."""
+    from nanoserve import trace_check
+    from nanoserve_tui.app import run_app
+
+    n = 2_000_000
+    synced = {"type": "EngineSynced", "step": 0, "model": "m", "num_blocks": n, "block_size": 4,
+              "ref_counts": [0] * n, "free_queue": list(range(n)), "requests": []}
+    path = write(tmp_path, [json.dumps(synced)] + LINES[1:2])
+    with pytest.raises(ValueError, match=f"pools of at most {trace_check.MAX_BLOCKS} blocks \\(MAX_BLOCKS\\)"):
+        load_trace(path)
+    assert run_app(replay=str(path)) == 2
+    assert "MAX_BLOCKS" in one_error_line(capsys.readouterr().err)
+    code, err = cli(capsys, "export", "-t", path, "-f", "html", "-o", tmp_path / "x.html")
+    assert code == 2 and "MAX_BLOCKS" in one_error_line(err) and not (tmp_path / "x.html").exists()
+
+
+def test_a_trace_past_the_event_limit_is_refused_in_one_line(capsys, monkeypatch, tmp_path):
+    """(The limit made small here: the committed trace stands for a million empty steps.)"""
+    from nanoserve import trace_check
+    from nanoserve_tui.app import run_app
+
+    monkeypatch.setattr(trace_check, "MAX_EVENTS", 100)
+    monkeypatch.setattr(trace_check, "MAX_BLOCKS", 10)        # the committed trace's pool has 20
+    with pytest.raises(ValueError, match=f"{len(LINES)} lines; .* at most 100 events \\(MAX_EVENTS\\)"):
+        load_trace(TRACE)
+    assert run_app(replay=str(TRACE)) == 2
+    assert "MAX_EVENTS" in one_error_line(capsys.readouterr().err)
+    monkeypatch.setattr(trace_check, "MAX_EVENTS", 10_000)
+    with pytest.raises(ValueError, match="MAX_BLOCKS"):
+        load_trace(TRACE)

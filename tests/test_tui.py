@@ -97,6 +97,29 @@ def test_split_steps_and_replay_frames_match_fold():
     assert source.frame(3).state.step == 3 and not source.frame(3).at_end
 
 
+def test_replay_frames_in_any_order_match_fold_with_few_kept(monkeypatch):
+    """Only every CHECKPOINT-th frame and the RECENT last are kept; any frame, asked for in any order,
+    is the fold of the trace up to it, the same object while it is kept, and its steps are source.steps()."""
+    import random
+
+    from nanoserve_tui import source as source_module
+
+    monkeypatch.setattr(source_module, "CHECKPOINT", 4)
+    monkeypatch.setattr(source_module, "RECENT", 2)
+    events = read_trace(TRACE)
+    groups = split_steps(events)
+    source = ReplaySource(events)
+    order = list(range(len(groups))) * 2
+    random.Random(0).shuffle(order)
+    for i in order:
+        frame = source.frame(i)
+        assert frame is source.frame(i)
+        assert frame.state == fold_all([e for g in groups[:i + 1] for e in g]), i
+        assert frame.state.step == source.steps()[i]
+    kept = len(source._frames)
+    assert kept <= len(groups) // 4 + 1 + 2
+
+
 def test_grid_layout_gets_more_detailed_with_room():
     assert grid_layout(20, 4, 76, 40).lines == 3          # id / owner / fill
     assert grid_layout(20, 4, 46, 9).lines == 2

@@ -286,3 +286,114 @@ def test_a_shared_tab_shows_the_whole_screen_in_a_small_window():
             assert box["width"] > 700 or box["height"] > 500               # ... and fills the window
         finally:
             browser.close()
+
+
+# -- what a tab may send: sizes clamped, malformed frames end that tab alone ----------------------
+
+
+def test_a_tab_s_size_is_clamped_and_its_frames_checked():
+    from aiohttp import WSMessage, WSMsgType
+
+    from nanoserve_tui.web_frames import MAX_SIZE, BadFrame, clamp_size, read_frame
+
+    assert clamp_size("100000", "100000") == MAX_SIZE and clamp_size("0", "-5") == (1, 1)
+    assert clamp_size("x", None) == (80, 24) and clamp_size(10**400, 30) == (MAX_SIZE[0], 30)
+    assert clamp_size(float("inf"), "9" * 5000) == (80, 24)
+
+    def text(data: str) -> WSMessage:
+        return WSMessage(WSMsgType.TEXT, data, None)
+
+    assert read_frame(text('["resize", {"width": 100000, "height": 100000}]')) == ("resize", MAX_SIZE)
+    assert read_frame(text('["stdin", "q"]')) == ("stdin", "q") and read_frame(text('["focus"]')) == ("focus", None)
+    for bad in (text("not json"), text("[]"), text('["stdin", 5]'), text("{}"), text("[5]"),
+                text('["resize", 3]'), WSMessage(WSMsgType.BINARY, b"\x00\xff", None)):
+        with pytest.raises(BadFrame):
+            read_frame(bad)
+
+
+class _RecordingApp:
+    """Stands in for textual-serve's AppService (no app process): records the sizes it is given."""
+
+    sizes: list = []
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    async def start(self, width, height):
+        self.sizes.append((width, height))
+
+    async def set_terminal_size(self, width, height):
+        self.sizes.append((width, height))
+
+    async def send_bytes(self, data):
+        pass
+
+    async def stop(self):
+        pass
+
+
+def test_a_tab_cannot_ask_for_a_huge_screen(monkeypatch):
+    import asyncio
+
+    import textual_serve.server
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from nanoserve_tui.web_frames import MAX_SIZE
+    from nanoserve_tui.web_server import WebServer
+
+    monkeypatch.setattr(textual_serve.server, "AppService", _RecordingApp)
+    _RecordingApp.sizes = []
+
+    async def tab() -> None:
+        server = WebServer("true", title="t")
+        async with TestClient(TestServer(await server._make_app())) as client:
+            ws = await client.ws_connect("/ws?width=100000&height=100000")
+            await ws.send_json(["resize", {"width": 99999, "height": 7}])
+            await ws.send_json(["ping", "p"])
+            assert (await ws.receive_json(timeout=30)) == ["pong", "p"]
+            await ws.close()
+
+    asyncio.run(tab())
+    assert _RecordingApp.sizes == [MAX_SIZE, (MAX_SIZE[0], 7)]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_malformed_frame_ends_that_tab_with_one_log_line(monkeypatch, caplog, shared):
+    """Not JSON, [], ["stdin", 5], binary: each ends its own tab, with one warning and no traceback; a
+    tab beside them goes on."""
+    import asyncio
+    import logging
+
+    import aiohttp
+    import textual_serve.app_service
+    import textual_serve.server
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from nanoserve_tui import web_shared
+    from nanoserve_tui.web_server import WebServer
+
+    monkeypatch.setattr(textual_serve.server, "AppService", _RecordingApp)
+    monkeypatch.setattr(web_shared, "AppService", _RecordingApp)
+    bad_frames = [("str", "not json"), ("str", "[]"), ("str", '["stdin", 5]'), ("bytes", b"\x1b[2J\xff")]
+
+    async def tabs() -> list:
+        server = WebServer("true", title="t", shared=shared)
+        async with TestClient(TestServer(await server._make_app())) as client:
+            good = await client.ws_connect("/ws")
+            ends = []
+            for how, frame in bad_frames:
+                ws = await client.ws_connect("/ws")
+                await (ws.send_str(frame) if how == "str" else ws.send_bytes(frame))
+                ends.append((await ws.receive(timeout=30)).type)
+                await ws.close()
+            await good.send_json(["ping", "still here"])
+            assert (await good.receive_json(timeout=30)) == ["pong", "still here"]
+            await good.close()
+            return ends
+
+    with caplog.at_level(logging.WARNING):
+        ends = asyncio.run(tabs())
+    assert ends == [aiohttp.WSMsgType.CLOSE] * len(bad_frames)
+    lines = [r for r in caplog.records if "its session ends" in r.getMessage()]
+    assert len(lines) == len(bad_frames) and not any(r.exc_info for r in caplog.records)
+    assert all("\x1b" not in r.getMessage() for r in caplog.records)

@@ -123,7 +123,7 @@ def export_html(trace: str | Path, output: str | Path | None = None, step: int |
     (the TUI's own check, `replay_source`)."""
     trace = Path(trace)
     source = replay_source(trace)
-    steps_of = [source.frame(i).state.step for i in range(len(source.groups))]
+    steps_of = source.steps()
     start = 0
     if step is not None:
         if step not in steps_of:

@@ -162,6 +162,10 @@ class Source:
         """Stop whatever the source runs (the live worker)."""
 
 
+CHECKPOINT = 64    # ReplaySource keeps every 64th frame: going back folds at most 63 steps again
+RECENT = 8         # ... and the last frames asked for (the app compares a frame by identity)
+
+
 class ReplaySource(Source):
     """Frames from a recorded trace; step N is the fold of steps 0..N."""
 
@@ -174,7 +178,8 @@ class ReplaySource(Source):
         self.description = name
         self.final_step = max(e.step for e in events)   # shown as "step 12/37"
         self.position = 0                             # index into groups
-        self._frames: list[Frame] = []                # cache: frames 0..len-1 are built
+        self._frames: dict[int, Frame] = {}           # kept frames: checkpoints and the RECENT last asked for
+        self._recent: list[int] = []
         self._app: App | None = None
 
     @classmethod
@@ -188,17 +193,39 @@ class ReplaySource(Source):
         return len(self.groups) - 1
 
     def frame(self, index: int) -> Frame:
-        """The frame after group `index`, folding forward from the last cached one."""
-        while len(self._frames) <= index:
-            k = len(self._frames)
-            prev = self._frames[-1] if self._frames else None
-            state = copy.deepcopy(prev.state) if prev else None   # cached frames are never mutated
+        """The frame after group `index` (the same object each time while it is kept), folded forward from
+        the nearest kept frame before it: every CHECKPOINT-th frame is kept, and the RECENT last asked for,
+        so a long trace costs a state per CHECKPOINT steps, not one per step."""
+        frame = self._frames.get(index)
+        if frame is not None:
+            return frame
+        base = max((k for k in self._frames if k < index), default=None)
+        state = copy.deepcopy(self._frames[base].state) if base is not None else None   # kept frames never change
+        acceptance = self._frames[base].acceptance if base is not None else ()
+        for k in range(0 if base is None else base + 1, index + 1):
             for event in self.groups[k]:
                 state = fold(state, event)
             rate = acceptance_rate(self.groups[k])
-            acceptance = (prev.acceptance if prev else ()) + (() if rate is None else (rate,))
-            self._frames.append(Frame(state, tuple(self.groups[k]), acceptance, k == self.last, self.final_step))
-        return self._frames[index]
+            acceptance += () if rate is None else (rate,)
+            if k % CHECKPOINT == 0 or k == index:
+                frame = Frame(state, tuple(self.groups[k]), acceptance, k == self.last, self.final_step)
+                self._frames[k] = frame
+                if k != index:
+                    state = copy.deepcopy(state)
+        self._recent.append(index)
+        if len(self._recent) > RECENT:
+            old = self._recent.pop(0)
+            if old % CHECKPOINT and old not in self._recent:
+                self._frames.pop(old, None)
+        return frame
+
+    def steps(self) -> list[int]:
+        """The engine step each group's frame shows (its state's step), without folding: a running max."""
+        steps, step = [], 0
+        for group in self.groups:
+            step = max([step, *(e.step for e in group)])
+            steps.append(step)
+        return steps
 
     def attach(self, app: App) -> None:
         self._app = app

@@ -37,8 +37,10 @@ import psutil
 from aiohttp import web
 from textual_serve.server import Server
 
+from nanoserve_tui.web_frames import BadFrame, clamp_size, read_frame, websocket_peer
 from nanoserve_tui.web_shared import SharedApp
 
+log = logging.getLogger("nanoserve.web")
 COOKIE = "nanoserve_web"
 TEMPLATES = Path(__file__).parent   # web.html
 
@@ -126,9 +128,32 @@ class WebServer(Server):
         try:
             if self.shared is not None:
                 return await self.shared.serve(request)
+            width, height = clamp_size(request.query.get("width"), request.query.get("height"))
+            request = request.clone(rel_url=request.rel_url.update_query(width=width, height=height))
             return await super().handle_websocket(request)
         finally:
             self.sessions -= 1
+
+    async def _process_messages(self, websocket: web.WebSocketResponse, app_service) -> None:
+        """One tab's frames to its app (textual-serve's loop, with every frame checked: web_frames.py);
+        a malformed frame ends the tab with one log line."""
+        async for message in websocket:
+            try:
+                kind, data = read_frame(message)
+            except BadFrame as exc:
+                log.warning("a tab from %s sent %s; its session ends", websocket_peer(websocket), exc)
+                await websocket.close()
+                return
+            if kind == "stdin":
+                await app_service.send_bytes(data.encode("utf-8", "replace"))
+            elif kind == "resize":
+                await app_service.set_terminal_size(*data)
+            elif kind == "ping":
+                await websocket.send_json(["pong", data])
+            elif kind == "blur":
+                await app_service.blur()
+            elif kind == "focus":
+                await app_service.focus()
 
     def _full(self) -> web.Response:
         why = "" if self.shared else " (each browser tab runs its own copy of the app)"

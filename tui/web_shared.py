@@ -24,9 +24,11 @@ import ipaddress
 import logging
 
 import psutil
-from aiohttp import WSMsgType, web
+from aiohttp import web
 from textual_serve.app_service import AppService
 from textual_serve.download_manager import DownloadManager
+
+from nanoserve_tui.web_frames import BadFrame, read_frame, websocket_peer
 
 log = logging.getLogger("nanoserve.web")
 SIZE = (160, 50)          # the shared screen, in cells: the size the docs' screenshots and a projector use
@@ -67,13 +69,16 @@ class SharedApp:
         await self._join(ws)
         try:
             async for message in ws:
-                if message.type != WSMsgType.TEXT:
-                    continue
-                kind, *rest = message.json()
+                try:
+                    kind, data = read_frame(message)
+                except BadFrame as exc:                 # one line, no traceback; this tab only
+                    log.warning("a tab from %s sent %s; its session ends", websocket_peer(ws), exc)
+                    await ws.close()
+                    break
                 if kind == "stdin" and may_type and self.service is not None:
-                    await self.service.send_bytes(rest[0].encode())
+                    await self.service.send_bytes(data.encode("utf-8", "replace"))
                 elif kind == "ping":
-                    await ws.send_json(["pong", rest[0]])
+                    await ws.send_json(["pong", data])
                 # "resize", "focus", "blur": the shared screen keeps its size and its focus
         finally:
             await self._leave(ws)

@@ -13,6 +13,7 @@ The modules, one concept each:
     protocol.py       request bodies (pydantic) and ApiError, the OpenAI-style error
     unsupported.py    the fields refused with a 400 rather than ignored (vLLM extras nanoserve has no use for)
     structured.py     structured output's request fields (response_format, guided_*) -> structured_outputs
+    grammars.py       their grammars compiled off the engine thread: size limits, a deadline, unsatisfiable -> 400
     responses.py      engine outputs as OpenAI JSON and stream chunks (echo, prompt log-probabilities)
     engine_loop.py    the thread that owns the engine; queues to and from the handlers
     event_stream.py   GET /events: the engine's events as server-sent events (trace lines)

@@ -38,6 +38,7 @@ from nanoserve.serve.clients import ClientBook
 from nanoserve.serve.engine_loop import EngineLoop
 from nanoserve.serve.errors import install_error_handlers
 from nanoserve.serve.event_stream import EventHub, event_stream
+from nanoserve.serve.grammars import GrammarCompiles
 from nanoserve.serve.limits import MAX_BODY_BYTES, BodyLimit
 from nanoserve.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from nanoserve.serve.openai_routes import router as openai_router
@@ -60,6 +61,7 @@ class Server:
         self.max_model_len = engine.config.max_model_len
         self.metrics = ServerMetrics(self.model_name)
         self.engine_loop = EngineLoop(engine, self.metrics, max_waiting, step_delay)
+        self.grammars = GrammarCompiles(engine)     # structured output's grammars, off the engine thread
         self.hub = EventHub(self.engine_loop)
         self.book = ClientBook()
         self.record = Path(record) if record else None
@@ -78,6 +80,7 @@ class Server:
 
     def stop(self) -> None:
         self.engine_loop.stop()
+        self.grammars.shutdown()
         if self._recorder:
             self._recorder.close()
 

@@ -34,7 +34,10 @@ first come, first served; a text prompt longer than LONG_PROMPT_CHARS goes to
 two more threads beside it, so a huge prompt is counted and refused there
 while everyone else is admitted and the engine keeps stepping. Only prompts
 that fit the context reach the engine thread (where `add_request` tokenizes
-them again, which is then bounded by the context length).
+them again, which is then bounded by the context length). Structured
+output's grammars are compiled before the submit, on threads of their own
+(`grammars.py`), so `add_request` finds them in xgrammar's cache; a
+constraint that turns out unsatisfiable while decoding is the client's 400.
 
 No request and no subscriber can stop this thread. A request whose admission
 raises gets an error naming the cause; a step that fails (`StepFailed`: the
@@ -72,9 +75,10 @@ LONG_PROMPT_THREADS = 2      # ... this many at once
 class Sink:
     """The handler's end of one request: the engine thread puts, the handler awaits."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, constraint_field: str | None = None) -> None:
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
+        self.constraint_field = constraint_field   # the request field asking for structured output, if any
 
     def put(self, item: RequestOutput | Exception) -> None:
         """Called on the engine thread."""
@@ -272,7 +276,7 @@ class EngineLoop:
             if sink is None:
                 continue
             error = next((c.error for c in out.outputs if c.error), None)
-            sink.put(ApiError(500, f"the engine gave up on this request: {error}") if error else out)
+            sink.put(_gave_up(error, sink.constraint_field) if error else out)
             if out.finished:
                 del self._sinks[out.request_id]
         if self.metrics:
@@ -384,6 +388,15 @@ class EngineLoop:
         self._sinks.pop(request_id, None)
         if request_id in self.engine.requests:       # not finished in the meantime
             self._engine_abort(request_id)
+
+
+def _gave_up(error: str, constraint_field: str | None) -> ApiError:
+    """The error for a request the engine ended: a constraint that cannot go on is the client's (400,
+    naming its field: found only while decoding, e.g. a choice shorter than min_tokens), else a 500."""
+    if constraint_field is not None and "structured output:" in error:
+        return ApiError(400, f"{constraint_field} cannot be satisfied: {error.split('structured output: ', 1)[1]}",
+                        constraint_field)
+    return ApiError(500, f"the engine gave up on this request: {error}")
 
 
 def _guess_field(message: str) -> str | None:

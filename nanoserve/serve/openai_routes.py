@@ -105,14 +105,17 @@ async def _generate(request: Request, body, prompts: list, params: dict, chat: b
     server = request.app.state.server
     _check_model(server, body.model)
     try:                                             # structured output (structured.py): checked before queueing
-        params["structured_outputs"] = body.structured_outputs_params()
+        params["structured_outputs"] = spec = body.structured_outputs_params()
     except FieldError as exc:
         raise ApiError(400, str(exc), exc.field) from None
+    field = body.constraint_field()
+    if spec is not None:                             # compiled off the engine thread, bounded (grammars.py)
+        await server.grammars.check(spec, field, params)
     rid = server.next_request_id(chat)
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
     client = f"{request.client.host}:{request.client.port}" if request.client else "?"
     server.book.open(rid, client, body.user, "chat" if chat else "completions", body.stream)
-    sink = Sink(asyncio.get_running_loop())       # one for the whole batch: outputs carry their request id
+    sink = Sink(asyncio.get_running_loop(), field)   # one for the whole batch: outputs carry their request id
     futures = [server.engine_loop.submit(Submission(i, p, params, sink)) for i, p in zip(ids, prompts)]
     results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
     refused = next((r for r in results if isinstance(r, BaseException)), None)

@@ -23,6 +23,7 @@ The engine does the rest (`nanoserve/structured_output.py`).
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from nanoserve.errors import FieldError
 from nanoserve.sampling_params import StructuredOutputsParams
 
+MAX_CHARS = 65_536    # a schema's, regex's, grammar's or choices' text: longer is refused before parsing
 
 class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
@@ -66,6 +68,7 @@ class StructuredFields(BaseModel):
         if len(asked) > 1:
             raise FieldError(asked[1], f"asks for structured output as {asked[0]} does: give one of them")
         param, fields = _fields_of(self, asked[0])
+        _check_length(param, fields)
         try:
             return StructuredOutputsParams(**fields)
         except FieldError as exc:
@@ -76,12 +79,31 @@ class StructuredFields(BaseModel):
                              f"{str(exc).split('got ')[-1]}); it has json, regex, choice, grammar, "
                              "json_object, additional_properties") from None
 
+    def constraint_field(self) -> str | None:
+        """The request field that asks for structured output, as errors name it (None: free text)."""
+        asked = self._asked()
+        return _fields_of(self, asked[0])[0] if asked else None
+
     def _asked(self) -> list[str]:
         asked = [name for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
                                    "guided_grammar") if getattr(self, name) is not None]
         if self.response_format is not None and self.response_format.type != "text":
             asked.insert(0, "response_format")
         return asked
+
+
+def _check_length(param: str, fields: dict) -> None:
+    """FieldError naming `param` when the constraint's text is longer than MAX_CHARS (compiling grows with it)."""
+    size = 0
+    for key, value in fields.items():
+        if isinstance(value, str):
+            size += len(value)
+        elif isinstance(value, list):
+            size += sum(len(c) + 1 if isinstance(c, str) else 1 for c in value)
+        elif isinstance(value, dict):
+            size += len(json.dumps(value, ensure_ascii=False))
+    if size > MAX_CHARS:
+        raise FieldError(param, f"is {size} characters long; the server compiles constraints of at most {MAX_CHARS}")
 
 
 def _fields_of(body: StructuredFields, asked: str) -> tuple[str, dict]:

@@ -22,6 +22,18 @@ REFUSED = {   # field -> why not
     "guided_whitespace_pattern": "structured output's JSON is one line with no free whitespace",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
+    "tool_choice": "function calling is not supported (tools are refused too)",
+    "parallel_tool_calls": "function calling is not supported (tools are refused too)",
+    "audio": "audio output is not supported: the models generate text",
+    "modalities": "only text is generated",
+    "prediction": "predicted outputs are not supported (speculative decoding is a server flag: --speculative)",
+    "reasoning_effort": "the models have no reasoning effort setting",
+    "verbosity": "the models have no verbosity setting",
+    "web_search_options": "web search is not supported",
+    "store": "completions are not stored",
+    "length_penalty": "beam search runs offline (SamplingParams(beam_width=...)), not over HTTP",
+    "early_stopping": "beam search runs offline (SamplingParams(beam_width=...)), not over HTTP",
+    "priority": "requests are served first come, first served over HTTP",
     "use_beam_search": "beam search runs offline (SamplingParams(beam_width=...)), not over HTTP",
     "allowed_token_ids": "restricting the vocabulary is not supported",
     "bad_words": "banning words is not supported",
@@ -33,9 +45,17 @@ REFUSED = {   # field -> why not
 }
 
 
+OFF = {   # field -> values that also mean "not used", besides null, false and empty
+    "tool_choice": ("none",),
+    "modalities": (["text"],),
+    "priority": (0,),
+}
+
+
 def is_off(name: str, value) -> bool:
-    """The value a client sends to mean "not used" (null, false, empty)."""
-    return value is None or value is False or value == [] or value == {} or value == ""
+    """The value a client sends to mean "not used" (null, false, empty, or the field's OFF values)."""
+    return value is None or value is False or value == [] or value == {} or value == "" \
+        or any(value == off and type(value) is type(off) for off in OFF.get(name, ()))
 
 
 def unsupported_field(extra: dict) -> tuple[str, str] | None:
