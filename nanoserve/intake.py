@@ -60,6 +60,9 @@ def prepare(engine, request_id, prompt, params, arrival_time=None, priority=0) -
     if arrival_time is not None:
         arrival_time = v.number("arrival_time", arrival_time)
     text, token_ids = tokenize(engine, prompt)
+    ends = [i for i in getattr(getattr(engine, "loaded", None), "end_token_ids", ()) if i not in params.stop_token_ids]
+    if ends and not params.ignore_eos:   # a chat model's other end-of-turn ids stop it as EOS does (as HF's generate)
+        params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *ends])
     _check_limits(engine, params, token_ids)
     # An unseeded request gets its seed from the engine's RNG when it is queued (not here:
     # preparing changes nothing, not even that RNG).

@@ -187,10 +187,9 @@ def test_a_backend_without_window_masks_refuses_a_windowed_model(family):
     keys the model's local layers must not see."""
     pytest.importorskip("triton")
     from nanoserve.errors import FieldError
+    from nanoserve.implementation import Choice
     from nanoserve.kernels import triton_decode, triton_prefill
     from nanoserve.kernels.triton_backend import TritonBackend
-
-    from nanoserve.implementation import Choice
     from nanoserve.runner import ModelRunner
 
     lab = lambda name, grouped: TritonBackend(triton_decode, triton_prefill)  # noqa: E731
@@ -423,3 +422,29 @@ def assert_bf16_near_ties(path, loaded, count: int) -> tuple[int, list[float]]:
         gaps.append(gap)
     assert equal >= count // 2, f"only {equal}/{count} bfloat16 requests equal to HF's"
     return equal, gaps
+
+
+def test_generation_config_end_ids_stop_as_hf_does(tmp_path):
+    """A chat checkpoint lists more than one end id (Gemma's <end_of_turn>, Qwen's <|im_end|>) in its
+    generation_config: HF's `generate` stops at any of them, and so does the engine (finish_reason "stop")."""
+    from transformers import GenerationConfig
+
+    path = save_tiny("tiny-qwen2", tmp_path)
+    prompt = prompts(257)[3]
+    free = engine_greedy(load_model(path, device=DEVICE), [prompt], 12)[0][0]
+    end = free[4]                                           # the 5th greedy token becomes an end-of-turn id
+    GenerationConfig(eos_token_id=[256, end], pad_token_id=256).save_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    want = want[0, len(prompt):].tolist()
+    loaded = load_model(path, device=DEVICE)
+    assert loaded.end_token_ids == (end,)
+    engine = make_engine(loaded)
+    engine.add_request("r", prompt, SamplingParams(max_tokens=12, temperature=0))
+    out = run_to_end(engine)["r"].outputs[0]
+    assert out.token_ids == want == free[: free.index(end) + 1]
+    assert out.finish_reason == "stop"
+    engine.add_request("ignored", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert run_to_end(engine)["ignored"].outputs[0].token_ids == free

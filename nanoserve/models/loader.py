@@ -62,6 +62,9 @@ class LoadedModel:
     eos_token_id: int | None
     name: str                     # what the user asked for
     path: str | None              # the HF-format directory the weights came from (None for tiny models)
+    # Other ids that end a turn as EOS does, from the model's generation_config (e.g. Gemma's <end_of_turn>,
+    # Qwen's <|im_end|> beside <|endoftext|>): every request stops on them too, unless it ignores EOS.
+    end_token_ids: tuple[int, ...] = ()
 
 
 # -- tiny random models --------------------------------------------------------------
@@ -149,8 +152,21 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu
         eos = getattr(hf.config, "eos_token_id", None)
     if isinstance(eos, list):
         eos = eos[0] if eos else None
+    ends = end_ids(hf, eos)
     del hf
-    return LoadedModel(model.to(device=device, dtype=dtype).eval(), tokenizer, eos, name, path)
+    return LoadedModel(model.to(device=device, dtype=dtype).eval(), tokenizer, eos, name, path, ends)
+
+
+def end_ids(hf, eos: int | None) -> tuple[int, ...]:
+    """The ids besides `eos` that Hugging Face's `generate` stops on: generation_config's (and the config's)
+    `eos_token_id` lists, as a chat model's checkpoint gives them."""
+    found = []
+    for source in (getattr(hf, "generation_config", None), hf.config):
+        ids = getattr(source, "eos_token_id", None)
+        for i in ([ids] if isinstance(ids, int) else ids or []):
+            if isinstance(i, int) and i != eos and i not in found:
+                found.append(i)
+    return tuple(found)
 
 
 def load_hf(name: str):
