@@ -37,6 +37,7 @@ from nanoserve_tui.live_source import LiveSource
 from nanoserve_tui.screens import AddRequestScreen, BranchScreen, HelpScreen, ScenarioPicker
 from nanoserve_tui.source import (
     CONTROLS,
+    FirstLoadProgress,
     Frame,
     FrameReady,
     LabStepFailed,
@@ -46,6 +47,7 @@ from nanoserve_tui.source import (
     Unsupported,
 )
 from nanoserve_tui.widgets.event_log import EventLog
+from nanoserve_tui.widgets.first_load import FirstLoad
 from nanoserve_tui.widgets.free_queue import FreeQueue
 from nanoserve_tui.widgets.metrics import Metrics
 from nanoserve_tui.widgets.pool import PoolPanel
@@ -122,6 +124,7 @@ class NanoserveApp(App[None]):
 
     def compose(self) -> ComposeResult:
         yield StatusBar(id="status")
+        yield FirstLoad(id="first-load")       # a GGUF model's one-time conversion, tensor by tensor
         with Horizontal(id="body"):
             with Vertical(id="left"):
                 yield PoolPanel(id="pool-panel", classes="panel")
@@ -164,6 +167,8 @@ class NanoserveApp(App[None]):
     def _source_status(self, message: SourceStatus) -> None:
         self.status = message.text
         self.query_one("#body").loading = message.kind == "loading"
+        if message.kind != "loading":
+            self.query_one(FirstLoad).display = False
         if message.kind == "ready" and self.source.mode == "live":
             self.notify(message.text, title="engine ready")
         if message.kind == "error":
@@ -174,6 +179,10 @@ class NanoserveApp(App[None]):
             error.display = True
             self.query_one("#body").display = False
         self._update_status()
+
+    @on(FirstLoadProgress)
+    def _first_load(self, message: FirstLoadProgress) -> None:
+        self.query_one(FirstLoad).show(message.conversion)
 
     @on(LabStepFailed)
     def _lab_step_failed(self, message: LabStepFailed) -> None:

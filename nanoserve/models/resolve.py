@@ -119,16 +119,18 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
     if (target / "config.json").exists():
         return target
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    with progress_line(f"converting {gguf.name} to float32, once: about 20 s on a quiet 2-core machine, one "
-                       f"to two minutes on a busy one; {max(1, gguf.stat().st_size * 11 // 2 // 2**20)} MB cached "
-                       f"in {target.parent}"):
+    from nanoserve.models.first_load import converting  # a tqdm bar, and the TUI's loading screen
+
+    t0 = time.monotonic()
+    with converting(gguf, target.parent, size_mb=max(1, gguf.stat().st_size * 11 // 2 // 2**20)):
         try:
-            # transformers draws its own progress bars straight to stderr (tqdm): our one line instead
+            # transformers' own output (its bars, its chatter) would interleave with ours: hidden
             with quiet_transformers(), contextlib.redirect_stderr(io.StringIO()):
                 dequantise(gguf, tmp)
         except Exception as exc:  # noqa: BLE001 -- a truncated or corrupt file: say so in one line
             shutil.rmtree(tmp, ignore_errors=True)
             raise ValueError(f"could not read GGUF file {gguf}: {first_line(exc)}") from exc
+    log(f"converted in {time.monotonic() - t0:.0f} s; later loads read the cache")
     if target.exists():          # another process finished first
         shutil.rmtree(tmp)
     else:
