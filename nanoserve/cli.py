@@ -37,6 +37,8 @@ from nanoserve.cli_generate import add_structured_flags, run_generate, say, stru
 from nanoserve.errors import FieldError
 from nanoserve.labs.command import add_lab_parser, cmd_lab
 from nanoserve.labs.plug import components_from
+from nanoserve.models.default import HELP as MODEL_HELP
+from nanoserve.models.default import default_model, model_note
 from nanoserve.models.resolve import ACCEPTED, TINY_MODELS, resolve_model_path
 from nanoserve.scenarios import SCENARIOS
 from nanoserve.serve.command import add_serve_parser
@@ -143,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rec.add_argument("--scenario", "-s", required=True, help=f"one of: {', '.join(SCENARIOS)}")
     rec.add_argument("--output", "-o", required=True, help="trace file to write (.jsonl)")
-    rec.add_argument("--model", "-m", dest="model", default="tiny-llama", help="model to run (default: %(default)s)")
+    rec.add_argument("--model", "-m", dest="model", default=None, help=MODEL_HELP)
     add_lab_option(rec)
     add_threads(rec)
 
@@ -170,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(no model needed). Press ? inside for the keys.",
     )
     src = tui.add_mutually_exclusive_group()
-    src.add_argument("--model", "-m", dest="model", default=None, help="run this model live (default: tiny-llama)")
+    src.add_argument("--model", "-m", dest="model", default=None, help="run this model live; " + MODEL_HELP)
     src.add_argument("--replay", "-r", default=None, metavar="TRACE", help="replay a recorded trace")
     src.add_argument("--attach", default=None, metavar="URL", help="watch a running `nanoserve serve` (read-only)")
     tui.add_argument("--scenario", "-s", default=None, help=f"start a live run with a scenario: {', '.join(SCENARIOS)}")
@@ -204,7 +206,7 @@ def add_whatif_parsers(sub) -> None:
                      help="an engine setting run B changes, e.g. preemption_mode=swap (repeatable)")
     cmp.add_argument("--trace", "-t", dest="trace", action="append", default=[], metavar="FILE",
                      help="instead of --scenario: two recorded traces (give --trace twice)")
-    cmp.add_argument("--model", "-m", dest="model", default="tiny-llama", help="model to run (default: %(default)s)")
+    cmp.add_argument("--model", "-m", dest="model", default=None, help=MODEL_HELP)
     cmp.add_argument("--save", default=None, metavar="PREFIX",
                      help="also write both runs' traces: PREFIX-a.jsonl and PREFIX-b.jsonl")
     cmp.add_argument("--tui", action="store_true",
@@ -268,10 +270,19 @@ def cmd_record(args: argparse.Namespace) -> int:
     check_output(args.output, "--output")
     components = components_from(args.lab)
     threads = apply_thread_policy(args.threads)
-    steps = record(args.scenario, args.output, args.model, components=components)
+    model = pick_model(args)
+    steps = record(args.scenario, args.output, model, components=components)
     say(threads.note())
     print(f"nanoserve: recorded {steps} steps of {args.scenario!r} to {args.output}", file=sys.stderr)
     return 0
+
+
+def pick_model(args: argparse.Namespace, tell: bool = True) -> str:
+    """`--model`, or the default (SmolLM2 when installed); says which in one line (`tell`)."""
+    model = args.model or default_model()
+    if tell:
+        say(model_note(model, named=args.model is not None))
+    return model
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -305,6 +316,8 @@ def cmd_tui(args: argparse.Namespace) -> int:
     if args.scenario is not None:
         from nanoserve.scenarios import get_scenario
         get_scenario(args.scenario)
+    if args.replay is None and args.attach is None:
+        args.model = pick_model(args, tell=False)      # (the TUI's status bar says which: "playground on smollm2")
     if args.model is not None and args.model not in TINY_MODELS:
         resolve_model_path(args.model, convert=False)   # a bad name fails here, before the app starts
     try:
@@ -331,8 +344,10 @@ def cmd_tui(args: argparse.Namespace) -> int:
 
 
 def cmd_web(args: argparse.Namespace) -> int:
+    if args.replay is None and args.attach is None and args.compare is None:
+        args.model = pick_model(args, tell=False)      # (its first line says which: "playground on smollm2")
     if args.model is not None and args.model not in TINY_MODELS:
-        resolve_model_path(args.model, convert=False)   # a bad name fails here, not in every browser tab
+        resolve_model_path(args.model)   # a bad name fails here, not in every browser tab; a GGUF converts once
     from nanoserve_tui.web_command import run_web
     return run_web(args)
 
@@ -358,7 +373,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.save is not None:
         check_output(args.save + "-a.jsonl", "--save")
     say(apply_thread_policy(args.threads).note())
-    a, b = scenario_pair(args.scenario, changes, args.model)
+    a, b = scenario_pair(args.scenario, changes, pick_model(args, tell=False))
+    pick_model(args)                                  # which model ran: said once both runs worked
     if args.save is not None:
         from nanoserve.trace import write_trace
         write_trace(args.save + "-a.jsonl", a.events)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import io
 import os
+import sys
 from pathlib import Path
 
 import gguf
@@ -43,15 +45,37 @@ def run_conversion(path: Path, folder: Path) -> None:
         pass
 
 
-def test_the_terminal_gets_a_bar_with_the_folder_and_the_count(tmp_path, capsys):
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_terminal_gets_bars_with_the_folder_and_the_count(tmp_path, monkeypatch):
     path = tiny_gguf(tmp_path / "m.gguf")
     saved = gguf_reader.tqdm, gguf.GGUFReader
+    monkeypatch.setattr(sys, "stderr", Terminal())
     with converting(path, tmp_path / "cache", size_mb=1):
         run_conversion(path, tmp_path / "cache")
     assert (gguf_reader.tqdm, gguf.GGUFReader) == saved      # both hooks undone
-    err = capsys.readouterr().err
+    err = sys.stderr.getvalue()
     assert "only the first time" in err and str(tmp_path / "cache") in err and "m.gguf" in err
     assert "2/2" in err and "reading the header" in err and "writing the float32 copy" in err
+    assert err.rstrip().endswith("later loads read the cache")
+
+
+def test_a_failure_takes_the_lines_back_on_a_terminal_and_says_failed_in_a_log(tmp_path, monkeypatch, capsys):
+    path = tiny_gguf(tmp_path / "m.gguf")
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    with pytest.raises(OSError), converting(path, tmp_path / "cache", size_mb=1):
+        run_conversion(path, tmp_path / "cache")
+        raise OSError("disk full")
+    err = sys.stderr.getvalue()
+    assert err.endswith("\033[F\033[K" * 3)             # the first line and two finished bars, erased
+    monkeypatch.undo()
+    with pytest.raises(OSError), converting(path, tmp_path / "cache", size_mb=1):
+        raise OSError("disk full")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith(" … failed\n") and "only the first time" in err
 
 
 def test_a_listener_hears_every_tensor_and_the_terminal_stays_clean(tmp_path, capsys):

@@ -4,6 +4,8 @@ gpt2.py     GPT-2: learned positions, fused q/k/v, attention through paged_atten
 llama.py    Llama: RMSNorm, RoPE, grouped-query attention, SwiGLU (SmolLM2 is one)
 resolve.py  model names to directories (no torch import: the CLI's errors stay fast)
 loader.py   load_model: our GPT2 / Llama with the weights of a transformers model
+default.py  the model a command runs when none is named (SmolLM2 when installed)
+first_load.py  a GGUF file's one-time conversion, shown as it goes (tqdm, the TUI)
 """
 
 from __future__ import annotations

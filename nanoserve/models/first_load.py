@@ -2,10 +2,16 @@
 
 A GGUF file (SmolLM2's, or any `.gguf` path) is dequantised to float32 once
 and cached as a Hugging Face folder (`resolve.py`). While that runs,
-`converting()` draws a tqdm bar on the terminal
+`converting()` draws tqdm bars on the terminal
 
     nanoserve: converting SmolLM2-135M-Instruct.Q4_1.gguf to float32, only the first time: 515 MB cached in ~/.cache/nanoserve/gguf
-    tensors: 100%|██████████| 272/272 [00:12<00:00, 21.3tensor/s]
+    reading the header and vocabulary … 00:09
+    tensors: 100%|██████████| 272/272 [00:06<00:00, 39.7tensor/s]
+    building the tokenizer, writing the float32 copy … 00:08
+    nanoserve: converted in 23 s; later loads read the cache
+
+(in a log, where bars would be noise, the first line ends `… done in 23 s`;
+on failure the lines are taken back and the error is the only one)
 
 and hands a `Conversion` to every listener (`listening(fn)`), about once a
 second and after every tensor: the TUI's loading screen draws the same bar.
@@ -88,7 +94,21 @@ class _Progress:
         self.now = Conversion(gguf.name, short(folder), "reading")
         self.t0 = time.monotonic()
         self.stderr, self.on_terminal = stderr, on_terminal
+        self.lines = 0                # bars finished and left on the terminal (taken back on failure)
         self.bar = self.status_bar("reading the header and vocabulary")
+
+    def next_bar(self, bar) -> None:
+        if not self.bar.disable:
+            self.lines += 1
+        self.bar.close()
+        self.bar = bar
+
+    def take_back(self) -> None:
+        """On failure, on a terminal: the bars and the first line erased (the error is then the only line)."""
+        self.bar.leave = False
+        self.bar.close()
+        if self.on_terminal:
+            print("\033[F\033[K" * (self.lines + 1), end="", file=self.stderr, flush=True)
 
     def status_bar(self, text: str):
         """A bar without a total: the phase and the time it has taken so far."""
@@ -110,16 +130,14 @@ class _Progress:
         from tqdm import tqdm
 
         tensors = list(tensors)
-        self.bar.close()
-        self.bar = tqdm(total=len(tensors), desc="tensors", unit="tensor", file=self.stderr,
-                        disable=not self.on_terminal, leave=True, mininterval=0.5)
+        self.next_bar(tqdm(total=len(tensors), desc="tensors", unit="tensor", file=self.stderr,
+                           disable=not self.on_terminal, leave=True, mininterval=0.5))
         self.tell(phase="tensors", total=len(tensors))
         for done, tensor in enumerate(tensors, 1):
             yield tensor
             self.bar.update(1)
             self.tell(done=done)
-        self.bar.close()
-        self.bar = self.status_bar("building the tokenizer, writing the float32 copy")
+        self.next_bar(self.status_bar("building the tokenizer, writing the float32 copy"))
         self.tell(phase="saving")
 
     def tick(self, stop: threading.Event) -> None:
@@ -138,11 +156,12 @@ def converting(gguf: Path, folder: Path, size_mb: int) -> Iterator[None]:
 
     stderr = sys.stderr               # the terminal, before transformers' own output is silenced
     with _lock:
-        on_terminal = not _listeners  # a listener (the TUI) draws it itself: no bar over its screen
-    if on_terminal:
+        quiet = bool(_listeners)      # a listener (the TUI) draws it itself: nothing over its screen
+    tty = not quiet and stderr.isatty()   # bars on a terminal; in a log, one line that ends "done in 42 s"
+    if not quiet:
         print(f"nanoserve: converting {gguf.name} to float32, only the first time: {size_mb} MB cached in "
-              f"{short(folder)}", file=stderr, flush=True)
-    progress = _Progress(gguf, folder, stderr, on_terminal)
+              f"{short(folder)}", end="\n" if tty else " …", file=stderr, flush=True)
+    progress = _Progress(gguf, folder, stderr, tty)
     readers: dict[str, object] = {}
     new_reader = gguf_package.GGUFReader
 
@@ -160,8 +179,21 @@ def converting(gguf: Path, folder: Path, size_mb: int) -> Iterator[None]:
     ticker.start()
     try:
         yield
+    except BaseException:
+        stop.set()
+        ticker.join()
+        if tty:
+            progress.take_back()
+        elif not quiet:
+            print(" failed", file=stderr, flush=True)
+        raise
     finally:
         gguf_reader.tqdm, gguf_package.GGUFReader = saved
         stop.set()
         ticker.join()
         progress.bar.close()
+    seconds = time.monotonic() - progress.t0
+    if tty:
+        print(f"nanoserve: converted in {seconds:.0f} s; later loads read the cache", file=stderr, flush=True)
+    elif not quiet:
+        print(f" done in {seconds:.0f} s", file=stderr, flush=True)

@@ -121,7 +121,6 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     from nanoserve.models.first_load import converting  # a tqdm bar, and the TUI's loading screen
 
-    t0 = time.monotonic()
     with converting(gguf, target.parent, size_mb=max(1, gguf.stat().st_size * 11 // 2 // 2**20)):
         try:
             # transformers' own output (its bars, its chatter) would interleave with ours: hidden
@@ -130,7 +129,6 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
         except Exception as exc:  # noqa: BLE001 -- a truncated or corrupt file: say so in one line
             shutil.rmtree(tmp, ignore_errors=True)
             raise ValueError(f"could not read GGUF file {gguf}: {first_line(exc)}") from exc
-    log(f"converted in {time.monotonic() - t0:.0f} s; later loads read the cache")
     if target.exists():          # another process finished first
         shutil.rmtree(tmp)
     else:

@@ -23,6 +23,7 @@ must not be broken by any of them, nor make them look like an encoding bug:
 
 from __future__ import annotations
 
+import codecs
 import unicodedata
 
 NEWLINE, TAB, OTHER = "⏎", "→", "·"
@@ -46,6 +47,24 @@ def shown(text: str) -> str:
         else:
             out.append(OTHER)
     return "".join(out)
+
+
+def escaped(text: str) -> str:
+    """`text` safe to print on a terminal: newlines and tabs kept, any other control character as an escape.
+
+        >>> escaped("Hi\\x1b[2J\\tthere\\n")
+        'Hi\\\\x1b[2J\\tthere\\n'
+    """
+    return "".join(c if c in "\n\t" or not unicodedata.category(c).startswith("C") else repr(c)[1:-1] for c in text)
+
+
+def byte_text(token_ids, final: bool = True) -> str:
+    """A byte-level model's output (tiny-gpt2, tiny-llama: token id = byte value) as printable text: its bytes
+    decoded as UTF-8, every byte that is not part of a character and every control byte escaped (`\\x8f`).
+    Ids past 255 (its end-of-text token) add nothing. `final=False` (a stream) holds back the bytes that may
+    still become a character, so the text only ever grows."""
+    decoder = codecs.getincrementaldecoder("utf-8")("backslashreplace")
+    return escaped(decoder.decode(bytes(i for i in token_ids if i < 256), final=final))
 
 
 def token_text(text: str) -> str:
