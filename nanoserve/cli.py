@@ -152,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp = sub.add_parser(
         "export", help="draw the block tables, the pool or the radix tree at one step of a trace, "
                        "or the whole trace as a web page",
-        description="Render the engine's state at step N of a recorded trace with Graphviz. Without the "
-                    "`dot` program the DOT source is written instead. --format html writes one self-contained "
+        description="Render the engine's state at step N of a recorded trace with Graphviz. svg and png need "
+                    "its `dot` program (without it: one line saying so, exit 2); --format dot writes the DOT "
+                    "source, no Graphviz needed. --format html writes one self-contained "
                     "page that replays every step as the TUI draws it (slider, arrow keys; no network).",
     )
     exp.add_argument("--trace", "-t", required=True, help="a trace written by `nanoserve record`")

@@ -251,7 +251,8 @@ def request_args(arrival: Arrival, chat: bool, tokenizer) -> tuple[str | list[in
 class ScenarioRunner:
     """Steps an engine through a scenario: adds each request at its step, then steps."""
 
-    def __init__(self, scenario: Scenario, model: str = "tiny-llama", loaded=None, components=None) -> None:
+    def __init__(self, scenario: Scenario, model: str = "tiny-llama", loaded=None, components=None,
+                 overrides: dict | None = None) -> None:
         from nanoserve.config import EngineConfig
         from nanoserve.engine import LLMEngine
         from nanoserve.models.loader import load_model
@@ -260,7 +261,8 @@ class ScenarioRunner:
         loaded = loaded or load_model(model)
         self.chat = has_chat_template(loaded.tokenizer) and scenario.chat is not None
         workload = scenario.workload(self.chat)
-        self.engine = LLMEngine(EngineConfig(model=model, **workload.config), loaded=loaded, components=components)
+        config = EngineConfig(model=model, **{**workload.config, **(overrides or {})})   # e.g. fast_paths=False
+        self.engine = LLMEngine(config, loaded=loaded, components=components)
         self.pending = sorted(workload.arrivals, key=lambda a: a.step)
         self.add_due()                     # the first arrivals wait in the queue before step 1
 
@@ -285,12 +287,13 @@ class ScenarioRunner:
 
 
 def record(name: str, path: str | Path, model: str = "tiny-llama", max_steps: int = 1000, loaded=None,
-           components=None) -> int:
+           components=None, overrides: dict | None = None) -> int:
     """Run scenario `name` to the end, writing every event to `path`; returns the number of steps.
-    `components` (a `Components`) runs the engine with replaced parts, e.g. a lab's."""
+    `components` (a `Components`) runs the engine with replaced parts, e.g. a lab's; `overrides`, other
+    EngineConfig fields than the scenario's (the docs record on the reading path: `fast_paths=False`)."""
     from nanoserve.trace import JsonlRecorder
 
-    runner = ScenarioRunner(get_scenario(name), model, loaded=loaded, components=components)
+    runner = ScenarioRunner(get_scenario(name), model, loaded=loaded, components=components, overrides=overrides)
     with runner.engine, JsonlRecorder(path) as recorder:   # (the engine stops any worker processes at the end)
         runner.engine.subscribe(recorder)
         steps = 0

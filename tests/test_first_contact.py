@@ -57,3 +57,50 @@ def test_escaping_keeps_what_is_printable():
     assert escaped("Hi\x1b[2J\tthere\n") == "Hi\\x1b[2J\tthere\n"
     assert byte_text([72, 0xC3, 0xA9, 7, 0x8F, 256]) == "Hé\\x07\\x8f"
     assert byte_text([72, 0xC3], final=False) == "H" and byte_text([72, 0xC3]) == "H\\xc3"
+
+
+def test_export_help_says_what_happens_without_dot(tmp_path, monkeypatch, capsys):
+    """The help promises what the command does: svg without Graphviz is one line and exit 2; dot needs none."""
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "without it: one line saying so, exit 2" in help_text and "DOT source is written instead" not in help_text
+    from pathlib import Path
+    trace = Path(__file__).parent / "data" / "tui-memory-pressure.jsonl"
+    monkeypatch.setenv("NANOSERVE_DOT", str(tmp_path / "no-dot"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert main(["export", "-t", str(trace), "-o", str(tmp_path / "x.svg")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not installed" in err[0]
+    assert main(["export", "-t", str(trace), "-f", "dot", "-o", str(tmp_path / "x.dot")]) == 0
+    assert (tmp_path / "x.dot").read_text().startswith("digraph")
+
+
+def test_no_toast_is_drawn_over_the_help():
+    """Toasts sit above every screen: the help clears them, and one that comes while it is open waits."""
+    import asyncio
+    from pathlib import Path
+
+    from nanoserve_tui.app import NanoserveApp
+    from nanoserve_tui.screens import HelpScreen
+    from nanoserve_tui.source import ReplaySource
+
+    def notices(app) -> list[str]:
+        return [str(n.message) for n in app._notifications]
+
+    async def run():
+        app = NanoserveApp(ReplaySource.from_path(Path(__file__).parent / "data" / "tui-memory-pressure.jsonl"))
+        async with app.run_test(size=(160, 50)) as pilot:
+            await pilot.pause()
+            app.notify("before")
+            await pilot.press("question_mark")
+            await pilot.pause()
+            assert isinstance(app.screen, HelpScreen) and notices(app) == []
+            app.notify("while open")
+            await pilot.pause()
+            assert notices(app) == []
+            await pilot.press("escape")
+            await pilot.pause()
+            assert not isinstance(app.screen, HelpScreen) and notices(app) == ["while open"]
+
+    asyncio.run(run())

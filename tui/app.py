@@ -121,6 +121,7 @@ class NanoserveApp(App[None]):
         self.error: str | None = None
         self._added = 0            # ids for requests added from the dialog: u1, u2, ...
         self._ticker: Timer | None = None   # steps the source while playing
+        self._held: list[tuple] = []        # toasts that came while the help was open
 
     def compose(self) -> ComposeResult:
         yield StatusBar(id="status")
@@ -390,7 +391,20 @@ class NanoserveApp(App[None]):
         pool.selected_rank = (pool.selected_rank + 1) % len(ranks)
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen())
+        self.clear_notifications()             # toasts are drawn above every screen: none over the help
+        self.push_screen(HelpScreen(), lambda _: self._show_held())
+
+    def notify(self, message, *args, **kwargs) -> None:
+        """A toast; while the help is open it waits until the help closes (it would cover the help's text)."""
+        if isinstance(self.screen, HelpScreen):
+            self._held.append((message, args, kwargs))
+            return
+        super().notify(message, *args, **kwargs)
+
+    def _show_held(self) -> None:
+        held, self._held = self._held, []
+        for message, args, kwargs in held:
+            self.notify(message, *args, **kwargs)
 
     def action_redraw(self) -> None:
         """Ctrl+L, as in a shell: draw the whole screen again (`nanoserve web --shared` sends it when a
