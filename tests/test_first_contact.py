@@ -104,3 +104,30 @@ def test_no_toast_is_drawn_over_the_help():
             assert not isinstance(app.screen, HelpScreen) and notices(app) == ["while open"]
 
     asyncio.run(run())
+
+
+def test_an_eos_token_is_shown_as_the_end_of_its_sequence():
+    """SmolLM2's <|im_end|> adds no text: the event log says it ended the sequence, not "no text"."""
+    from nanoserve import events as ev
+    from nanoserve_tui.widgets.event_log import event_lines
+
+    def lines(events) -> str:
+        return "\n".join(strip.text for strip in event_lines(events, 200))
+
+    part, eos = ev.TokenSampled(8, "r2", 10813, "", -0.3), ev.TokenSampled(8, "r1", 2, "", -0.25)
+    done = ev.SequenceFinished(8, "r1", "stop", 9)
+    text = lines([part, eos, done])
+    assert "r1 token 2 ⟨end of sequence⟩" in text and "r2 token 10813 ⟨no text⟩" in text
+    assert "⟨end of sequence⟩" not in lines([eos])                       # not finished: just no text
+
+
+def test_an_unlocked_radix_node_reads_evictable_not_free():
+    from pathlib import Path
+
+    from nanoserve.trace import fold_all, read_trace
+    from nanoserve_tui.widgets.radix import node_label
+
+    state = fold_all(read_trace(Path(__file__).parents[1] / "docs" / "traces" / "shared-system-prompt.jsonl"))
+    node = state.radix_nodes()[0]
+    assert node_label(state, node, 0).plain.split("”")[1].startswith(" evictable")
+    assert " free" not in node_label(state, node, 0).plain and " lock 2" in node_label(state, node, 2).plain

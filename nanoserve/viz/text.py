@@ -18,7 +18,8 @@ must not be broken by any of them, nor make them look like an encoding bug:
 * bytes that are not a whole character (the decoder's U+FFFD, one per stray
   byte) are one `⟨bytes⟩` per run, a visible marker rather than `�`;
 * any other control, combining or double-width character is `·`;
-* a token that added no text is `⟨no text⟩` (it was still generated: see its id).
+* a token that added no text is `⟨no text⟩` (it was still generated: see its id),
+  or `⟨end of sequence⟩` when it stopped its sequence (an EOS or stop token).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import unicodedata
 NEWLINE, TAB, OTHER = "⏎", "→", "·"
 FRAGMENT = "⟨bytes⟩"        # a run of bytes that spell no whole character (U+FFFD from the decoder)
 NO_TEXT = "⟨no text⟩"
+END = "⟨end of sequence⟩"   # a token with no text that stopped its sequence: EOS or a stop token
 
 
 def shown(text: str) -> str:
@@ -67,9 +69,10 @@ def byte_text(token_ids, final: bool = True) -> str:
     return escaped(decoder.decode(bytes(i for i in token_ids if i < 256), final=final))
 
 
-def token_text(text: str) -> str:
-    """What one sampled token added, for an event line: quoted, or ⟨no text⟩."""
-    return repr(shown(text)) if text else NO_TEXT
+def token_text(text: str, ends: bool = False) -> str:
+    """What one sampled token added, for an event line: quoted; ⟨end of sequence⟩ for a token that added no
+    text and ended its sequence (EOS, such as SmolLM2's `<|im_end|>`, or a stop token); else ⟨no text⟩."""
+    return repr(shown(text)) if text else END if ends else NO_TEXT
 
 
 def plural(count: int, unit: str) -> str:
