@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--stop", dest="stop", action="append", default=[], help="stop string (repeatable)")
     smp.add_argument("-n", dest="n", type=int, default=None,
                      help="completions per prompt, forked from one prefill (default: 1, or every beam)")
-    smp.add_argument("--beam-width", dest="beam_width", type=int, default=0, metavar="N",
+    smp.add_argument("--beam-width", dest="beam_width", type=int, default=None, metavar="N",
                      help="beam search with this many beams (needs --temperature 0; default: off)")
     add_structured_flags(gen)
 
@@ -417,8 +417,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     parser = subparser(build_parser(), "generate")
     sampling = group_kwargs(parser, SAMPLING_GROUP, args)
+    if sampling["beam_width"] is None:                # left out: no beam search (SamplingParams' 0)
+        sampling["beam_width"] = 0
+    elif sampling["beam_width"] < 1:                  # asked for, with no beams: a typo, not "off"
+        raise FieldError("beam_width", f"must be at least 1 (leave it out for no beam search), got "
+                                       f"{sampling['beam_width']}")
     if sampling["n"] is None:
-        sampling["n"] = max(args.beam_width, 1)
+        sampling["n"] = max(sampling["beam_width"], 1)
     params = SamplingParams(**sampling, structured_outputs=structured_flags(args))   # bad settings fail before
                                                                                      # the model loads
     for i, prompt in enumerate(args.prompts):         # ... and so does a prompt with a byte that is not UTF-8

@@ -131,3 +131,35 @@ def test_an_unlocked_radix_node_reads_evictable_not_free():
     node = state.radix_nodes()[0]
     assert node_label(state, node, 0).plain.split("”")[1].startswith(" evictable")
     assert " free" not in node_label(state, node, 0).plain and " lock 2" in node_label(state, node, 2).plain
+
+
+@pytest.mark.parametrize("typo, meant", [("smolm2", "smollm2"), ("SmolLM2", "smollm2"), ("tiny-lama", "tiny-llama")])
+def test_a_typo_of_a_known_model_gets_did_you_mean_without_the_network(typo, meant, monkeypatch, capsys):
+    import socket
+
+    def no_network(*args, **kwargs):
+        raise AssertionError(f"network access: {args}")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    assert main(["generate", "--model", typo, "Hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"unknown model {typo!r}: did you mean {meant!r}?" in err[0]
+    assert "internet?" not in err[0]
+
+
+def test_a_hub_id_is_not_mistaken_for_a_typo():
+    from nanoserve.models.resolve import did_you_mean
+
+    assert did_you_mean("gpt2") is None and did_you_mean("HuggingFaceTB/SmolLM2-135M") is None
+    assert did_you_mean("smollm2") is None
+
+
+@pytest.mark.parametrize("flags, says", [(["--beam-width", "0"], "--beam-width must be at least 1 (leave it out"),
+                                         (["--beam-width", "-2"], "--beam-width must be at least 1"),
+                                         (["--top-k", "-2"], "--top-k must be"), (["-n", "0"], "-n must be"),
+                                         (["--seed", "-1"], "--seed must be"), (["--stop="], "--stop strings")])
+def test_each_sampling_flag_is_checked_in_one_line(flags, says, capsys):
+    assert main(["generate", "--model", "tiny-llama", *flags, "Hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"nanoserve: error: {says}"), err

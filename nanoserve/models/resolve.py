@@ -205,6 +205,20 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 # -- names to paths --------------------------------------------------------------------
 
+KNOWN_NAMES = (*TINY_MODELS, "smollm2")   # the names nanoserve itself gives meaning to
+
+
+def did_you_mean(name: str) -> str | None:
+    """A known model name `name` is a likely typo of (difflib), e.g. 'smolm2' -> 'smollm2'; None otherwise.
+    Only for names without an owner ('gpt2', not 'org/model'): those are ours or a hub id's legacy form."""
+    import difflib
+
+    if "/" in name:
+        return None
+    close = difflib.get_close_matches(name.lower(), KNOWN_NAMES, n=1, cutoff=0.75)
+    return close[0] if close and close[0] != name else None
+
+
 
 def resolve_model_path(name: str, convert: bool = True) -> str:
     """Turn a user-facing model name into something `from_pretrained` can read.
@@ -232,6 +246,9 @@ def resolve_model_path(name: str, convert: bool = True) -> str:
                          f"accepted: {ACCEPTED}")
     if in_hf_cache(name):
         return name
+    guess = did_you_mean(name)
+    if guess is not None:                          # a typo of ours, not a hub id: no network call, no "no internet?"
+        raise ValueError(f"unknown model {name!r}: did you mean {guess!r}? (accepted: {ACCEPTED})")
     if offline():                                  # no network probe: the user said offline
         raise ValueError(f"model {name!r} would come from the Hugging Face hub, which needs internet, and "
                          f"HF_HUB_OFFLINE is set (nor is it in the local Hugging Face cache); offline models: "
