@@ -163,3 +163,31 @@ def test_each_sampling_flag_is_checked_in_one_line(flags, says, capsys):
     assert main(["generate", "--model", "tiny-llama", *flags, "Hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"nanoserve: error: {says}"), err
+
+
+def replay_screens(page):
+    """Every frame of a shipped replay page, as the text on its screen."""
+    import json
+    import re
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "docs"))
+    from docgen.pictures import screen_lines
+    from nanoserve_tui.replay_html import unpack
+
+    blob = re.search(r'<script id="frames" type="application/json">(.*?)</script>', page.read_text(), re.S)[1]
+    return ["\n".join(screen_lines(unpack(frame))) for frame in json.loads(blob)["frames"]]
+
+
+REPLAYS = sorted((__import__("pathlib").Path(__file__).parents[1] / "docs" / "replay").glob("*.html"))
+
+
+@pytest.mark.parametrize("page", REPLAYS, ids=[p.stem for p in REPLAYS])
+def test_the_shipped_replays_show_readable_text(page):
+    """A learner reads the prompts and the answers: recorded on SmolLM2, no ⟨bytes⟩ noise on any frame."""
+    screens = replay_screens(page)
+    assert "smollm2:" in screens[0]                                    # EngineSynced names the model
+    noisy = [i for i, screen in enumerate(screens) if "⟨bytes⟩" in screen]
+    assert not noisy, f"{page.name}: frames {noisy[:5]} show ⟨bytes⟩"
+    assert " the " in screens[-1] or " the " in "".join(screens)       # English answers
