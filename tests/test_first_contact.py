@@ -191,3 +191,25 @@ def test_the_shipped_replays_show_readable_text(page):
     noisy = [i for i, screen in enumerate(screens) if "⟨bytes⟩" in screen]
     assert not noisy, f"{page.name}: frames {noisy[:5]} show ⟨bytes⟩"
     assert " the " in screens[-1] or " the " in "".join(screens)       # English answers
+
+
+def test_the_lab_readme_check_command_works_from_another_folder(tmp_path, monkeypatch):
+    """`lab start` writes a README whose check command runs from any folder, as its own line says."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["lab", "start", "block-pool"]) == 0
+    readme = (tmp_path / "block-pool" / "README.md").read_text()
+    command = next(line.strip() for line in readme.splitlines() if line.strip().startswith("nanoserve lab check"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    argv = shlex.split(command)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "nanoserve", *argv[1:]], cwd=elsewhere, capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert "does not exist" not in done.stderr, done.stderr
+    assert done.returncode == 1 and "block-pool" in done.stdout + done.stderr   # the starter's TODOs fail, found
