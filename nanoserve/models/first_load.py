@@ -97,11 +97,13 @@ class _Progress:
         self.lines = 0                # bars finished and left on the terminal (taken back on failure)
         self.bar = self.status_bar("reading the header and vocabulary")
 
-    def next_bar(self, bar) -> None:
+    def next_bar(self, make) -> None:
+        """Close this bar (left on its line), then open the next (`make()`): never two open at once, or
+        tqdm would stack the new one a line lower."""
         if not self.bar.disable:
             self.lines += 1
         self.bar.close()
-        self.bar = bar
+        self.bar = make()
 
     def take_back(self) -> None:
         """On failure, on a terminal: the bars and the first line erased (the error is then the only line)."""
@@ -130,14 +132,14 @@ class _Progress:
         from tqdm import tqdm
 
         tensors = list(tensors)
-        self.next_bar(tqdm(total=len(tensors), desc="tensors", unit="tensor", file=self.stderr,
-                           disable=not self.on_terminal, leave=True, mininterval=0.5))
+        self.next_bar(lambda: tqdm(total=len(tensors), desc="tensors", unit="tensor", file=self.stderr,
+                                   disable=not self.on_terminal, leave=True, mininterval=0.5))
         self.tell(phase="tensors", total=len(tensors))
         for done, tensor in enumerate(tensors, 1):
             yield tensor
             self.bar.update(1)
             self.tell(done=done)
-        self.next_bar(self.status_bar("building the tokenizer, writing the float32 copy"))
+        self.next_bar(lambda: self.status_bar("building the tokenizer, writing the float32 copy"))
         self.tell(phase="saving")
 
     def tick(self, stop: threading.Event) -> None:
