@@ -70,7 +70,7 @@ def test_a_failure_takes_the_lines_back_on_a_terminal_and_says_failed_in_a_log(t
         run_conversion(path, tmp_path / "cache")
         raise OSError("disk full")
     err = sys.stderr.getvalue()
-    assert err.endswith("\033[F\033[K" * 3)             # the first line and two finished bars, erased
+    assert err.endswith("\033[F\033[K" * 4)             # the first two lines and two finished bars, erased
     monkeypatch.undo()
     with pytest.raises(OSError), converting(path, tmp_path / "cache", size_mb=1):
         raise OSError("disk full")

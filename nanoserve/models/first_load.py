@@ -4,7 +4,8 @@ A GGUF file (SmolLM2's, or any `.gguf` path) is dequantised to float32 once
 and cached as a Hugging Face folder (`resolve.py`). While that runs,
 `converting()` draws tqdm bars on the terminal
 
-    nanoserve: converting SmolLM2-135M-Instruct.Q4_1.gguf to float32, only the first time: 515 MB cached in ~/.cache/nanoserve/gguf
+    nanoserve: converting SmolLM2-135M-Instruct.Q4_1.gguf to float32, only the first time
+    nanoserve: 515 MB to cache in ~/.cache/nanoserve/gguf
     reading the header and vocabulary … 00:35
     tensors: 100%|██████████| 272/272 [00:03<00:00, 73.76tensor/s]
     building the tokenizer, writing the float32 copy … 00:10
@@ -106,11 +107,11 @@ class _Progress:
         self.bar = make()
 
     def take_back(self) -> None:
-        """On failure, on a terminal: the bars and the first line erased (the error is then the only line)."""
+        """On failure, on a terminal: the bars and the first two lines erased (the error is then the only line)."""
         self.bar.leave = False
         self.bar.close()
         if self.on_terminal:
-            print("\033[F\033[K" * (self.lines + 1), end="", file=self.stderr, flush=True)
+            print("\033[F\033[K" * (self.lines + 2), end="", file=self.stderr, flush=True)
 
     def status_bar(self, text: str):
         """A bar without a total: the phase and the time it has taken so far."""
@@ -160,9 +161,12 @@ def converting(gguf: Path, folder: Path, size_mb: int) -> Iterator[None]:
     with _lock:
         quiet = bool(_listeners)      # a listener (the TUI) draws it itself: nothing over its screen
     tty = not quiet and stderr.isatty()   # bars on a terminal; in a log, one line that ends "done in 42 s"
-    if not quiet:
+    if tty:                           # two short lines: a narrow terminal does not wrap them
+        print(f"nanoserve: converting {gguf.name} to float32, only the first time\n"
+              f"nanoserve: {size_mb} MB to cache in {short(folder)}", file=stderr, flush=True)
+    elif not quiet:                   # a log: one line, finished with "done in" or "failed"
         print(f"nanoserve: converting {gguf.name} to float32, only the first time: {size_mb} MB cached in "
-              f"{short(folder)}", end="\n" if tty else " …", file=stderr, flush=True)
+              f"{short(folder)} …", end="", file=stderr, flush=True)
     progress = _Progress(gguf, folder, stderr, tty)
     readers: dict[str, object] = {}
     new_reader = gguf_package.GGUFReader
