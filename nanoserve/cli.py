@@ -38,7 +38,7 @@ from nanoserve.errors import FieldError
 from nanoserve.labs.command import add_lab_parser, cmd_lab
 from nanoserve.labs.plug import components_from
 from nanoserve.models.default import HELP as MODEL_HELP
-from nanoserve.models.default import default_model, model_note
+from nanoserve.models.default import LIVE_HELP, default_model, model_note
 from nanoserve.models.resolve import ACCEPTED, TINY_MODELS, resolve_model_path
 from nanoserve.scenarios import SCENARIOS
 from nanoserve.serve.command import add_serve_parser
@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(no model needed). Press ? inside for the keys.",
     )
     src = tui.add_mutually_exclusive_group()
-    src.add_argument("--model", "-m", dest="model", default=None, help="run this model live; " + MODEL_HELP)
+    src.add_argument("--model", "-m", dest="model", default=None, help=LIVE_HELP)
     src.add_argument("--replay", "-r", default=None, metavar="TRACE", help="replay a recorded trace")
     src.add_argument("--attach", default=None, metavar="URL", help="watch a running `nanoserve serve` (read-only)")
     tui.add_argument("--scenario", "-s", default=None, help=f"start a live run with a scenario: {', '.join(SCENARIOS)}")

