@@ -38,6 +38,8 @@ from nanoserve.cli_generate import add_structured_flags, run_generate, say, stru
 from nanoserve.engine_flags import add_engine_flags, engine_settings
 from nanoserve.errors import FieldError
 from nanoserve.labs.plug import components_from
+from nanoserve.models.default import HELP as MODEL_HELP
+from nanoserve.models.default import LIVE_HELP, default_model, model_note
 from nanoserve.models.resolve import TINY_MODELS, resolve_model_path
 from nanoserve.scenarios import SCENARIOS
 from nanoserve.serve.command import add_serve_parser
@@ -108,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--stop", dest="stop", action="append", default=[], help="stop string (repeatable)")
     smp.add_argument("-n", dest="n", type=int, default=None,
                      help="completions per prompt, forked from one prefill (default: 1, or every beam)")
-    smp.add_argument("--beam-width", dest="beam_width", type=int, default=0, metavar="N",
+    smp.add_argument("--beam-width", dest="beam_width", type=int, default=None, metavar="N",
                      help="beam search with this many beams (needs --temperature 0; default: off)")
     add_structured_flags(gen)
 
@@ -119,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rec.add_argument("--scenario", "-s", required=True, help=f"one of: {', '.join(SCENARIOS)}")
     rec.add_argument("--output", "-o", required=True, help="trace file to write (.jsonl)")
-    rec.add_argument("--model", "-m", dest="model", default="tiny-llama", help="model to run (default: %(default)s)")
+    rec.add_argument("--model", "-m", dest="model", default=None, help=MODEL_HELP)
     add_lab_option(rec)
     add_threads(rec)
     add_engine_flags(rec.add_argument_group(ENGINE_GROUP, SCENARIO_ENGINE), own=("model",))
@@ -127,8 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp = sub.add_parser(
         "export", help="draw the block tables, the pool or the radix tree at one step of a trace, "
                        "or the whole trace as a web page",
-        description="Render the engine's state at step N of a recorded trace with Graphviz. Without the "
-                    "`dot` program the DOT source is written instead. --format html writes one self-contained "
+        description="Render the engine's state at step N of a recorded trace with Graphviz. svg and png need "
+                    "its `dot` program (without it: one line saying so, exit 2); --format dot writes the DOT "
+                    "source, no Graphviz needed. --format html writes one self-contained "
                     "page that replays every step as the TUI draws it (slider, arrow keys; no network).",
     )
     exp.add_argument("--trace", "-t", required=True, help="a trace written by `nanoserve record`")
@@ -147,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(no model needed). Press ? inside for the keys.",
     )
     src = tui.add_mutually_exclusive_group()
-    src.add_argument("--model", "-m", dest="model", default=None, help="run this model live (default: tiny-llama)")
+    src.add_argument("--model", "-m", dest="model", default=None, help=LIVE_HELP)
     src.add_argument("--replay", "-r", default=None, metavar="TRACE", help="replay a recorded trace")
     src.add_argument("--attach", default=None, metavar="URL", help="watch a running `nanoserve serve` (read-only)")
     tui.add_argument("--scenario", "-s", default=None, help=f"start a live run with a scenario: {', '.join(SCENARIOS)}")
@@ -179,7 +182,7 @@ def add_whatif_parsers(sub) -> None:
                      help="an engine setting run B changes, e.g. preemption_mode=swap (repeatable)")
     cmp.add_argument("--trace", "-t", dest="trace", action="append", default=[], metavar="FILE",
                      help="instead of --scenario: two recorded traces (give --trace twice)")
-    cmp.add_argument("--model", "-m", dest="model", default="tiny-llama", help="model to run (default: %(default)s)")
+    cmp.add_argument("--model", "-m", dest="model", default=None, help=MODEL_HELP)
     cmp.add_argument("--save", default=None, metavar="PREFIX",
                      help="also write both runs' traces: PREFIX-a.jsonl and PREFIX-b.jsonl")
     cmp.add_argument("--tui", action="store_true",
@@ -245,10 +248,19 @@ def cmd_record(args: argparse.Namespace) -> int:
     check_output(args.output, "--output")
     components = components_from(args.lab)
     threads = apply_thread_policy(args.threads)
-    steps = record(args.scenario, args.output, args.model, components=components, settings=engine_settings(args))
+    model = pick_model(args)
+    steps = record(args.scenario, args.output, model, components=components, settings=engine_settings(args))
     say(threads.note())
     print(f"nanoserve: recorded {steps} steps of {args.scenario!r} to {args.output}", file=sys.stderr)
     return 0
+
+
+def pick_model(args: argparse.Namespace, tell: bool = True) -> str:
+    """`--model`, or the default (SmolLM2 when installed); says which in one line (`tell`)."""
+    model = args.model or default_model()
+    if tell:
+        say(model_note(model, named=args.model is not None))
+    return model
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -282,6 +294,8 @@ def cmd_tui(args: argparse.Namespace) -> int:
     if args.scenario is not None:
         from nanoserve.scenarios import get_scenario
         get_scenario(args.scenario)
+    if args.replay is None and args.attach is None:
+        args.model = pick_model(args, tell=False)      # (the TUI's status bar says which: "playground on smollm2")
     if args.model is not None and args.model not in TINY_MODELS:
         resolve_model_path(args.model, convert=False)   # a bad name fails here, before the app starts
     try:
@@ -309,8 +323,10 @@ def cmd_tui(args: argparse.Namespace) -> int:
 
 
 def cmd_web(args: argparse.Namespace) -> int:
+    if args.replay is None and args.attach is None and args.compare is None:
+        args.model = pick_model(args, tell=False)      # (its first line says which: "playground on smollm2")
     if args.model is not None and args.model not in TINY_MODELS:
-        resolve_model_path(args.model, convert=False)   # a bad name fails here, not in every browser tab
+        resolve_model_path(args.model)   # a bad name fails here, not in every browser tab; a GGUF converts once
     from nanoserve_tui.web_command import run_web
     return run_web(args)
 
@@ -336,7 +352,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.save is not None:
         check_output(args.save + "-a.jsonl", "--save")
     say(apply_thread_policy(args.threads).note())
-    a, b = scenario_pair(args.scenario, changes, args.model, settings=engine_settings(args))
+    a, b = scenario_pair(args.scenario, changes, pick_model(args, tell=False), settings=engine_settings(args))
+    pick_model(args)                                  # which model ran: said once both runs worked
     if args.save is not None:
         from nanoserve.trace import write_trace
         write_trace(args.save + "-a.jsonl", a.events)
@@ -378,8 +395,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     parser = subparser(build_parser(), "generate")
     sampling = group_kwargs(parser, SAMPLING_GROUP, args)
+    if sampling["beam_width"] is None:                # left out: no beam search (SamplingParams' 0)
+        sampling["beam_width"] = 0
+    elif sampling["beam_width"] < 1:                  # asked for, with no beams: a typo, not "off"
+        raise FieldError("beam_width", f"must be at least 1 (leave it out for no beam search), got "
+                                       f"{sampling['beam_width']}")
     if sampling["n"] is None:
-        sampling["n"] = max(args.beam_width, 1)
+        sampling["n"] = max(sampling["beam_width"], 1)
     params = SamplingParams(**sampling, structured_outputs=structured_flags(args))   # bad settings fail before
                                                                                      # the model loads
     for i, prompt in enumerate(args.prompts):         # ... and so does a prompt with a byte that is not UTF-8

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from nanoserve.errors import FieldError
-from nanoserve.viz.text import plural
+from nanoserve.viz.text import byte_text, escaped, plural
 
 
 def say(line: str | None) -> None:
@@ -71,13 +71,21 @@ def run_generate(engine, args: argparse.Namespace, params, threads) -> None:
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
     stream = len(prompts) == 1 and params.n == 1 and not params.use_beam_search
-    t0, steps, generated = time.perf_counter(), 0, 0
+    # what is printed: never a raw control character; a byte-level random model's bytes escaped (`\x8f`)
+    byte_level = is_byte_level(engine)
+
+    def shown(c, final: bool = True) -> str:
+        return byte_text(c.token_ids, final) if byte_level else escaped(c.text)
+
+    t0, steps, generated, printed = time.perf_counter(), 0, 0, 0
     while engine.has_unfinished_requests():
         result = engine.step()
         steps += 1
         for out in result.outputs:
             if stream:
-                print(out.outputs[0].delta, end="", flush=True)
+                text = shown(out.outputs[0], out.finished)   # all of it so far: print what is new
+                print(text[printed:], end="", flush=True)
+                printed = len(text)
                 if out.finished:
                     print()
             elif out.finished:
@@ -85,7 +93,7 @@ def run_generate(engine, args: argparse.Namespace, params, threads) -> None:
                     label = f"{out.request_id}" + (f".{completion.index}" if len(out.outputs) > 1 else "")
                     score = f" logprob {completion.cumulative_logprob:.2f}" if params.use_beam_search else ""
                     print(f"--- [{label}]{score} {args.prompts[int(out.request_id)]!r}")
-                    print(completion.text)
+                    print(shown(completion))
             if out.finished:
                 for completion in out.outputs:
                     generated += len(completion.token_ids)
@@ -93,6 +101,13 @@ def run_generate(engine, args: argparse.Namespace, params, threads) -> None:
                         print(f"nanoserve: request {out.request_id} failed: {completion.error}", file=sys.stderr)
     if args.stats:
         print_stats(engine, steps, generated, time.perf_counter() - t0)
+
+
+def is_byte_level(engine) -> bool:
+    """A tiny random model's byte tokenizer (token id = byte value): its output is printed as escaped bytes."""
+    from nanoserve.models.resolve import TINY_MODELS
+
+    return engine.config.model in TINY_MODELS
 
 
 def print_stats(engine, steps: int, generated: int, elapsed: float) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 from pathlib import Path
 
 from nanoserve.errors import FieldError
@@ -76,7 +77,9 @@ def lab_list(args) -> int:
     return 0
 
 
-def readme(lab, mode: str = "guided") -> str:
+def readme(lab, mode: str = "guided", path: Path | None = None) -> str:
+    """The lab's README; its commands name `path` (the starter file, absolute: they work from any folder)."""
+    file = shlex.quote(str(path)) if path is not None else lab.file_name
     checks = "\n".join(f"{i}. {c.name}" for i, c in enumerate(lab.checks, 1))
     texts = lab.contracts if mode == "design" else lab.blanks
     todo = "\n".join(f"- `{q}`: {texts.get(q, lab.blanks[q])}" for q in lab.blanks)
@@ -85,8 +88,8 @@ def readme(lab, mode: str = "guided") -> str:
     return (f"# Lab {lab.name}: {lab.title}\n\n{lab.intro.strip()}\n\n"
             f"Your file: `{lab.file_name}`, made from the engine's `{lab.module}`. Write these bodies:\n\n"
             f"{todo}{rules}\n\nCheck your work (exit code 0 when everything passes):\n\n"
-            f"    nanoserve lab check {lab.name} {lab.file_name}\n\n"
-            f"Watch it run in the real engine:\n\n    nanoserve tui --lab {lab.name}={lab.file_name}\n\n"
+            f"    nanoserve lab check {lab.name} {file}\n\n"
+            f"Watch it run in the real engine:\n\n    nanoserve tui --lab {lab.name}={file}\n\n"
             f"The checks:\n\n{checks}\n\nPrerequisites: {lab.prerequisites}. Rough time: {lab.minutes} minutes.\n")
 
 
@@ -98,7 +101,8 @@ def lab_start(args) -> int:
     folder = Path(args.dir if args.dir is not None else args.name)
     if folder.exists() and not folder.is_dir():
         raise FieldError("DIR", f"{folder} is a file, not a folder")
-    targets = {folder / lab.file_name: starter_source(lab, args.mode), folder / "README.md": readme(lab, args.mode)}
+    targets = {folder / lab.file_name: starter_source(lab, args.mode),
+               folder / "README.md": readme(lab, args.mode, (folder / lab.file_name).resolve())}
     present = [str(p) for p in targets if p.exists()]
     if present:
         raise FieldError("DIR", f"{' and '.join(present)} already exist{'s' if len(present) == 1 else ''}; nothing was overwritten "

@@ -92,7 +92,8 @@ def test_generate_unknown_model_is_one_line(capsys, monkeypatch):
 # -- record ---------------------------------------------------------------------------------
 def test_record_writes_a_trace_that_folds(capsys, tmp_path):
     path = tmp_path / "batching.jsonl"
-    code, _, err = run(capsys, "record", "--scenario", "continuous-batching", "-o", str(path))
+    code, _, err = run(capsys, "record", "--scenario", "continuous-batching", "--model", "tiny-llama", "-o",
+                       str(path))
     assert code == 0 and "recorded" in err
     state = fold_all(read_trace(path))
     assert sorted(state.finished) == sorted(a.request_id for a in SCENARIOS["continuous-batching"].arrivals)

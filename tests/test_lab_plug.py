@@ -22,8 +22,8 @@ def timeless(events):
 
 def test_record_with_the_engines_own_module_gives_the_same_frames(tmp_path):
     plain, mine = tmp_path / "plain.jsonl", tmp_path / "mine.jsonl"
-    assert main(["record", "-s", "memory-pressure", "-o", str(plain)]) == 0
-    assert main(["record", "-s", "memory-pressure", "-o", str(mine), "--lab", f"block-pool={block_pool.__file__}",
+    assert main(["record", "-s", "memory-pressure", "-m", "tiny-llama", "-o", str(plain)]) == 0
+    assert main(["record", "-s", "memory-pressure", "-m", "tiny-llama", "-o", str(mine), "--lab", f"block-pool={block_pool.__file__}",
                  "--lab", f"radix-cache={radix_cache.__file__}"]) == 0
     a, b = timeless(read_trace(plain)), timeless(read_trace(mine))
     assert a == b and len(a) > 50

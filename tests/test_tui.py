@@ -602,7 +602,7 @@ def test_legend_and_help_say_what_they_mean():
     console = Console(width=200, record=True, color_system=None)
     console.print(help_table("Panels", PANELS))
     text = console.export_text()
-    assert "evictable; [blocks]; @step" in text and "; ;" not in text
+    assert "eviction frees them); [blocks]; @step" in text and "; ;" not in text
 
 
 def test_event_log_shows_newlines_and_empty_tokens_one_way():

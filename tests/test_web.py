@@ -160,7 +160,7 @@ def test_the_key_and_the_seats():
 def test_a_live_tab_adds_a_request_and_steps():
     from playwright.sync_api import sync_playwright
 
-    with web() as (url, server), sync_playwright() as p:
+    with web("--model", "tiny-llama") as (url, server), sync_playwright() as p:
         browser = launch(p)
         try:
             page = browser.new_page(viewport={"width": 1600, "height": 1000})

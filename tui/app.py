@@ -38,6 +38,7 @@ from nanoserve_tui.live_source import LiveSource
 from nanoserve_tui.screens import AddRequestScreen, BranchScreen, HelpScreen, ScenarioPicker
 from nanoserve_tui.source import (
     CONTROLS,
+    FirstLoadProgress,
     Frame,
     FrameReady,
     LabStepFailed,
@@ -47,6 +48,7 @@ from nanoserve_tui.source import (
     Unsupported,
 )
 from nanoserve_tui.widgets.event_log import EventLog
+from nanoserve_tui.widgets.first_load import FirstLoad
 from nanoserve_tui.widgets.free_queue import FreeQueue
 from nanoserve_tui.widgets.metrics import Metrics
 from nanoserve_tui.widgets.pool import PoolPanel
@@ -121,9 +123,11 @@ class NanoserveApp(App[None]):
         self.error: str | None = None
         self._added = 0            # ids for requests added from the dialog: u1, u2, ...
         self._ticker: Timer | None = None   # steps the source while playing
+        self._held: list[tuple] = []        # toasts that came while the help was open
 
     def compose(self) -> ComposeResult:
         yield StatusBar(id="status")
+        yield FirstLoad(id="first-load")       # a GGUF model's one-time conversion, tensor by tensor
         with Horizontal(id="body"):
             with Vertical(id="left"):
                 yield PoolPanel(id="pool-panel", classes="panel")
@@ -166,6 +170,8 @@ class NanoserveApp(App[None]):
     def _source_status(self, message: SourceStatus) -> None:
         self.status = message.text
         self.query_one("#body").loading = message.kind == "loading"
+        if message.kind != "loading":
+            self.query_one(FirstLoad).display = False
         if message.kind == "ready" and self.source.mode == "live":
             self.notify(message.text, title="engine ready")
         if message.kind == "error":
@@ -176,6 +182,10 @@ class NanoserveApp(App[None]):
             error.display = True
             self.query_one("#body").display = False
         self._update_status()
+
+    @on(FirstLoadProgress)
+    def _first_load(self, message: FirstLoadProgress) -> None:
+        self.query_one(FirstLoad).show(message.conversion)
 
     @on(LabStepFailed)
     def _lab_step_failed(self, message: LabStepFailed) -> None:
@@ -383,7 +393,20 @@ class NanoserveApp(App[None]):
         pool.selected_rank = (pool.selected_rank + 1) % len(ranks)
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen())
+        self.clear_notifications()             # toasts are drawn above every screen: none over the help
+        self.push_screen(HelpScreen(), lambda _: self._show_held())
+
+    def notify(self, message, *args, **kwargs) -> None:
+        """A toast; while the help is open it waits until the help closes (it would cover the help's text)."""
+        if isinstance(self.screen, HelpScreen):
+            self._held.append((message, args, kwargs))
+            return
+        super().notify(message, *args, **kwargs)
+
+    def _show_held(self) -> None:
+        held, self._held = self._held, []
+        for message, args, kwargs in held:
+            self.notify(message, *args, **kwargs)
 
     def action_redraw(self) -> None:
         """Ctrl+L, as in a shell: draw the whole screen again (`nanoserve web --shared` sends it when a

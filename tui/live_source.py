@@ -20,6 +20,7 @@ from textual.app import App
 from textual.worker import get_current_worker
 
 from nanoserve.events import EngineSynced, Event, StepFinished, StepStarted
+from nanoserve.models.first_load import listening
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scenarios import Scenario, chat_prompt, get_scenario, has_chat_template
 from nanoserve.trace import JsonlRecorder, ViewState, fold, synced_event
@@ -29,6 +30,7 @@ from nanoserve.whatif.settings import BRANCH_SETTINGS
 from nanoserve.whatif.workload import scenario_start
 from nanoserve_tui.source import (
     CONTROLS,
+    FirstLoadProgress,
     Frame,
     FrameReady,
     LabStepFailed,
@@ -207,7 +209,9 @@ class LiveSource(Source):
         """The worker: load the model, then execute commands until told to stop."""
         worker = get_current_worker()
         try:
-            runner = scenario_start(self.scenario, self.model, components=self.components, settings=self.overrides)
+            with listening(lambda conversion: self._to_ui(self._app.post_message, FirstLoadProgress(conversion))):
+                runner = scenario_start(self.scenario, self.model, components=self.components,
+                                        settings=self.overrides)
         except Exception as exc:   # noqa: BLE001 -- any loading failure becomes one clear line
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             what = f"could not load model {self.model!r}: {reason}"

@@ -209,7 +209,8 @@ PANELS = [
     ("free queue", "free blocks in LRU order, head (handed out next) first; freed and evicted blocks join the "
                    "tail."),
     ("radix tree", "the prefix cache: each node a span of whole blocks, a path from the root a cached prefix. "
-                   "\"lock N\": N live requests use it (it cannot be evicted), \"free\": evictable; [blocks]; "
+                   "\"lock N\": N live requests use it (it cannot be evicted), \"evictable\": no request uses it, "
+                   "its blocks still hold cached K/V (not free blocks: eviction frees them); [blocks]; "
                    "@step of its last use. Yellow = hit this step, green = new, struck through = evicted. "
                    "Hidden under 130 columns when the engine has no prefix cache."),
     ("requests", "running, waiting, swapped out (KV in the CPU pool) and finished: tokens generated of "

@@ -18,7 +18,7 @@ def showcase_step(name: str, events: list) -> int:
 
     if name == "memory-pressure":
         preempted = [e.step for e in events if isinstance(e, ev.Preempted)]
-        return preempted[1] if len(preempted) > 1 else preempted[0]
+        return preempted[0]
     if name == "long-prompt":
         decode_steps = {e.step for e in events if isinstance(e, ev.ChunkScheduled) and not e.is_prefill}
         return first(lambda e: isinstance(e, ev.ChunkScheduled) and e.seq_id == "long"

@@ -66,6 +66,14 @@ class SourceStatus(Message):
         self.kind, self.text = kind, text
 
 
+class FirstLoadProgress(Message):
+    """The model's one-time GGUF conversion moved on (a `nanoserve.models.first_load.Conversion`)."""
+
+    def __init__(self, conversion) -> None:
+        super().__init__()
+        self.conversion = conversion
+
+
 class FrameReady(Message):
     """A new frame to draw."""
 

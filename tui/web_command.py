@@ -30,6 +30,7 @@ import socket
 import sys
 
 from nanoserve.engine_flags import add_engine_flags, command_line, engine_settings
+from nanoserve.models.default import LIVE_HELP, default_model
 from nanoserve.serve.command import API_KEY_ENV, is_loopback
 
 SEATS = {"live": 4, "replay": 40, "compare": 40, "attach": 40}   # default --max-sessions, an app per tab
@@ -43,7 +44,7 @@ def add_web_parser(sub) -> argparse.ArgumentParser:
                     "`nanoserve tui`, every key and panel included. 127.0.0.1 by default: this machine only.",
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", "-m", default=None, help="run this model live in every tab (default: tiny-llama)")
+    src.add_argument("--model", "-m", default=None, help=LIVE_HELP.replace("live", "live in every tab", 1))
     src.add_argument("--replay", "-r", default=None, metavar="TRACE", help="replay a recorded trace")
     src.add_argument("--attach", default=None, metavar="URL", help="watch a running `nanoserve serve` (read-only)")
     src.add_argument("--compare", nargs=2, default=None, metavar=("A", "B"),
@@ -113,7 +114,7 @@ def check(args: argparse.Namespace) -> str:
     from nanoserve.scenarios import get_scenario
     if args.scenario is not None:
         get_scenario(args.scenario)                       # (the model's name: cli.py checks it, as for `tui`)
-    return f"nanoserve: {args.scenario or 'playground'} on {args.model or 'tiny-llama'}"
+    return f"nanoserve: {args.scenario or 'playground'} on {args.model or default_model()}"
 
 
 def lan_address() -> str | None:

@@ -96,6 +96,12 @@ def signature(name: str, data: bytes) -> object:
             return normalize("\n".join(screen_lines(text)))
     if name.endswith((".txt", ".md")):
         return normalize(text)
+    if name.endswith(".jsonl"):      # a trace (docgen/traces.py): each event, without its float noise
+        import json
+
+        noise = ("logprob", "duration_s", "cumulative_logprob")
+        return [json.dumps({k: v for k, v in json.loads(line).items() if k not in noise}, sort_keys=True)
+                for line in text.splitlines() if line.strip()]
     return data
 
 

@@ -1,7 +1,8 @@
 """The TUI tour and the classroom guide: facts from the scenarios' recorded traces.
 
-Each scenario is recorded on tiny-llama exactly as `nanoserve record` does,
-and each page states what its picture shows from that trace: the step the
+Each scenario's trace is the one recorded on SmolLM2 (docs/traces/, see
+`traces.py`: its chat workload, the prompts and answers a learner reads), and
+each page states what its picture shows from that trace: the step the
 screenshot was taken at (the same `showcase_step` the screenshots use), the
 memory-pressure screen's blocks, tables, eviction and preemption, and the
 steps a teacher should stop at. The memory-pressure Graphviz pictures are
@@ -10,14 +11,14 @@ drawn here too, at the same step, with the exporter `nanoserve export` uses.
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 from docgen import Result, regions, sizes
 from docgen.home import _ranges
 from docgen.pictures import graphviz_svg
+from docgen.traces import path as shipped
 from nanoserve import events as ev
-from nanoserve.scenarios import SCENARIOS, record
+from nanoserve.scenarios import SCENARIOS
 from nanoserve.trace import read_trace
 from nanoserve.viz.graphviz import pool_dot, state_at, tables_dot
 from nanoserve_tui.screenshots import showcase_step
@@ -42,21 +43,18 @@ def memory_pressure(events, trace: Path, out: Result) -> None:
     preempted = of(events, ev.Preempted, step)
     assert len(preempted) == 1 and preempted[0].mode == "recompute", "the prose tells one recompute preemption"
     victim = preempted[0].seq_id
-    evicted = of(events, ev.RadixEvicted, step)
-    assert evicted, "the prose says the cache evicted a leaf before anyone was preempted"
-    got = next(e for e in of(events, ev.BlocksAllocated, step) if set(e.block_ids) & set(evicted[0].block_ids))
+    assert not of(events, ev.RadixEvicted, step), "the prose says the cache had nothing left to evict"
     freed = of(events, ev.BlocksFreed, step, victim)[0]
+    got = next(e for e in of(events, ev.BlocksAllocated, step) if set(e.block_ids) & set(freed.released))
     before = state_at(trace, step - 1)
     assert victim == before.running[-1], "the prose says the victim is the newest running request"
+    assert not before.free_queue and not state.free_queue, "the prose says the free queue was empty, and is again"
     assert victim not in {e.seq_id for e in of(events, ev.ChunkScheduled, step)}, "not in the batch"
-    assert before.sequences[victim].num_computed_tokens % state.block_size == 0, \
-        "the prose says the victim's blocks were full, so its next token needed a new block"
     owners, kinds = state.block_owners(), state.block_kinds()
-    still_shared = [b for b in freed.block_ids if owners.get(b)]
+    kept = [b for b in freed.block_ids if b not in freed.released]
+    assert kept and all(owners.get(b) or kinds[b] == "cached" for b in kept), \
+        "the prose says the victim's other blocks stayed, shared or cached"
     cached_only = [b for b, k in enumerate(kinds) if k == "cached"]
-    assert not freed.released and not state.free_queue, \
-        "the prose says the victim's blocks all stayed (shared or cached) and the free queue is empty"
-    assert set(freed.block_ids) == set(still_shared) | {b for b in freed.block_ids if kinds[b] == "cached"}
     r0 = state.sequences["r0"]
     last = r0.block_table[-1]
     index = len(r0.block_table) - 1
@@ -66,10 +64,10 @@ def memory_pressure(events, trace: Path, out: Result) -> None:
     out.facts(TUI, "mp", {
         "block": last, "logical": index, "tokens": f"{index * bs}–{index * bs + fill - 1}",
         "fill": f"{fill}/{bs}", "r0_table": f"`{table}`", "shared": words(shared),
-        "evicted_node": evicted[0].node_id, "evicted_last": evicted[0].last_access,
-        "evicted_blocks": words(evicted[0].block_ids), "got": f"`{got.seq_id}`",
-        "victim": f"`{victim}`", "lost": preempted[0].num_tokens_lost, "victim_blocks": len(freed.block_ids),
-        "victim_shared": words(still_shared), "cached": words(cached_only),
+        "got": f"`{got.seq_id}`", "victim": f"`{victim}`", "lost": preempted[0].num_tokens_lost,
+        "victim_blocks": len(freed.block_ids), "released": words(freed.released),
+        "released_list": f"`to the free queue [{' '.join(map(str, freed.released))}]`",
+        "victim_shared": words(kept), "cached": words(cached_only),
         "waiting": words(f"`{r}`" for r in state.waiting),
     })
     out.region(TUI, "mp.caption", f"Memory pressure, step {step}: a {state.num_blocks}-block pool shared by "
@@ -94,7 +92,7 @@ def continuous_batching(events, out: Result) -> None:
     kept = [b for b in freed.block_ids if b not in freed.released]
     admitted = of(events, ev.SequenceAdmitted, step)[0].seq_id
     arrived = of(events, ev.RequestAdded, rid=admitted)[0].step
-    seats = SCENARIOS["continuous-batching"].config["max_num_seqs"]
+    seats = SCENARIOS["continuous-batching"].chat.config["max_num_seqs"]
     assert kept, "the prose says the finished request's full blocks stay cached"
     assert arrived < first.step, "the prose says the admitted request had been waiting for a seat"
     facts = {"finished": f"`{first.seq_id}`", "finish_step": first.step, "kept": words(kept),
@@ -110,7 +108,7 @@ def long_prompt(events, out: Result) -> None:
     step = showcase_step("long-prompt", events)
     added = of(events, ev.RequestAdded, rid="long")[0]
     chunks = [e for e in of(events, ev.ChunkScheduled, rid="long") if e.is_prefill]
-    budget = SCENARIOS["long-prompt"].config["max_num_batched_tokens"]
+    budget = SCENARIOS["long-prompt"].chat.config["max_num_batched_tokens"]
     out.facts(TUI, "lp", {"step": step, "tokens": added.num_prompt_tokens, "budget": budget,
                           "chunks": len(chunks), "first": chunks[0].step, "last": chunks[-1].step})
     out.facts(CLASS, "lp", {"first": chunks[0].step, "last": chunks[-1].step})
@@ -120,9 +118,17 @@ def shared_prompt(events, out: Result) -> None:
     step = showcase_step("shared-system-prompt", events)
     hits = [e for e in of(events, ev.PrefixMatched) if e.num_hit_tokens]
     assert len({e.num_hit_tokens for e in hits}) == 1, "the prose gives one hit size for every later request"
-    from nanoserve.scenarios import SYSTEM
-    out.facts(TUI, "sp", {"step": step, "system": len(SYSTEM), "hit": hits[0].num_hit_tokens,
+    out.facts(TUI, "sp", {"step": step, "system": shared_start(events), "hit": hits[0].num_hit_tokens,
                           "hits": len(hits)})
+
+
+def shared_start(events) -> int:
+    """The characters of the system turn every shared-system-prompt request starts with (chat template)."""
+    prompts = [e.prompt for e in of(events, ev.RequestAdded)]
+    end = "<|im_end|>"
+    system = prompts[0][:prompts[0].index(end) + len(end)]
+    assert all(p.startswith(system) for p in prompts), "the prose says every request starts with one system turn"
+    return len(system)
 
 
 def parallel(events, out: Result) -> None:
@@ -149,18 +155,14 @@ def speculative(events, out: Result) -> None:
 
 def make(read) -> Result:
     out = Result()
-    with tempfile.TemporaryDirectory() as tmp:
-        traces = {}
-        for name in SCENARIOS:
-            traces[name] = Path(tmp) / f"{name}.jsonl"
-            record(name, traces[name])
-        ev_of = {name: read_trace(path) for name, path in traces.items()}
-        memory_pressure(ev_of["memory-pressure"], traces["memory-pressure"], out)
-        continuous_batching(ev_of["continuous-batching"], out)
-        long_prompt(ev_of["long-prompt"], out)
-        shared_prompt(ev_of["shared-system-prompt"], out)
-        parallel(ev_of["parallel-sampling"], out)
-        swap(ev_of["swap-preemption"], out)
-        speculative(ev_of["speculative-decoding"], out)
+    traces = {name: shipped(name) for name in SCENARIOS}
+    ev_of = {name: read_trace(path) for name, path in traces.items()}
+    memory_pressure(ev_of["memory-pressure"], traces["memory-pressure"], out)
+    continuous_batching(ev_of["continuous-batching"], out)
+    long_prompt(ev_of["long-prompt"], out)
+    shared_prompt(ev_of["shared-system-prompt"], out)
+    parallel(ev_of["parallel-sampling"], out)
+    swap(ev_of["swap-preemption"], out)
+    speculative(ev_of["speculative-decoding"], out)
     out.facts(TUI, "tui", {"num_scenarios": sizes.number(len(SCENARIOS))})
     return out

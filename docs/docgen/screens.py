@@ -1,7 +1,7 @@
 """The TUI's own screenshots (`docs/img/tui-*.svg`): `python docs/generate.py screens`.
 
-Each scenario is recorded on tiny-llama, replayed headless at 160×50, and
-saved at its showcase step (`nanoserve_tui.screenshots.showcase_step`) (the memory-pressure one also at 100×30). The tour
+Each scenario's SmolLM2 recording (docs/traces/, `traces.py`) is replayed headless at 160×50, and
+saved at its showcase step (the memory-pressure one also at 100×30). The tour
 page's sentences about the 100×30 layout are checked on that screenshot's text.
 """
 
@@ -13,8 +13,9 @@ from pathlib import Path
 
 from docgen import Result
 from docgen.pictures import screen_lines
+from docgen.traces import path as shipped
 from nanoserve import events as ev
-from nanoserve.scenarios import SCENARIOS, record
+from nanoserve.scenarios import SCENARIOS
 from nanoserve.trace import read_trace
 from nanoserve_tui.app import NanoserveApp
 from nanoserve_tui.screenshots import showcase_step
@@ -48,8 +49,7 @@ def make(read) -> Result:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for name in SCENARIOS:
-            trace = tmp / f"{name}.jsonl"
-            record(name, trace)
+            trace = shipped(name)
             step = showcase_step(name, read_trace(trace))
             select = {"memory-pressure": "r0", "tensor-parallel": "fork"}.get(name)   # a block to inspect
             shots = {f"tui-{name}.svg": (160, 50)}
@@ -60,7 +60,7 @@ def make(read) -> Result:
                 out.files[f"docs/img/{file}"] = (tmp / file).read_bytes()
     small = "\n".join(screen_lines(out.files["docs/img/tui-100x30.svg"].decode()))
     wide = "\n".join(screen_lines(out.files["docs/img/tui-memory-pressure.svg"].decode()))
-    assert "= this step" in wide and "= this step" not in small, \
-        "tui.md says the pool's legend is hidden below 130 columns"
+    assert "= this step" in wide and "= this step" not in small, "tui.md: the legend gets shorter below 130 columns"
+    assert any("free" in line and "request" in line for line in small.splitlines()), "... and stays"
     assert "radix tree" in small, "tui.md says the radix panel stays at 100x30 when the engine caches prefixes"
     return out

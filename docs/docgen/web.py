@@ -1,7 +1,7 @@
 """The browser pages: the replay of the memory-pressure scenario on the home page, and screenshots of both.
 
 * `docs/replay/<scenario>.html`: `nanoserve export --format html` of every
-  scenario recorded on tiny-llama (as the TUI's screenshots are); the home
+  scenario's SmolLM2 recording (docs/traces/, as the TUI's screenshots); the home
   page shows memory-pressure's in a frame, each lesson links its own.
 * `docs/img/web-replay.png`: that page in Chromium at its showcase step;
 * `docs/img/web-tui.png`: `nanoserve web --replay` of the same trace in
@@ -29,7 +29,8 @@ from pathlib import Path
 import httpx
 
 from docgen import ROOT, Result
-from nanoserve.scenarios import SCENARIOS, record
+from docgen.traces import path as shipped
+from nanoserve.scenarios import SCENARIOS
 from nanoserve.trace import read_trace
 from nanoserve_tui.replay_html import export_html
 from nanoserve_tui.screenshots import showcase_step
@@ -64,12 +65,11 @@ def make(read) -> Result:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for name in SCENARIOS:                                 # (before playwright: it runs its own event loop)
-            trace = tmp / f"{name}.jsonl"
-            record(name, trace)
+            trace = shipped(name)
             replay = export_html(trace, tmp / f"{name}.html", step=showcase_step(name, read_trace(trace)))
             assert not replay.sampled, f"{name}: the docs' replays show every step"
             out.files[f"docs/replay/{name}.html"] = replay.path.read_bytes()
-        trace = tmp / "memory-pressure.jsonl"
+        trace = shipped("memory-pressure")
         step = showcase_step("memory-pressure", read_trace(trace))
         replay = export_html(trace, tmp / "memory-pressure.html", step=step)   # it opens at its showcase step
         with sync_playwright() as p:

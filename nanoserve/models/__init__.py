@@ -7,6 +7,8 @@ qwen3.py    Qwen3: Llama with QK-norm (an RMSNorm per query and key head)
 gemma3.py   Gemma 3 (text): (1 + w) norms before and after, scaled embeddings, local and global layers
 resolve.py  model names to directories (no torch import: the CLI's errors stay fast)
 loader.py   load_model: our model with the weights of a transformers model
+default.py  the model a command runs when none is named (SmolLM2 when installed)
+first_load.py  a GGUF file's one-time conversion, shown as it goes (tqdm, the TUI)
 """
 
 from __future__ import annotations

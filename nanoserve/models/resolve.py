@@ -166,11 +166,11 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
     if (target / "config.json").exists():
         return target
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    with progress_line(f"converting {gguf.name} to float32, once: about 20 s on a quiet 2-core machine, one "
-                       f"to two minutes on a busy one; {max(1, gguf.stat().st_size * 11 // 2 // 2**20)} MB cached "
-                       f"in {target.parent}"):
+    from nanoserve.models.first_load import converting  # a tqdm bar, and the TUI's loading screen
+
+    with converting(gguf, target.parent, size_mb=max(1, gguf.stat().st_size * 11 // 2 // 2**20)):
         try:
-            # transformers draws its own progress bars straight to stderr (tqdm): our one line instead
+            # transformers' own output (its bars, its chatter) would interleave with ours: hidden
             with quiet_transformers(), contextlib.redirect_stderr(io.StringIO()):
                 dequantise(gguf, tmp)
         except Exception as exc:  # noqa: BLE001 -- a truncated or corrupt file: say so in one line
@@ -252,6 +252,20 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 # -- names to paths --------------------------------------------------------------------
 
+KNOWN_NAMES = (*TINY_MODELS, "smollm2", "gemma3-270m")   # the names nanoserve itself gives meaning to
+
+
+def did_you_mean(name: str) -> str | None:
+    """A known model name `name` is a likely typo of (difflib), e.g. 'smolm2' -> 'smollm2'; None otherwise.
+    Only for names without an owner ('gpt2', not 'org/model'): those are ours or a hub id's legacy form."""
+    import difflib
+
+    if "/" in name:
+        return None
+    close = difflib.get_close_matches(name.lower(), KNOWN_NAMES, n=1, cutoff=0.75)
+    return close[0] if close and close[0] != name else None
+
+
 
 def resolve_model_path(name: str, convert: bool = True) -> str:
     """Turn a user-facing model name into something `from_pretrained` can read.
@@ -283,6 +297,9 @@ def resolve_model_path(name: str, convert: bool = True) -> str:
                          f"accepted: {ACCEPTED}")
     if in_hf_cache(name):
         return name
+    guess = did_you_mean(name)
+    if guess is not None:                          # a typo of ours, not a hub id: no network call, no "no internet?"
+        raise ValueError(f"unknown model {name!r}: did you mean {guess!r}? (accepted: {ACCEPTED})")
     if offline():                                  # no network probe: the user said offline
         raise ValueError(f"model {name!r} would come from the Hugging Face hub, which needs internet, and "
                          f"HF_HUB_OFFLINE is set (nor is it in the local Hugging Face cache); offline models: "

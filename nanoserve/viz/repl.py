@@ -175,7 +175,7 @@ def render_step_result(result):
             name = c.seq_id or out.request_id          # the name every panel uses: r1, r1.1, ...
             line = Text(f"  {name}: ", style="bold")
             token = f"token {c.token_ids[-1]} " if c.token_ids else ""
-            line.append(f"{token}{token_text(c.delta)}", style="cyan")
+            line.append(f"{token}{token_text(c.delta, c.finish_reason == 'stop')}", style="cyan")
             if c.finish_reason:
                 line.append(f"  finished: {c.finish_reason}" + (f" ({c.error})" if c.error else ""), style="magenta")
             lines.append(line)

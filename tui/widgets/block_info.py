@@ -61,14 +61,23 @@ def describe_block(state: ViewState, block_id: int, rank=None) -> Text:
     return text
 
 
-def legend(state: ViewState | None) -> Text:
-    """The colour key; "cached" only when the engine has a prefix cache."""
-    parts = [("  ", Style.parse(f"on {FREE}")), " free  ", ("  ", Style.parse(f"on {SHARED}")), " shared  "]
-    if state is not None and state.prefix_caching:
-        parts += [("  ", Style.parse(f"on {CACHED}")), " cached  "]
-    parts += [("  ", Style.parse("on #61afef")), ("  ", Style.parse("on #98c379")), " per request  ",
-              ("underlined", Style.parse("bold underline")), " = this step"]
-    return Text.assemble(*parts)
+def legend(state: ViewState | None, width: int | None = None) -> Text:
+    """The colour key; "cached" only when the engine has a prefix cache. With `width` (cells), the widest
+    of its forms that fits: whole, then with shorter words, then the colours' names alone."""
+    cached = state is not None and state.prefix_caching
+    forms = []
+    for cell, gap, request, step in (("  ", "  ", " per request  ", " = this step"),
+                                     ("  ", " ", " request ", "=this step"), ("  ", " ", " request", None),
+                                     (" ", " ", " request", None)):
+        parts = [(cell, Style.parse(f"on {FREE}")), f" free{gap}", (cell, Style.parse(f"on {SHARED}")),
+                 f" shared{gap}"]
+        if cached:
+            parts += [(cell, Style.parse(f"on {CACHED}")), f" cached{gap}"]
+        parts += [(cell, Style.parse("on #61afef")), (cell, Style.parse("on #98c379")), request]
+        if step is not None:
+            parts += [("underlined", Style.parse("bold underline")), step]
+        forms.append(Text.assemble(*parts))
+    return next((f for f in forms if width is None or f.cell_len <= width), forms[-1])
 
 
 def cpu_strip(state: ViewState, colours: dict[str, str], width: int) -> Text:

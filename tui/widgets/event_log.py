@@ -38,8 +38,9 @@ def _ids(ids) -> str:
     return "[" + " ".join(map(str, ids)) + "]"
 
 
-def describe(e: ev.Event) -> str:
-    """One line of detail for an event (everything but its type and timings)."""
+def describe(e: ev.Event, ends: bool = False) -> str:
+    """One line of detail for an event (everything but its type and timings); `ends`: this TokenSampled is
+    the last token of a sequence the step stopped ("stop"), so a token without text is its EOS."""
     match e:
         case ev.EngineSynced():
             return f"{e.model}: {e.num_blocks} blocks × {e.block_size} tokens, {len(e.sequences)} requests"
@@ -63,7 +64,7 @@ def describe(e: ev.Event) -> str:
                 return f"{e.seq_id} (swap): its KV moves to the CPU pool"
             return f"{e.seq_id} ({e.mode}): {e.num_tokens_lost} tokens of KV to compute again"
         case ev.TokenSampled():
-            return f"{e.seq_id} token {e.token_id} {token_text(e.text)} logprob {e.logprob:.2f}"
+            return f"{e.seq_id} token {e.token_id} {token_text(e.text, ends)} logprob {e.logprob:.2f}"
         case ev.TokenConstrained():
             if e.forced:
                 return f"{e.seq_id} grammar allowed only token {e.token_id}: forced, the model had no say"
@@ -124,10 +125,12 @@ def describe(e: ev.Event) -> str:
 def event_lines(events, width: int) -> list[Strip]:
     """Each event: its type (coloured), then its details wrapped under the details column."""
     lines: list[Strip] = []
-    for e in events[:MAX_EVENTS]:
+    stopped = {e.seq_id for e in events if isinstance(e, ev.SequenceFinished) and e.finish_reason == "stop"}
+    last = {e.seq_id: i for i, e in enumerate(events) if isinstance(e, ev.TokenSampled) and e.seq_id in stopped}
+    for i, e in enumerate(events[:MAX_EVENTS]):
         name = type(e).__name__
         first = [Segment(f"{name:<{NAME_WIDTH - 1}} ", STYLES.get(name))]
-        words = describe(e).split(" ")
+        words = describe(e, last.get(getattr(e, "seq_id", None)) == i).split(" ")
         pieces = [([Segment(w if i == 0 else " " + w)], len(w) + (i > 0)) for i, w in enumerate(words)]
         lines += wrap(pieces, max(width, NAME_WIDTH + 10), first, NAME_WIDTH)
     if len(events) > MAX_EVENTS:

@@ -315,13 +315,13 @@ class PoolPanel(Vertical):
             self.query_one("#block-info", Static).update(HINT if self.size.width >= 70 else SHORT_HINT)
 
     def _show_legend(self) -> None:
-        """The colour key in the bottom border, when it fits whole (under 130 columns it does not)."""
+        """The colour key in the bottom border: the widest form that fits (shorter words on a narrow screen)."""
         if self.state is None:
             return
-        key = legend(self.state)
+        key = legend(self.state, self.size.width - 4)
         fits = key.cell_len + 4 <= self.size.width
-        if (self.state.prefix_caching, fits) != getattr(self, "_legend_for", None):   # changes with the engine
-            self._legend_for = (self.state.prefix_caching, fits)
+        if (self.state.prefix_caching, key.plain, fits) != getattr(self, "_legend_for", None):   # engine, width
+            self._legend_for = (self.state.prefix_caching, key.plain, fits)
             self.border_subtitle = key if fits else None
 
     def _show_cpu(self) -> None:

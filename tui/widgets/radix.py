@@ -42,7 +42,7 @@ def node_label(state: ViewState, node: RadixNodeView, lock: int, room: int | Non
     characters), then the step goes, then the block list is cut short, then left out.
     """
     mark = HIT if node.node_id in state.hit_nodes else NEW if node.node_id in state.inserted_nodes else None
-    status = f" lock {lock}" if lock else " free"
+    status = f" lock {lock}" if lock else " evictable"   # (not "free": its blocks hold cached K/V)
     blocks, step = f" [{' '.join(map(str, node.block_ids))}]", f" @{node.last_access}"
     limit = SPAN
     if room is not None:
