@@ -113,6 +113,7 @@ def lab_start(args) -> int:
 
 def lab_check(args) -> int:
     from nanoserve.labs import get_lab
+    from nanoserve_labkit.blanks import identical
     from nanoserve_labkit.report import print_results
     from nanoserve_labkit.run import run_checks
 
@@ -127,12 +128,20 @@ def lab_check(args) -> int:
             print(r.to_json())
     else:
         print_results(lab.name, str(path), results)
+        print_identical(identical(lab, path))
         if all(r.passed for r in results):
             print_why(lab)
     return 0 if all(r.passed for r in results) else 1
 
 
 PASS_MEANS = "every rule of the lab holds on these checks"
+
+
+def print_identical(qualnames: list[str]) -> None:
+    """The flag for bodies copied from the engine (graded all the same; `lab grade` puts it in the CSV)."""
+    if qualnames:
+        print(f"nanoserve: flagged: identical to the engine's code: {', '.join(qualnames)} (your teacher's grade "
+              "sheet shows this flag; write these bodies in your own way)")
 
 
 def print_why(lab) -> None:
@@ -155,6 +164,7 @@ def lab_grade(args) -> int:
     from rich.progress import track
 
     from nanoserve.labs import get_lab
+    from nanoserve_labkit.blanks import identical
     from nanoserve_labkit.report import grade_rows, grade_table, write_csv
     from nanoserve_labkit.run import run_checks
 
@@ -169,10 +179,12 @@ def lab_grade(args) -> int:
     _check_limit(args.time_limit)
     results = {str(p.relative_to(folder)): run_checks(lab, p, args.time_limit)
                for p in track(files, description=f"checking {len(files)} files", console=console)}
-    rows = grade_rows(lab, results)
+    same = {name: identical(lab, folder / name) for name in results}   # bodies copied from the engine
+    rows = grade_rows(lab, results, same)
     out = Path(args.csv) if args.csv else folder / "grades.csv"
     write_csv(rows, out)
     Console().print(grade_table(lab, rows))
     print(f"nanoserve: wrote {out}. A submission that passes all {len(lab.checks)} checks: {PASS_MEANS} "
-          "(behaviour, not authorship: see the teacher's page)")
+          "(only the student's code ran; a copy of the engine's is flagged in the column `identical`: see the "
+          "teacher's page)")
     return 0

@@ -43,7 +43,7 @@ CTYPES_EVENTS = frozenset({"ctypes.dlopen", "ctypes.dlsym", "ctypes.dlsym/handle
 GC_EVENTS = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents"})
 CODE_EVENTS = frozenset({"compile", "exec", "marshal.loads", "code.__new__"})
 FILE_EVENTS = frozenset({"open", "os.link", "os.symlink", "os.rename"})
-REFUSED_IMPORTS = frozenset({"_posixsubprocess", "_ctypes"})
+REFUSED_IMPORTS = frozenset({"_posixsubprocess"})
 
 
 def lock(w: Withheld, path: str | Path) -> None:

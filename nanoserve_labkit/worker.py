@@ -48,6 +48,8 @@ def main(argv: list[str]) -> int:
     limit(cpu_s)
     # Triton on a CPU runs under its interpreter, which must be on before triton is first imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch  # noqa: F401 -- loaded before guard.py's audit hook, which refuses the C library loads it makes
+
     from nanoserve_labkit import blanks
     withheld = None
     for name in argv[3:]:       # first: the lab's module, blanked (before anything imports it)

@@ -58,8 +58,10 @@ def _chunks_of(planning) -> list[tuple]:
     return [(c.seq.seq_id, c.num_tokens, c.is_prefill, list(c.draft_token_ids)) for c in planning.plan.chunks]
 
 
-CHUNK_HINT = ("_chunk_size: the tokens not yet computed (nor cached) = num_tokens - max(num_cached, "
-              "num_computed_tokens); more than the budget: the budget with chunked prefill, else 0 (wait)")
+CHUNK_HINT = ('_chunk_size: which tokens of this sequence still need their KV computed this step? KV already '
+              'computed and a prefix the cache supplies both count as done, and the two can overlap (counting '
+              'both would count some tokens twice). When what is left is more than the budget, what does '
+              'enable_chunked_prefill allow: a part now, or waiting for a step with room?')
 
 
 def chunk_size(ctx: Context) -> None:
@@ -80,9 +82,10 @@ def chunk_size(ctx: Context) -> None:
                    f"expected {want}", CHUNK_HINT)
 
 
-RUNNING_HINT = ("_schedule_running: decodes (1 uncomputed token) first, then prefills, in admission order; while "
-                "budget is left: skip one that is no longer RUNNING; num_new = min(uncomputed + drafts, budget); "
-                "keep the drafts that fit; if self._reserve(...) gives blocks, add the chunk and subtract num_new")
+RUNNING_HINT = ('_schedule_running: compare your plan with the expected one. Which kind of sequence goes first, '
+                'so that a long prefill never starves the decodes? For each: how many tokens fit in what is left '
+                'of the budget (drafts too, and only those that fit)? What must succeed before a chunk is '
+                'planned, and what changes after?')
 
 
 def schedule_running(ctx: Context) -> None:
