@@ -304,7 +304,8 @@ LAB = Lab(
               "share checks every id (inside the pool, not free) before adding one holder to each", 30,
               function="BlockPool.share"),
         Check("real engine: same tokens, invariants every step", engine_runs,
-              "run the engine with your pool in a REPL and call engine.check_invariants() after each step", 240),
+              "free (the order blocks come back) and allocate (which blocks go out) pass their own rows yet meet here in the "
+              "engine's order of calls: run the engine with your pool in a REPL, engine.check_invariants() after each step", 240),
     ),
     why=(
         ("Why is the free queue a queue (allocate from the head, free to the tail) and not a stack?",

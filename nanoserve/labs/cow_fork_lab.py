@@ -304,13 +304,15 @@ LAB = Lab(
               function="KVManager.copy_on_write"),
         Check("KVManager.fork: shares every block, its own table", fork, FORK_HINT, 30, function="KVManager.fork"),
         Check("real engine: a fork shares every block", fork_shares,
-              "fork shares the parent's blocks: same ids, ref count + 1, its own list", 60),
+              "fork: the child shares its parent's blocks (the same ids, one more holder each) in a list of its own", 60),
         Check("real engine: first write into a shared partial block copies it", cow_partial,
-              "copy-on-write the partly filled last block before either sequence writes into it", 60),
+              "copy_on_write (and _shared_write_block, which finds the block): the partly filled block both share must "
+              "be copied before either sequence writes into it", 60),
         Check("real engine: a fork at a block boundary copies nothing", cow_boundary,
-              "only a partly filled block needs a copy", 60),
+              "_shared_write_block: a block that is full is never written again; which block does the next token open?", 60),
         Check("real engine: n > 1 and forks, same tokens", engine_runs,
-              "run the engine with your KV manager; fork a request after a few steps and watch CowCopied", 240),
+              "copy_on_write or _shared_write_block: a fork read a block its sibling wrote (a missed copy), or a copy the "
+              "runner never filled; watch CowCopied in `nanoserve tui --lab cow-fork=FILE`", 240),
     ),
     why=(
         ("Why is only the partly filled last block ever copied, never a full one?",

@@ -357,11 +357,12 @@ LAB = Lab(
         Check("Scheduler._reserve: blocks, victims, or a failure", reserve, RESERVE_HINT, 60,
               function="Scheduler._reserve"),
         Check("real engine: a lone request too big for the pool ends, with an error", lone_too_big,
-              "a sequence that cannot fit even alone in the pool must be failed, not retried", 120),
+              "_reserve: a sequence that cannot fit even alone in the pool must be failed, not retried", 120),
         Check("real engine: the newest is preempted, never one in this step's batch", newest, VICTIM_HINT, 180),
         Check("real engine: victims by priority and by shortest remaining", policies, VICTIM_HINT, 240),
         Check("real engine: swap mode, KV to the CPU pool and back", swap,
-              "with preemption_mode='swap' the victim's KV moves to the CPU pool", 180),
+              "_preempt (the mode) or _victim (whom): with preemption_mode='swap' the victim's KV moves to the "
+              "CPU pool", 180),
     ),
     why=(
         ("Why preempt the newest request by default, and not the one holding the most blocks?",

@@ -350,7 +350,8 @@ LAB = Lab(
         Check("RadixCache.evict: least recently used unlocked leaves", evict, EVICT_HINT, 60,
               function="RadixCache.evict"),
         Check("real engine: same tokens and hits, with eviction", engine_runs,
-              "run the engine with your cache; every node must stay under the key of its first block "
+              "insert and evict meet here: every node must stay under the key of its first block, and a locked node "
+              "stays; run the engine with your cache "
               "(engine.check_invariants() after each step says which broke)", 240),
     ),
     why=(

@@ -184,7 +184,8 @@ def budget_respected(ctx: Context) -> None:
     def on_step(engine, result, before):
         n = sum(c.num_tokens for c in _chunks(result))
         expect(n <= BUDGET, f"step {result.stats.step} computed {n} tokens with max_num_batched_tokens={BUDGET}",
-               "cut every chunk to the budget that is left (min(tokens to compute, budget)) and subtract it")
+               "_schedule_running (or _chunk_size): no chunk may be larger than the budget that is left, and what is "
+               "planned must come off that budget")
     run_engine(ctx, ctx.components(), _mixed(), {"max_num_batched_tokens": BUDGET, "num_blocks": 32},
                on_step=on_step)
 
@@ -231,8 +232,8 @@ def whole_prompts(ctx: Context) -> None:
                 expect(c.num_tokens == left[c.seq_id],
                        f"step {result.stats.step}: {c.seq_id} computed {c.num_tokens} of its {left[c.seq_id]} "
                        "prompt tokens with enable_chunked_prefill=False",
-                       "without chunked prefill a prompt runs whole: if it does not fit in the budget left, "
-                       "_chunk_size returns 0 and it waits for a step with room")
+                       "_chunk_size: without chunked prefill a prompt runs whole or not at all; what happens to one "
+                       "that does not fit in the budget left?")
     reqs = [("a", prompts(1, 12, seed=1)[0], _params(4)), ("b", prompts(1, 12, seed=4)[0], _params(4))]
     run_engine(ctx, ctx.components(), reqs, {"max_num_batched_tokens": 20, "num_blocks": 32,
                                                "enable_chunked_prefill": False}, on_step=on_step)
@@ -282,14 +283,15 @@ LAB = Lab(
         Check("Scheduler._schedule_running: decodes first, within the budget", schedule_running, RUNNING_HINT, 60,
               function="Scheduler._schedule_running"),
         Check("real engine: never more tokens than the budget", budget_respected,
-              "cut every chunk to the budget that is left", 120),
-        Check("real engine: decodes first", decodes_first, "schedule decodes before prefill chunks", 120),
+              "_schedule_running or _chunk_size: no step may plan more tokens than the budget", 120),
+        Check("real engine: decodes first", decodes_first, "_schedule_running: which kind of sequence goes first?", 120),
         Check("real engine: chunked prefill splits a long prompt", chunked_prefill,
-              "with chunked prefill, a prompt longer than the budget is cut to the budget each step", 120),
+              "_chunk_size: with chunked prefill, how much of a prompt longer than the budget runs each step?", 120),
         Check("real engine: without chunked prefill prompts run whole", whole_prompts,
-              "without chunked prefill a prompt that does not fit waits for a step with room", 120),
+              "_chunk_size: without chunked prefill, a prompt runs whole or waits", 120),
         Check("real engine: same tokens (with speculation, small pool)", engine_runs,
-              "run the engine with your scheduler and compare its StepResult.stats with the engine's own", 240),
+              "_schedule_running (the drafts that fit) or _chunk_size (cached tokens): compare your "
+              "StepResult.stats with the engine's own", 240),
     ),
     why=(
         ("Why do decodes go before prefill chunks?",
