@@ -71,6 +71,7 @@ def test_check_exit_code_table_and_why(tmp_path, capsys):
     assert main(["lab", "check", "block-pool", str(good)]) == 0
     out = capsys.readouterr().out
     assert f"{n}/{n} checks pass" in out and "every rule of the lab holds on these checks" in out
+    assert "flagged: identical to the engine's code" in out     # the engine's own module, copied
     for question, answer in lab.why:             # the questions, not the answers (those are on the page, folded)
         assert question in out and answer not in out
     bad = write(tmp_path / "bad.py", "def broken(:\n")
