@@ -293,6 +293,11 @@ def install(module: str, qualnames) -> Withheld:
     return finder.withheld
 
 
+def classes(lab) -> frozenset[tuple[str, str]]:
+    """(module, class) of each class the student writes methods of: the checker never hands one to the worker."""
+    return frozenset((lab.module, q.split(".")[0]) for q in lab.blanks if "." in q)
+
+
 def spec_arg(lab) -> str:
     """The worker's argument that names what to withhold: `withhold:MODULE:QUAL,QUAL`."""
     return f"withhold:{lab.module}:{','.join(lab.blanks)}"

@@ -104,6 +104,7 @@ class Session:
                 self.stop()
                 raise LoadFailed(Status.FAIL, "the lab's worker process did not start")
         self.ep.budget_s = None if self.loopback else limit_s
+        self.ep.withheld_types = blanks.classes(self.lab)      # the engine's own of what the student writes
         try:
             module = self.ep.request({"op": "load", "path": str(self.path), "blanks": list(self.lab.blanks)})
         except Deadline:

@@ -137,3 +137,21 @@ def test_the_blanked_copy_keeps_lines_and_withholds_bodies():
     assert f"the engine's own `{BLANK_BODY}` is not available here" in source
     with pytest.raises(ValueError, match="no"):
         blank_source(GOOD, ["BlockPool.nothing"])
+
+
+def test_the_checker_never_hands_over_the_engines_own_of_the_class_being_written():
+    """A check's objects may lead to an engine object of the class the student writes (the cow-fork lab's
+    KVManager): the channel refuses a handle to it, as to a module or a function."""
+    from nanoserve.block_pool import BlockPool
+    from nanoserve.kv_manager import KVManager
+    from nanoserve_labkit.blanks import classes
+    from nanoserve_labkit.remote import Loopback, Refused
+
+    pool = BlockPool(4, 4)
+    kv = KVManager(pool, None, None, lambda e: None)
+    assert Loopback().parent.encode(kv, guard=True)["T"] == "ref"      # another lab: a part it is handed
+    pair = Loopback()
+    pair.parent.withheld_types = classes(get_lab("cow-fork"))
+    with pytest.raises(Refused):
+        pair.parent.encode(kv, guard=True)
+    assert pair.parent.encode(pool, guard=True)["T"] == "ref"          # the pool is still the engine's to lend
