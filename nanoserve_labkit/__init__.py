@@ -15,6 +15,8 @@ student never needs to read it; a lab author reads `mutate.py`. Modules:
     wire.py       the channel's frames (length-prefixed JSON, never a pickle) and tensor codecs
     sandbox.py    the worker's process: own session, scratch folder, guardian that kills what it started
     worker.py     the worker: imports the student's file, answers the checker's requests
+    blanks.py     the lab's engine module with the student's bodies withheld; copies of them, found and flagged
+    guard.py      the worker's audit hook: the roads around the withheld bodies, closed while a check runs
     report.py     the results table, `lab grade`'s table and CSV
     mutate.py     mutants of a lab's solution, to test the checks (benchmarks/lab_mutation.py runs them)
 """
