@@ -276,7 +276,7 @@ class BlankingFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module) -> None:
         w = self.withheld
         linecache.cache[w.filename] = (len(w.source), None, w.source.splitlines(True), w.filename)
-        module.__file__ = w.origin
+        module.__file__ = w.filename           # (inspect.getsource(module) reads the copy, from linecache)
         exec(compile(w.source, w.filename, "exec"), module.__dict__)
 
     def get_source(self, fullname):

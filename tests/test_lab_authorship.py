@@ -55,6 +55,7 @@ ROUTES = {
     "delegates_to_the_engine": delegating("from nanoserve import block_pool as engine\n"
                                           "return engine.BlockPool.allocate(self, n)"),
     "exec_of_the_source": f"exec(open({ORIGIN!r}).read())\n",
+    "getsource_of_the_module": "import inspect\nimport nanoserve.block_pool as _m\nexec(inspect.getsource(_m))\n",
     "runpy": f"import runpy\nglobals().update(runpy.run_path({ORIGIN!r}))\n",
     "another_name_on_sys_path": f"import sys\nsys.path.insert(0, {str(ORIGIN.rsplit('/', 1)[0])!r})\n"
                                 "from block_pool import *\n",
