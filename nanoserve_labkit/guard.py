@@ -49,7 +49,12 @@ REFUSED_IMPORTS = frozenset({"_posixsubprocess"})
 def lock(w: Withheld, path: str | Path) -> None:
     """Install the hook for the student's file at `path` (once per worker; it stays until the process ends)."""
     student = Path(path).resolve()
-    source = student.read_text()
+    try:
+        source = student.read_text()
+        st = os.stat(student)
+        mine = (st.st_dev, st.st_ino)
+    except (OSError, UnicodeDecodeError):       # (the import that follows says what is wrong with the file)
+        source, mine = "", None
     try:
         tree = ast.parse(source)
         own_bodies = frozenset(body_prints(tree))
@@ -70,8 +75,6 @@ def lock(w: Withheld, path: str | Path) -> None:
     names = frozenset({stem + ".py"})
     pyc_prefix = stem + "."
     proc_dev = os.stat("/proc").st_dev if os.path.isdir("/proc") else -1
-    st = os.stat(student)
-    mine = (st.st_dev, st.st_ino)
     protected.discard(mine)
     protected = frozenset(protected)
     _posixsubprocess = sys.modules.get("_posixsubprocess")
@@ -112,7 +115,7 @@ def _make_hook(message, protected, names, pyc_prefix, mine, proc_dev, bodies, co
             key = (st.st_dev, st.st_ino)
         except (OSError, ValueError):
             st, key = None, None
-        if key == mine:
+        if key is not None and key == mine:
             return False
         if key is not None and key in protected:
             return True
