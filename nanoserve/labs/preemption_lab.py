@@ -340,8 +340,9 @@ LAB = Lab(
                              "shortest_remaining = the most tokens still to generate, ties the newest.",
         "Scheduler._preempt": "`seq` leaves running and joins plan.preempted. In swap mode, when it has blocks "
                               "and they fit in the CPU pool: its KV moves there (self.kv.swap_out), status "
-                              "SWAPPED, at the end of self.swapped. Else: its blocks are released, nothing is "
-                              "computed, status WAITING, at the FRONT of self.waiting. Its tokens are kept; "
+                              "SWAPPED, at the end of self.swapped. Else: its blocks are released (the KV of its "
+                              "full blocks stays in the prefix cache: it is valid), nothing is computed, status "
+                              "WAITING, at the FRONT of self.waiting. Its tokens are kept; "
                               "Preempted is emitted with the mode and the tokens of KV lost.",
     },
     invariants="A running sequence holds blocks for every token it has KV for; a waiting one holds none and has "
