@@ -18,6 +18,8 @@ student never needs to read it; a lab author reads `mutate.py`. Modules:
     grade.py      `lab grade`: each submission in its own copy, checked by its own checker process
     integrity.py  the checker's own code: the installed files against their RECORD, the import path watched
     worker.py     the worker: imports the student's file, answers the checker's requests
+    blanks.py     the lab's engine module with the student's bodies withheld; copies of them, found and flagged
+    guard.py      the worker's audit hook: the roads around the withheld bodies, closed while a check runs
     report.py     the results table, `lab grade`'s table and CSV
     mutate.py     mutants of a lab's solution, to test the checks (benchmarks/lab_mutation.py runs them)
 """

@@ -68,6 +68,7 @@ class Codec:
     handles: dict
     proxies: dict
     method_names: set
+    withheld_types: frozenset
 
     def export(self, obj) -> int:
         key = id(obj)
@@ -135,7 +136,11 @@ class Codec:
         return {"T": "ref", "h": self.export(v), "k": kind, "t": f"{t.__module__}:{t.__qualname__}"}
 
     def _may_share(self, v) -> bool:
-        return id(v) in self.handles or allowed_type(v)
+        """Whether the worker may get a handle to `v`: one the parent handed over, or an allowed engine type
+        that is not the class the student is writing (the engine's own would answer for them)."""
+        t = type(v)
+        withheld = (t.__module__, t.__qualname__) in self.withheld_types
+        return id(v) in self.handles or (allowed_type(v) and not withheld)
 
     def decode(self, v):
         if v is None or isinstance(v, (bool, int, float, str)):

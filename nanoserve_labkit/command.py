@@ -118,6 +118,7 @@ def lab_start(args) -> int:
 
 def lab_check(args) -> int:
     from nanoserve.labs import get_lab
+    from nanoserve_labkit.blanks import identical
     from nanoserve_labkit.confine import landlock_abi
     from nanoserve_labkit.integrity import ImportPathWatch, check_installed
     from nanoserve_labkit.report import print_results
@@ -140,12 +141,20 @@ def lab_check(args) -> int:
             print(r.to_json())
     else:
         print_results(lab.name, str(path), results)
+        print_identical(identical(lab, path))
         if all(r.passed for r in results):
             print_why(lab)
     return 0 if all(r.passed for r in results) else 1
 
 
 PASS_MEANS = "every rule of the lab holds on these checks"
+
+
+def print_identical(qualnames: list[str]) -> None:
+    """The flag for bodies copied from the engine (graded all the same; `lab grade` puts it in the CSV)."""
+    if qualnames:
+        print(f"nanoserve: flagged: identical to the engine's code: {', '.join(qualnames)} (your teacher's grade "
+              "sheet shows this flag; write these bodies in your own way)")
 
 
 def print_why(lab) -> None:
@@ -168,6 +177,7 @@ def lab_grade(args) -> int:
     from rich.progress import track
 
     from nanoserve.labs import get_lab
+    from nanoserve_labkit.blanks import identical
     from nanoserve_labkit.confine import describe
     from nanoserve_labkit.grade import grade, read_submissions
     from nanoserve_labkit.integrity import check_installed
@@ -186,11 +196,14 @@ def lab_grade(args) -> int:
     console.print(f"nanoserve: on this machine, {describe()}", highlight=False, markup=False)
     graded = grade(lab, submissions, args.time_limit,
                    progress=lambda names: track(names, description=f"checking {len(names)} files", console=console))
-    rows = grade_rows(lab, {name: g.results for name, g in graded.items()},
+    same = {name: identical(lab, source=data.decode("utf-8", "replace"))   # bodies copied from the engine
+            for name, data in submissions.items()}
+    rows = grade_rows(lab, {name: g.results for name, g in graded.items()}, same,
                       {name: g.verdict for name, g in graded.items()})
     out = Path(args.csv) if args.csv else folder / "grades.csv"
     write_csv(rows, out)
     Console().print(grade_table(lab, rows))
     print(f"nanoserve: wrote {out}. A submission that passes all {len(lab.checks)} checks: {PASS_MEANS} "
-          "(behaviour, not authorship: see the teacher's page)")
+          "(only the student's code ran; a copy of the engine's is flagged in the column `identical`: see the "
+          "teacher's page)")
     return 0

@@ -64,6 +64,7 @@ class Endpoint(Codec):
         self.budget_s: float | None = None        # time the other side may take in our requests (parent)
         self._started = 0.0
         self.serve_ops: dict[str, object] = {}    # extra ops this side serves ("load", "helper", ...)
+        self.withheld_types: frozenset = frozenset()   # (module, class) never handed to the worker (the parent)
 
     # -- requests -----------------------------------------------------------------------------
 

@@ -35,12 +35,15 @@ def print_results(lab_name: str, path: str, results: list[CheckResult], console:
     (console or Console()).print(results_table(lab_name, path, results))
 
 
-def grade_rows(lab, submissions: dict[str, list[CheckResult]], verdicts: dict[str, str] | None = None) -> list[dict]:
-    """One row per submission: file, passed, total, then pass/fail/timeout for every check, then how its
-    checking ended ("checked", or "stopped its checker (SIGKILL)" and the like: grade.py)."""
+def grade_rows(lab, submissions: dict[str, list[CheckResult]], identical: dict[str, list[str]] | None = None,
+               verdicts: dict[str, str] | None = None) -> list[dict]:
+    """One row per submission: file, passed, total, the blanks whose bodies are identical to the engine's
+    (`blanks.identical`, space-separated), then pass/fail/timeout for every check, then how its checking
+    ended ("checked", or "stopped its checker (SIGKILL)" and the like: grade.py)."""
     rows = []
     for name, results in submissions.items():
-        row = {"submission": name, "passed": sum(r.passed for r in results), "total": len(results)}
+        row = {"submission": name, "passed": sum(r.passed for r in results), "total": len(results),
+               "identical": " ".join((identical or {}).get(name, []))}
         row.update({c.name: r.status.value for c, r in zip(lab.checks, results)})
         row["verdict"] = (verdicts or {}).get(name, "checked")
         rows.append(row)
@@ -58,13 +61,15 @@ def grade_table(lab, rows: list[dict]) -> Table:
     table = Table(title=f"lab {lab.name}: {len(rows)} submissions", show_lines=False)
     table.add_column("submission")
     table.add_column("passed", justify="right")
+    table.add_column("identical")
     for i, _ in enumerate(lab.checks, 1):
         table.add_column(str(i), justify="center")
     for row in rows:
         marks = [MARK[Status(row[c.name])].replace("pass", "✓").replace("fail", "✗").replace("timeout", "⏱")
                  .replace("not run", "·")
                  for c in lab.checks]
-        table.add_row(row["submission"], f"{row['passed']}/{row['total']}", *marks)
+        table.add_row(row["submission"], f"{row['passed']}/{row['total']}", "copied" if row["identical"] else "",
+                      *marks)
     table.caption = "  ".join(f"{i}: {c.name}" for i, c in enumerate(lab.checks, 1))
     for row in rows:
         if row.get("verdict", "checked") != "checked":

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from nanoserve.labs.lab import CheckFailed, Context, Lab
 from nanoserve.labs.load import invariant_text, where
-from nanoserve_labkit import wire
+from nanoserve_labkit import blanks, wire
 from nanoserve_labkit.confine import undumpable
 from nanoserve_labkit.remote import Endpoint, Loopback, Proxy
 from nanoserve_labkit.sandbox import WorkerProcess
@@ -94,8 +94,8 @@ class Session:
         else:
             if self.confine != "none":     # our /proc/PID/{fd,environ,mem} closed to the worker (confine.py)
                 undumpable()
-            self.process = WorkerProcess([self.lab.module, *self.lab.worker_imports], cpu_s=self.cpu_s,
-                                         confine=self.confine)
+            self.process = WorkerProcess([blanks.spec_arg(self.lab), self.lab.module, *self.lab.worker_imports],
+                                         cpu_s=self.cpu_s, confine=self.confine)
             read_fd, write_fd = self.process.start()
             self.ep = Endpoint(send=lambda m: wire.send(write_fd, m),
                                recv=lambda deadline: wire.recv(read_fd, deadline), strict=True)
@@ -109,8 +109,9 @@ class Session:
                 self.stop()
                 raise LoadFailed(Status.FAIL, "the lab's worker process did not start")
         self.ep.budget_s = None if self.loopback else limit_s
+        self.ep.withheld_types = blanks.classes(self.lab)      # the engine's own of what the student writes
         try:
-            module = self.ep.request({"op": "load", "path": str(self.path)})
+            module = self.ep.request({"op": "load", "path": str(self.path), "blanks": list(self.lab.blanks)})
         except Deadline:
             self.stop()
             raise LoadFailed(Status.TIMEOUT, f"importing {self.path.name} did not finish within {limit_s:g} s "
@@ -192,7 +193,9 @@ def run_checks(lab: Lab, path: str | Path, time_limit_s: float | None = None, fa
                 load_failed = exc
                 hint = ("a file that does not import cannot be checked: fix it so that `python FILE` runs"
                         if exc.status is Status.FAIL else "run `python FILE`: it should return at once")
-                results.append(CheckResult(check.name, exc.status, str(exc), hint, check.function))
+                text = blanks.verdict(str(exc))
+                results.append(CheckResult(check.name, exc.status, text or str(exc), blanks.HINT if text else hint,
+                                           check.function))
                 continue
             ctx = Context(lab, module, str(session.path), _models, session.helper)
             results.append(_run_one(ctx, check, session, limit, loopback))
@@ -228,13 +231,8 @@ def _run_one(ctx: Context, check, session: Session, limit: float, loopback: bool
         return CheckResult(check.name, Status.FAIL, "the worker process ended during this check, or wrote something "
                            f"else on the lab's channel ({exc}): sys.exit, os._exit, a crash?", check.hint,
                            check.function)
-    except CheckFailed as exc:
-        return CheckResult(check.name, Status.FAIL, " ".join(str(exc).split()), exc.hint or check.hint, check.function)
-    except AssertionError as exc:   # the engine's invariant checks, or the student's own assert
-        return CheckResult(check.name, Status.FAIL, f"invariant broken: {invariant_text(exc)}", check.hint,
-                           check.function)
-    except Exception as exc:       # noqa: BLE001 -- the student's code raised: one line naming file and line
-        return CheckResult(check.name, Status.FAIL, where(exc, ctx.path), check.hint, check.function)
+    except Exception as exc:       # noqa: BLE001 -- every failure is a row
+        return _failed(ctx, check, exc)
     finally:
         if alarm:
             signal.setitimer(signal.ITIMER_REAL, 0)
@@ -242,3 +240,18 @@ def _run_one(ctx: Context, check, session: Session, limit: float, loopback: bool
         if session.ep is not None:
             session.ep.budget_s = None
     return CheckResult(check.name, Status.PASS, function=check.function)
+
+
+def _failed(ctx: Context, check, exc: BaseException) -> CheckResult:
+    """The row of a check that failed with `exc`: first, whether the student's code reached for the engine's
+    own (blanks.py, guard.py); else the check's words, the engine's invariant, or the student's raise (one
+    line naming file and line)."""
+    text = blanks.verdict(exc)
+    if text is not None:
+        return CheckResult(check.name, Status.FAIL, text, blanks.HINT, check.function)
+    if isinstance(exc, CheckFailed):
+        return CheckResult(check.name, Status.FAIL, " ".join(str(exc).split()), exc.hint or check.hint, check.function)
+    if isinstance(exc, AssertionError):     # the engine's invariant checks, or the student's own assert
+        return CheckResult(check.name, Status.FAIL, f"invariant broken: {invariant_text(exc)}", check.hint,
+                           check.function)
+    return CheckResult(check.name, Status.FAIL, where(exc, ctx.path), check.hint, check.function)

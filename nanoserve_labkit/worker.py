@@ -1,8 +1,10 @@
 """The process that holds a student's code: `python -m nanoserve_labkit.worker READ_FD WRITE_FD CPU_S MODULE...`.
 
 It is started by `sandbox.py` (in its own session, in a scratch folder, with
-resource limits), imports the engine modules the lab needs, then answers the
-checker's requests on the channel (`remote.py`) until the channel closes:
+resource limits), imports the engine modules the lab needs (the one the
+student rewrites with those bodies withheld: `blanks.py`), then answers the
+checker's requests on the channel (`remote.py`) until the channel closes
+(the student's file is imported under `guard.py`'s audit hook):
 
     load PATH      import the student's file; a handle to the module (or LoadError, one line)
     helper F ARGS  run a lab's helper here, next to the student's code (the Triton lab builds
@@ -46,13 +48,22 @@ def main(argv: list[str]) -> int:
     limit(cpu_s)
     # Triton on a CPU runs under its interpreter, which must be on before triton is first imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch  # noqa: F401 -- loaded before guard.py's audit hook, which refuses the C library loads it makes
+
+    from nanoserve_labkit import blanks
+    withheld = None
+    for name in argv[3:]:       # first: the lab's module, blanked (before anything imports it)
+        spec = blanks.parse_spec_arg(name)
+        if spec is not None:
+            withheld = blanks.install(*spec)
     for name in ["nanoserve.labs.starter", *argv[3:]]:   # the engine's modules: imported before the student's
-        importlib.import_module(name)
+        if blanks.parse_spec_arg(name) is None:
+            importlib.import_module(name)
     from nanoserve_labkit import wire
     from nanoserve_labkit.remote import Endpoint
 
     ep = Endpoint(send=lambda m: wire.send(write_fd, m), recv=lambda deadline: wire.recv(read_fd, deadline))
-    install(ep)
+    install(ep, withheld)
     wire.send(write_fd, {"ready": os.getpid()})
     while True:
         try:
@@ -62,13 +73,20 @@ def main(argv: list[str]) -> int:
         wire.send(write_fd, ep.serve(message))
 
 
-def install(ep) -> None:
-    """The worker's own requests (load, helper, reset) on endpoint `ep`."""
+def install(ep, withheld=None) -> None:
+    """The worker's own requests (load, helper, reset) on endpoint `ep`; with `withheld` (blanks.py), the
+    student's file is imported under the audit hook of `guard.py`."""
     pinned: dict[int, object] = {}
 
     def load(ep, m):
         from nanoserve.labs.load import load_student
+        from nanoserve_labkit.blanks import own_code
+        if withheld is not None:
+            from nanoserve_labkit.guard import lock
+            lock(withheld, str(m.get("path")))
         module = load_student(str(m.get("path")))
+        if m.get("blanks"):
+            own_code(module, m["blanks"], str(m.get("path")))
         pinned[ep.export(module)] = module
         return module
 

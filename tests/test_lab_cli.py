@@ -16,6 +16,16 @@ from nanoserve.labs import get_lab, lab_names
 from nanoserve_labkit.run import Status, run_in_process
 
 
+def overriding(method: str) -> str:
+    """The engine's block_pool.py (the student's copy) and a BlockPool subclass that rewrites `method`."""
+    return inspect.getsource(block_pool) + "\n\n_Pool = BlockPool\n\n\nclass BlockPool(_Pool):\n" + \
+        textwrap.indent(textwrap.dedent(method), "    ")
+
+
+def line_of(path, text: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
+
+
 def write(path, text):
     path.write_text(textwrap.dedent(text))
     return path
@@ -61,6 +71,7 @@ def test_check_exit_code_table_and_why(tmp_path, capsys):
     assert main(["lab", "check", "block-pool", str(good)]) == 0
     out = capsys.readouterr().out
     assert f"{n}/{n} checks pass" in out and "every rule of the lab holds on these checks" in out
+    assert "flagged: identical to the engine's code" in out     # the engine's own module, copied
     for question, answer in lab.why:             # the questions, not the answers (those are on the page, folded)
         assert question in out and answer not in out
     bad = write(tmp_path / "bad.py", "def broken(:\n")
@@ -70,19 +81,16 @@ def test_check_exit_code_table_and_why(tmp_path, capsys):
 
 
 def test_check_fail_fast_and_json(tmp_path, capsys):
-    path = write(tmp_path / "raises.py", """\
-        from nanoserve.block_pool import Block, FreeBlockQueue
-        from nanoserve.block_pool import BlockPool as _Pool
-
-
-        class BlockPool(_Pool):
-            def allocate(self, n):
-                raise RuntimeError("oops")
-        """)
+    path = tmp_path / "raises.py"
+    path.write_text(overriding("""\
+        def allocate(self, n):
+            raise RuntimeError("oops")
+        """))
     assert main(["lab", "check", "block-pool", str(path), "--fail-fast", "--json"]) == 1
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["status"] for r in rows][:5] == ["pass"] * 4 + ["fail"]
-    assert rows[4]["function"] == "BlockPool.allocate" and rows[4]["detail"] == "raises.py:7 in allocate: RuntimeError: oops"
+    assert rows[4]["function"] == "BlockPool.allocate" and rows[4]["detail"] == \
+        f"raises.py:{line_of(path, 'oops')} in allocate: RuntimeError: oops"
     assert {r["status"] for r in rows[5:]} == {"not run"}
 
 
@@ -105,7 +113,7 @@ def test_import_errors_name_file_and_line(tmp_path):
     results = run_in_process(lab, missing)
     assert all(r.status is Status.FAIL for r in results)
     assert "missing.py does not import: missing.py:3 in <module>: NameError" in results[0].detail
-    no_class = write(tmp_path / "no_class.py", "from nanoserve.block_pool import Block, FreeBlockQueue\n")
+    no_class = write(tmp_path / "no_class.py", inspect.getsource(block_pool).replace("class BlockPool", "class Pool"))
     results = run_in_process(lab, no_class)
     assert results[0].detail == "BlockPool.allocate is missing; BlockPool.share is missing; BlockPool.free is missing"
     pool_rows = [r for r in results[1:] if not r.function.startswith("FreeBlockQueue")]
@@ -114,33 +122,24 @@ def test_import_errors_name_file_and_line(tmp_path):
 
 
 def test_raise_names_the_line_and_other_checks_run(tmp_path):
-    path = write(tmp_path / "raises.py", """\
-        from nanoserve.block_pool import Block, FreeBlockQueue
-        from nanoserve.block_pool import BlockPool as _Pool
-
-
-        class BlockPool(_Pool):
-            def share(self, block_ids):
-                raise RuntimeError("oops")
-        """)
+    path = tmp_path / "raises.py"
+    path.write_text(overriding("""\
+        def share(self, block_ids):
+            raise RuntimeError("oops")
+        """))
     results = {r.function: r for r in run_in_process(get_lab("block-pool"), path)}
-    assert results["BlockPool.share"].detail == "raises.py:7 in share: RuntimeError: oops"
+    assert results["BlockPool.share"].detail == f"raises.py:{line_of(path, 'oops')} in share: RuntimeError: oops"
     assert results["BlockPool.allocate"].passed and results["BlockPool.free"].passed   # the others ran
 
 
 def test_never_returns_is_stopped_and_tampering_stays_in_its_process(tmp_path):
     """A check that loops forever is reported as timed out and the next check still runs; a file that
     rewrites the engine's own classes at import changes nothing for the next submission."""
-    write(tmp_path / "a_loops.py", """\
-        from nanoserve.block_pool import Block, FreeBlockQueue
-        from nanoserve.block_pool import BlockPool as _Pool
-
-
-        class BlockPool(_Pool):
-            def share(self, block_ids):
-                while True:
-                    pass
-        """)
+    (tmp_path / "a_loops.py").write_text(overriding("""\
+        def share(self, block_ids):
+            while True:
+                pass
+        """))
     write(tmp_path / "b_tamper.py", """\
         import nanoserve.block_pool as real
         from nanoserve.block_pool import Block, FreeBlockQueue, BlockPool
@@ -152,6 +151,7 @@ def test_never_returns_is_stopped_and_tampering_stays_in_its_process(tmp_path):
     assert main(["lab", "grade", "block-pool", str(tmp_path), "--time-limit", "10"]) == 0
     rows = {r["submission"]: r for r in csv.DictReader(open(tmp_path / "grades.csv"))}
     assert rows["c_good.py"]["passed"] == str(n)
+    assert set(rows["c_good.py"]["identical"].split()) == set(lab.blanks)      # a copy: graded, and flagged
     assert int(rows["b_tamper.py"]["passed"]) < n
     looped = rows["a_loops.py"]
     name = {c.function: c.name for c in lab.checks}

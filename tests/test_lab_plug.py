@@ -109,3 +109,36 @@ def test_tui_pauses_on_a_step_that_fails_in_the_students_code(tmp_path):
             await pilot.pause(0.2)
             assert notices(app).count("failed in your code") == 1
     drive()
+
+
+def test_tui_pauses_on_the_step_that_leaks(tmp_path):
+    """A pool whose free forgets to queue a block it frees: the run pauses on the step of the leak, one panel
+    saying which invariant broke, instead of running on while blocks are held by nobody."""
+    import inspect
+
+    from test_tui import WIDE, run_async, wait_for
+
+    from nanoserve_tui.app import NanoserveApp
+    from nanoserve_tui.live_source import LiveSource
+
+    path = tmp_path / "leaky_pool.py"
+    source = inspect.getsource(block_pool)
+    assert source.count("                self.free_queue.append(block)\n") == 1
+    path.write_text(source.replace("                self.free_queue.append(block)\n", "                pass\n"))
+    from nanoserve.labs.plug import explain_failure
+    app = NanoserveApp(LiveSource(scenario="memory-pressure", components=components_from([f"block-pool={path}"]),
+                                  explain=explain_failure))
+
+    @run_async
+    async def drive():
+        async with app.run_test(size=WIDE) as pilot:
+            await wait_for(pilot, lambda: app.frame is not None)
+            app.speed = 5
+            await pilot.press("r")
+            await wait_for(pilot, lambda: app.source.lab_failed is not None, timeout=120)
+            await wait_for(pilot, lambda: not app.playing and not app.source._pending_steps)
+            await wait_for(pilot, lambda: app.frame is app.source._frame)
+            panel = str(app.query_one("#lab-error").render())
+            assert app.query_one("#lab-error").display and "broke an invariant: invariant broken" in panel, panel
+            assert app.source.lab_failed == f"step {app.frame.state.step}"     # paused on the step of the leak
+    drive()

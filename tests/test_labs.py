@@ -77,6 +77,47 @@ def test_known_bug_first_failing_row_names_its_function(name, bug, tmp_path):
     assert bug.hint in first.detail + " " + first.hint, (first.detail, first.hint)
 
 
+def test_engine_rows_name_the_function_at_fault(tmp_path):
+    """A victim re-queued at the back passes the victim rows' scenario but not the engine's: the engine rows
+    blame _preempt (where a victim waits), not the victim policy."""
+    lab = get_lab("preemption")
+    bug = next(b for b in specs("preemption")[0] if b.name == "waits_at_the_back")
+    path = tmp_path / lab.file_name
+    path.write_text(bug_source(lab, bug))
+    rows = [r for r in run_in_process(lab, path) if r.check.startswith("real engine") and not r.passed]
+    assert rows
+    for r in rows:
+        assert "most likely at fault: _preempt" in r.detail and "where a victim waits" in r.hint, (r.detail, r.hint)
+
+
+def test_an_engine_failure_is_said_in_the_checks_words(tmp_path):
+    """A step that raised inside the engine's own code (a state the student's part left) is one line in the
+    check's words, with the step; a raise in the student's file is left for the row to name its line."""
+    from nanoserve.errors import StepFailed
+    from nanoserve.labs.drive import engine_failure
+    from nanoserve.labs.lab import CheckFailed
+
+    student = tmp_path / "kv_manager.py"
+    student.write_text("def grow(table):\n    return table[5]\n")
+    mine = load_student(student)
+
+    def failed(fn):
+        try:
+            try:
+                fn()
+            except IndexError as exc:
+                raise StepFailed("step 3 failed", ("a",)) from exc
+        except StepFailed as exc:
+            return exc
+
+    engine_side = failed(lambda: [][1])
+    said = engine_failure(engine_side, str(student), 3)
+    assert isinstance(said, CheckFailed) and "\n" not in str(said)
+    assert str(said).startswith("at step 3 the engine could not go on from the state your component left")
+    assert "IndexError" in str(said) and "Traceback" not in str(said)
+    assert engine_failure(failed(lambda: mine.grow([])), str(student), 3) is None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["block-pool", "paged-attention"])
 def test_a_sample_of_mutants_is_killed(name, tmp_path, capsys):

@@ -265,6 +265,16 @@ class LiveSource(Source):
         self._lab_failed = f"step {runner.step_count}"
         self._to_ui(self._app.post_message, LabStepFailed(f"{self._lab_failed}{self._yours()} failed: {text}", hint))
 
+    def _lab_invariants(self, runner: Run) -> None:
+        """`--lab`: pause on the step that broke an invariant (a leak, a count), with one panel, as a failure."""
+        from nanoserve.labs.plug import broken_invariant
+
+        broken = broken_invariant(runner.engine)
+        if broken is not None:
+            self._lab_failed = f"step {runner.step_count}"
+            self._to_ui(self._app.post_message, LabStepFailed(f"{self._lab_failed}{self._yours()} broke an "
+                                                              f"invariant: {broken[0]}", broken[1]))
+
     def _execute(self, runner: Run, command: str, args: tuple) -> Run:
         """Run one command on the engine; returns the runner to use from now on."""
         if command in ("restart", "back", "branch"):
@@ -273,6 +283,8 @@ class LiveSource(Source):
             return runner                                   # (steps queued before the failure: the run is paused)
         if command == "step" and not runner.done:
             runner.step()
+            if self.components is not None and self.components.replaced():
+                self._lab_invariants(runner)
         elif command == "add":
             request_id, prompt, params = args
             params = dict(params)

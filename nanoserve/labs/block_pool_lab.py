@@ -69,7 +69,8 @@ def _queue(ctx: Context, ids: list[int]):
     return q, blocks
 
 
-APPEND_HINT = "append links the block in just before the tail sentinel: it becomes the last block (reused last)"
+APPEND_HINT = ('append: where in the queue does a freed block go, so that the blocks freed longest ago are reused'
+               ' first? Check the links on both sides of where it lands')
 
 
 def queue_append(ctx: Context) -> None:
@@ -152,8 +153,9 @@ def allocate(ctx: Context) -> None:
            "no free block: MemoryError")
 
 
-FREE_HINT = ("free walks the ids from the LAST to the first: ref_count - 1, and a block that reaches 0 is "
-             "appended to the tail of the free queue; it returns those blocks in that order")
+FREE_HINT = ("free: in which order are a table's blocks handed back, and why does that order matter to the prefix"
+             " cache (a sequence's last blocks are the least likely to be shared again)? Only a block nobody "
+             'holds any more goes back to the queue; check what you return')
 
 
 def free(ctx: Context) -> None:
@@ -302,7 +304,8 @@ LAB = Lab(
               "share checks every id (inside the pool, not free) before adding one holder to each", 30,
               function="BlockPool.share"),
         Check("real engine: same tokens, invariants every step", engine_runs,
-              "run the engine with your pool in a REPL and call engine.check_invariants() after each step", 240),
+              "free (the order blocks come back) and allocate (which blocks go out) pass their own rows yet meet here in the "
+              "engine's order of calls: run the engine with your pool in a REPL, engine.check_invariants() after each step", 240),
     ),
     why=(
         ("Why is the free queue a queue (allocate from the head, free to the tail) and not a stack?",

@@ -54,38 +54,50 @@ class Setup:
         return [b.ref_count for b in self.pool.blocks]
 
 
-SHARED_HINT = ("_shared_write_block: i = the block holding position num_computed_tokens; it needs a copy only if "
-               "it is partly filled (num_computed_tokens % block_size != 0), exists in the table, and another "
-               "table holds it too (ref_count > 1); else None")
+SHARED_HINT = ('_shared_write_block: which block does the next token land in, and when would writing there '
+               'disturb another holder? Think of a position at a block boundary, a full block that is shared, and'
+               ' a position past the end of the table. It only looks: nothing changes')
+
+
+def _why(computed: int, refs: list[int]) -> str:
+    """Why the block written next needs a copy or not: the words of one case."""
+    i, offset = divmod(computed, BS)
+    if i >= len(refs):
+        return f"position {computed} is in block {i}, past the table's {len(refs)} blocks"
+    if offset == 0:
+        return f"position {computed} opens block {i}: nothing is written there yet, a boundary"
+    held = "held twice" if refs[i] > 1 else "held only by this table"
+    return f"position {computed} is inside block {i}, partly filled and {held}"
 
 
 def shared_write_block(ctx: Context) -> None:
+    """Every position in and just past tables of 1 to 3 blocks, with each block (or none) shared: both sides
+    of every block boundary, and the end of the table."""
     s = Setup(ctx)
-    seq = s.seq("a", 11, 3, 6)                       # 6 computed: the next write is position 6, block 1 offset 2
-    for computed, shared, want, why in ((6, None, None, "block 1 is partly filled but held only by this table"),
-                                        (6, 1, 1, "block 1 is partly filled and held twice"),
-                                        (8, 2, None, "position 8 opens block 2: a boundary, nothing to copy"),
-                                        (0, 0, None, "position 0 opens block 0"),
-                                        (9, 2, 2, "block 2 is partly filled and held twice"),
-                                        (9, 1, None, "block 1 is shared but full; the write goes to block 2"),
-                                        (13, 2, None, "position 13 is in block 3, past the table's 3 blocks")):
-        refs = [1] * 3
-        if shared is not None:
-            refs[shared] = 2
-        for b, r in zip(seq.block_table, refs):
-            s.pool.blocks[b].ref_count = r
-        seq.num_computed_tokens = computed
-        before = (list(seq.block_table), s.refs())
-        got = s.kv._shared_write_block(seq)
-        expect(got == want, f"_shared_write_block with {computed} tokens computed and ref counts {refs} returned "
-               f"{got}, expected {want} ({why})", SHARED_HINT)
-        expect((list(seq.block_table), s.refs()) == before, "_shared_write_block changed the table or ref counts",
-               "_shared_write_block only looks")
+    for num_blocks in (1, 2, 3):
+        seq = s.seq(f"t{num_blocks}", BS * num_blocks + 2, num_blocks, 0)
+        for computed in range(BS * num_blocks + 2):
+            for shared in (None, *range(num_blocks)):
+                refs = [2 if b == shared else 1 for b in range(num_blocks)]
+                for b, r in zip(seq.block_table, refs):
+                    s.pool.blocks[b].ref_count = r
+                seq.num_computed_tokens = computed
+                i = computed // BS
+                want = i if computed % BS and i < num_blocks and refs[i] > 1 else None
+                before = (list(seq.block_table), s.refs())
+                got = s.kv._shared_write_block(seq)
+                expect(got == want, f"_shared_write_block with {computed} tokens computed, a table of {num_blocks} "
+                       f"blocks and ref counts {refs} returned {got}, expected {want} ({_why(computed, refs)})",
+                       SHARED_HINT)
+                expect((list(seq.block_table), s.refs()) == before,
+                       "_shared_write_block changed the table or ref counts", "_shared_write_block only looks")
+        for b in seq.block_table:                     # (back to one holder, for the next table's allocate)
+            s.pool.blocks[b].ref_count = 1
 
 
-COW_HINT = ("copy_on_write: when _shared_write_block gives an index i, take a fresh block (self._take(1)), drop this "
-            "sequence's hold on the shared one (pool.free([src])), put the new id at table[i], append (src, dst) to "
-            "self.moves.copies, emit CowCopied; return (src, dst). Otherwise change nothing and return None")
+COW_HINT = ('copy_on_write: afterwards the sequence holds a block of its own where it writes next, the other '
+            'holders see no change, and the runner knows which KV to copy; with no block free for the copy, '
+            'nothing may have changed. Check the order of your steps')
 
 
 def copy_on_write(ctx: Context) -> None:
@@ -134,8 +146,9 @@ def copy_on_write(ctx: Context) -> None:
                                     "block, nothing may have changed")
 
 
-FORK_HINT = ("fork: share the parent's blocks (pool.share), give the child its own copy of the table and the "
-             "parent's num_computed_tokens, emit Forked, and lock the parent's cache node for the child (self._relock)")
+FORK_HINT = ('fork: afterwards, what does the child share with its parent (the blocks and their holder counts, '
+             'the KV computed, the cached prefix) and what does it own alone (its table)? Which event tells the '
+             'TUI?')
 
 
 def fork(ctx: Context) -> None:
@@ -291,13 +304,15 @@ LAB = Lab(
               function="KVManager.copy_on_write"),
         Check("KVManager.fork: shares every block, its own table", fork, FORK_HINT, 30, function="KVManager.fork"),
         Check("real engine: a fork shares every block", fork_shares,
-              "fork shares the parent's blocks: same ids, ref count + 1, its own list", 60),
+              "fork: the child shares its parent's blocks (the same ids, one more holder each) in a list of its own", 60),
         Check("real engine: first write into a shared partial block copies it", cow_partial,
-              "copy-on-write the partly filled last block before either sequence writes into it", 60),
+              "copy_on_write (and _shared_write_block, which finds the block): the partly filled block both share must "
+              "be copied before either sequence writes into it", 60),
         Check("real engine: a fork at a block boundary copies nothing", cow_boundary,
-              "only a partly filled block needs a copy", 60),
+              "_shared_write_block: a block that is full is never written again; which block does the next token open?", 60),
         Check("real engine: n > 1 and forks, same tokens", engine_runs,
-              "run the engine with your KV manager; fork a request after a few steps and watch CowCopied", 240),
+              "copy_on_write or _shared_write_block: a fork read a block its sibling wrote (a missed copy), or a copy the "
+              "runner never filled; watch CowCopied in `nanoserve tui --lab cow-fork=FILE`", 240),
     ),
     why=(
         ("Why is only the partly filled last block ever copied, never a full one?",

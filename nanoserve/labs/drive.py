@@ -58,7 +58,10 @@ def run_engine(ctx: Context, components: Components, requests: list[tuple], conf
         if not engine.has_unfinished_requests():
             break
         before = engine.snapshot() if on_step else None
-        result = engine.step()
+        try:
+            result = engine.step()
+        except Exception as exc:      # noqa: BLE001 -- said in the check's words when the engine's code raised
+            raise engine_failure(exc, ctx.path, step) or exc
         reference_invariants(engine)
         if on_step:
             on_step(engine, result, before)
@@ -73,6 +76,37 @@ def run_engine(ctx: Context, components: Components, requests: list[tuple], conf
         raise CheckFailed(f"requests still unfinished after {max_steps} steps: the engine stopped making progress",
                           "a livelock: the same requests are scheduled and undone every step")
     return engine, outputs
+
+
+def engine_failure(exc: BaseException, path: str, step: int) -> CheckFailed | None:
+    """A step that raised in the engine's own code (not in the student's file, at `path`), in the check's
+    words: the state the student's component left is one the engine cannot go on from. None when the
+    student's file is on the way (then its line is the one to fix, and the row names it)."""
+    from pathlib import Path
+
+    from nanoserve.labs.load import frames_of
+
+    target = str(Path(path).resolve())
+    chain, seen, root = exc, set(), exc
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        if any(_resolved(f[0]) == target for f in frames_of(chain)):
+            return None
+        root = chain
+        chain = chain.__cause__ or chain.__context__
+    frames = frames_of(root)
+    where = f" in the engine's {frames[-1][2]}" if frames else ""
+    text = " ".join(f"{type(root).__name__}: {root}".split())[:200]
+    return CheckFailed(f"at step {step} the engine could not go on from the state your component left "
+                       f"({text}{where})")
+
+
+def _resolved(filename: str) -> str:
+    from pathlib import Path
+    try:
+        return str(Path(filename).resolve())
+    except (OSError, RuntimeError, ValueError):
+        return filename
 
 
 def same_as_engine(ctx: Context, requests: list[tuple], config: dict | None = None, hint: str | None = None,

@@ -5,7 +5,9 @@
 
 Each option loads the file, checks that its functions keep the engine's
 signatures, and puts the lab's component into one `Components` record
-(several labs combine). Every problem is a FieldError naming `--lab`.
+(several labs combine). Every problem is a FieldError naming `--lab`. The
+TUI asks `broken_invariant` after every step it runs with a student's part,
+so a leak or a broken count pauses the run at the step it happens.
 """
 
 from __future__ import annotations
@@ -82,3 +84,22 @@ def explain_failure(exc: BaseException) -> tuple[str, str]:
             if check.function and check.function.rsplit(".", 1)[-1] == frame.name:
                 return text, f"{check.hint} (`nanoserve lab check {name} {Path(frame.filename).name}` says more)"
     return text, "run `nanoserve lab check LAB FILE`: its first failing row names the function at fault"
+
+
+LEAK_HINT = ("a block held by nobody (a leak), or a count that disagrees with the tables: the step's events show "
+             "what changed; `nanoserve lab check LAB FILE` names the function at fault")
+
+
+def broken_invariant(engine) -> tuple[str, str] | None:
+    """After a step with a student's part: (the first invariant that no longer holds, a hint), or None.
+
+    The reference implementations' checks on the engine's objects (`drive.reference_invariants`), as the
+    lab's checks run them, so a leak shows at the step it happens, not at the end of the run."""
+    from nanoserve.labs.drive import reference_invariants
+    from nanoserve.labs.load import invariant_text
+
+    try:
+        reference_invariants(engine)
+    except AssertionError as exc:
+        return f"invariant broken: {invariant_text(exc)}", LEAK_HINT
+    return None

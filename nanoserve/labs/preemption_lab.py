@@ -21,22 +21,24 @@ from nanoserve.labs.drive import prompts, run_engine
 from nanoserve.labs.lab import Check, CheckFailed, Context, Lab, expect
 from nanoserve.labs.load import invariant_text
 
-VICTIM_HINT = ("the victim is chosen by preemption_policy among running sequences NOT already in this step's "
-               "batch: 'newest' = the most recently admitted, 'priority' = the lowest priority (ties: newest), "
-               "'shortest_remaining' = the most tokens still to generate")
+VICTIM_HINT = ('the victim: which running sequences may be taken at all (think of those this step has already '
+               'planned), and what does each preemption_policy rank by? Compare the one you chose with the '
+               'expected one, and check how ties are broken')
 
 
-BOOKKEEPING_HINT = ("a preempted request must come back with every token it had: with recompute, release its "
-                    "blocks (self.kv.release(seq, cache_kv=True)), set num_computed_tokens to 0 (its KV is computed again) and keep "
-                    "its tokens")
+BOOKKEEPING_HINT = ('a preempted request must later produce exactly the tokens it would have: what must it keep, '
+                    'what must it give back, and what may the engine still believe about its KV once its blocks '
+                    'are gone?')
 
 
 class Setup:
     """The engine's config, pools, KV manager and sequences (here); the student's scheduler (in the worker)."""
 
-    def __init__(self, ctx: Context, num_blocks: int = 16, num_cpu_blocks: int = 0, **config) -> None:
+    def __init__(self, ctx: Context, num_blocks: int = 16, num_cpu_blocks: int = 0, cache: bool = False,
+                 **config) -> None:
         from nanoserve.config import EngineConfig
         from nanoserve.kv_manager import KVManager
+        from nanoserve.radix_cache import RadixCache
         self.config = EngineConfig(model="tiny-llama", block_size=4, num_blocks=num_blocks,
                                    num_cpu_blocks=num_cpu_blocks, **config)
         self.pool = BlockPool(num_blocks, 4)
@@ -44,7 +46,8 @@ class Setup:
         self.events: list = []
         self.clock = StepClock()
         self.clock.step = 7
-        self.kv = KVManager(self.pool, None, self.cpu_pool, self.events.append, clock=self.clock)
+        self.radix = RadixCache(self.pool, self.events.append, clock=self.clock) if cache else None
+        self.kv = KVManager(self.pool, self.radix, self.cpu_pool, self.events.append, clock=self.clock)
         self.moves = BlockMoves()
         self.kv.begin_step(self.moves)
         self.sched = ctx.module.Scheduler(self.config, self.kv, self.events.append, clock=self.clock)
@@ -106,10 +109,9 @@ def victim(ctx: Context) -> None:
            "(self._stuck_beams), the newest of them: it holds blocks and makes no progress")
 
 
-PREEMPT_HINT = ("_preempt: remove it from running, append it to plan.preempted; in swap mode (it has blocks and "
-                "self.kv.can_swap_out) status SWAPPED, emit Preempted(.., 'swap', 0), self.kv.swap_out, append to "
-                "self.swapped; else status WAITING, emit Preempted(.., 'recompute', tokens lost), self.kv.release(seq, cache_kv=True), "
-                "num_computed_tokens = 0, appendleft to self.waiting")
+PREEMPT_HINT = ('_preempt: follow the sequence through both modes. Where does it wait afterwards: which queue, '
+                'and at which end (who should run first when room comes back)? Which status and which event? Who '
+                'holds its blocks or its KV now? The plan must list it as preempted')
 
 
 def preempt(ctx: Context) -> None:
@@ -140,15 +142,25 @@ def preempt(ctx: Context) -> None:
                    and b.num_computed_tokens == 10,
                    f"{what}: status {b.status.name}, swapped {_ids(s.sched.swapped)}, waiting "
                    f"{_ids(s.sched.waiting)}, {len(b.cpu_block_table)} CPU blocks, {b.num_computed_tokens} computed",
-                   "with room in the CPU pool, swap: status SWAPPED, self.kv.swap_out(seq) (its KV moves to the "
-                   "CPU pool and stays computed), then append it to self.swapped")
+                   "with room in the CPU pool the victim is swapped: where does its KV go, is it still computed, "
+                   "and which queue holds it until it comes back?")
         else:
             expect(b.status is SequenceStatus.WAITING and _ids(s.sched.waiting) == ["b", "w"] and
                    not b.block_table and b.num_computed_tokens == 0 and
                    all(s.pool.blocks[x].ref_count == 0 for x in blocks),
                    f"{what}: status {b.status.name}, waiting {_ids(s.sched.waiting)}, table {list(b.block_table)}, "
-                   f"{b.num_computed_tokens} computed", BOOKKEEPING_HINT + ", and wait at the FRONT of the queue "
-                   "(appendleft): it was running before anyone waiting")
+                   f"{b.num_computed_tokens} computed (expected WAITING, waiting ['b', 'w'], table [], 0 computed)",
+                   BOOKKEEPING_HINT + "; and where in the queue should it wait? It was running before anyone "
+                   "waiting")
+    s = Setup(ctx, cache=True)                    # the prefix cache on: what a recompute may keep
+    s.seq("a", 8)
+    b = s.seq("b", 10, output=3)
+    s.sched._preempt(b, s.plan())
+    _, cached = s.radix.match_prefix(b.all_token_ids)
+    expect(len(cached) == 2, f"_preempt(b) in recompute mode with the prefix cache on: {len(cached)} of the 2 full "
+           "blocks of b's 10 computed tokens are in the cache afterwards, expected 2",
+           "the KV of a recomputed victim's full blocks is still valid: where can it be kept, so that its own "
+           "recompute (or another request with the same prefix) need not compute it again?")
     s = Setup(ctx, num_cpu_blocks=8, preemption_mode="swap")
     b = s.seq("b", 0, output=0)
     s.sched._preempt(b, s.plan())
@@ -156,10 +168,9 @@ def preempt(ctx: Context) -> None:
            "only a victim that has blocks is swapped (nothing to move otherwise): recompute it")
 
 
-RESERVE_HINT = ("_reserve: while self.kv.blocks_to_write(seq, num_new) > self.kv.num_available_blocks: pick a "
-                "victim (self._victim); if it is seq and seq would not fit even in an empty pool, remove it from "
-                "running and self._fail it (return False); else preempt the victim, and return False if it was seq. "
-                "With room: self.kv.grow(seq, num_new) and True")
+RESERVE_HINT = ("_reserve: its question is whether this sequence's next write fits in the blocks still free; each"
+                ' preemption frees some. Think of the victim being the sequence itself, and of a sequence that '
+                'could never fit, even alone: neither may loop forever or leave it half scheduled')
 
 
 def reserve(ctx: Context) -> None:
@@ -215,27 +226,56 @@ def _pressure():
 
 
 def _trace(ctx: Context, components, config: dict):
-    """Every preemption (step, request, mode) and the final tokens, for one run."""
+    """Every preemption (step, request, mode), where each victim then waits (its queue's name and its place
+    there), and the final tokens, for one run."""
     seen: list[tuple[int, str, str]] = []
+    places: list[tuple[str, int]] = []
 
     def on_step(engine, result, before):
-        seen.extend((e.step, e.seq_id, e.mode) for e in result.events if isinstance(e, Preempted))
+        for e in result.events:
+            if isinstance(e, Preempted):
+                seen.append((e.step, e.seq_id, e.mode))
+                queues = (("waiting", engine.scheduler.waiting), ("swapped", engine.scheduler.swapped))
+                places.append(next(((name, i) for name, queue in queues
+                                    for i, seq in enumerate(queue) if seq.seq_id == e.seq_id), ("nowhere", -1)))
     _, outputs = run_engine(ctx, components, _pressure(), config, on_step=on_step)
-    return seen, outputs
+    return seen, places, outputs
+
+
+WAIT_HINT = ("_preempt decides where a victim waits: which queue, and at which end? A preempted request was "
+             "running before anyone who is waiting; who should get the next free blocks?")
+MODE_HINT = ("_preempt: the victim was the same, its mode was not: when is a victim swapped (its KV kept in the "
+             "CPU pool) and when is it recomputed?")
+WHEN_HINT = ("_reserve decides whether anyone must be preempted at all: it preempts only while this sequence's "
+             "next write does not fit in the free blocks, and stops as soon as it does")
 
 
 def _same_preemptions(ctx: Context, config: dict, hint: str) -> None:
-    want, want_out = _trace(ctx, Components(), config)
+    """The student's scheduler preempts the same requests, at the same steps, in the same mode, re-queued in the
+    same place, with the same tokens at the end, as the engine's own; a difference names the function most
+    likely at fault (a different victim at the same step: _victim; the same victim in another mode or queue
+    place: _preempt; a preemption at another step: _reserve)."""
+    want, want_places, want_out = _trace(ctx, Components(), config)
     assert want, "the scenario preempts nothing (a lab bug)"
     try:
-        got, got_out = _trace(ctx, ctx.components(), config)
+        got, got_places, got_out = _trace(ctx, ctx.components(), config)
     except CheckFailed:
         raise
     except AssertionError as exc:
-        raise CheckFailed(f"invariant broken: {invariant_text(exc)}", BOOKKEEPING_HINT) from None
+        raise CheckFailed(f"invariant broken: {invariant_text(exc)} (the function most likely at fault: _preempt, "
+                          "which sets what a preempted request keeps)", BOOKKEEPING_HINT) from None
     for i, (w, g) in enumerate(zip(want + [None] * len(got), got + [None] * len(want))):
-        if w != g:
-            raise CheckFailed(f"preemption #{i + 1}: yours {g} (step, request, mode), the engine's {w}", hint)
+        if w == g:
+            if w is not None and want_places[i] != got_places[i]:
+                raise CheckFailed(f"preemption #{i + 1} {g} (step, request, mode): then the victim waits in "
+                                  f"{got_places[i][0]} at place {got_places[i][1]}, with the engine's own in "
+                                  f"{want_places[i][0]} at place {want_places[i][1]} (the function most likely at "
+                                  "fault: _preempt)", WAIT_HINT)
+            continue
+        which, why = ("_victim", hint) if w and g and w[0] == g[0] and w[1] != g[1] else \
+            ("_preempt", MODE_HINT) if w and g and w[:2] == g[:2] else ("_reserve", WHEN_HINT)
+        raise CheckFailed(f"preemption #{i + 1}: yours {g} (step, request, mode), the engine's {w} (the function "
+                          f"most likely at fault: {which})", why)
     for rid, tokens in want_out.items():
         expect(got_out.get(rid) == tokens, f"request {rid}: got tokens {got_out.get(rid)}, the engine's own {tokens}",
                BOOKKEEPING_HINT)
@@ -267,10 +307,7 @@ def policies(ctx: Context) -> None:
 
 
 def swap(ctx: Context) -> None:
-    _same_preemptions(ctx, {"num_blocks": 9, "preemption_mode": "swap", "num_cpu_blocks": 16},
-                      "with preemption_mode='swap' a victim that has blocks and fits in the CPU pool "
-                      "(self.kv.can_swap_out) is swapped out (status SWAPPED, self.kv.swap_out, self.swapped); "
-                      "only otherwise is it recomputed")
+    _same_preemptions(ctx, {"num_blocks": 9, "preemption_mode": "swap", "num_cpu_blocks": 16}, VICTIM_HINT)
 
 
 LAB = Lab(
@@ -303,8 +340,9 @@ LAB = Lab(
                              "shortest_remaining = the most tokens still to generate, ties the newest.",
         "Scheduler._preempt": "`seq` leaves running and joins plan.preempted. In swap mode, when it has blocks "
                               "and they fit in the CPU pool: its KV moves there (self.kv.swap_out), status "
-                              "SWAPPED, at the end of self.swapped. Else: its blocks are released, nothing is "
-                              "computed, status WAITING, at the FRONT of self.waiting. Its tokens are kept; "
+                              "SWAPPED, at the end of self.swapped. Else: its blocks are released (the KV of its "
+                              "full blocks stays in the prefix cache: it is valid), nothing is computed, status "
+                              "WAITING, at the FRONT of self.waiting. Its tokens are kept; "
                               "Preempted is emitted with the mode and the tokens of KV lost.",
     },
     invariants="A running sequence holds blocks for every token it has KV for; a waiting one holds none and has "
@@ -320,11 +358,12 @@ LAB = Lab(
         Check("Scheduler._reserve: blocks, victims, or a failure", reserve, RESERVE_HINT, 60,
               function="Scheduler._reserve"),
         Check("real engine: a lone request too big for the pool ends, with an error", lone_too_big,
-              "a sequence that cannot fit even alone in the pool must be failed, not retried", 120),
+              "_reserve: a sequence that cannot fit even alone in the pool must be failed, not retried", 120),
         Check("real engine: the newest is preempted, never one in this step's batch", newest, VICTIM_HINT, 180),
         Check("real engine: victims by priority and by shortest remaining", policies, VICTIM_HINT, 240),
         Check("real engine: swap mode, KV to the CPU pool and back", swap,
-              "with preemption_mode='swap' the victim's KV moves to the CPU pool", 180),
+              "_preempt (the mode) or _victim (whom): with preemption_mode='swap' the victim's KV moves to the "
+              "CPU pool", 180),
     ),
     why=(
         ("Why preempt the newest request by default, and not the one holding the most blocks?",

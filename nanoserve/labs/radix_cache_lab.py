@@ -87,8 +87,8 @@ def _path_blocks(node) -> list[int]:
     return [b for n in reversed(node.path()) for b in n.block_ids]
 
 
-MATCH_HINT = ("match_prefix walks down while a child is keyed by the next block of tokens, takes the blocks both "
-              "agree on whole, and returns the deepest node reached with the blocks along its path")
+MATCH_HINT = ('match_prefix: a block counts only when every token in it agrees. Where does the walk stop, and '
+              'which node and which blocks say how far it got?')
 
 
 def match_prefix(ctx: Context) -> None:
@@ -143,9 +143,9 @@ def match_prefix(ctx: Context) -> None:
            f"{tb + lb[:2]} (the cap falls inside the second node: split it there)", FULL_HIT)
 
 
-INSERT_HINT = ("insert walks down like match_prefix; where no child starts with the next block it adds ONE node "
-               "for all the remaining blocks (self._add_node); where the tree already holds those tokens in other "
-               "blocks it lists (index, your block, cached block); it touches the last node")
+INSERT_HINT = ('insert: walk as match_prefix does. Where the tree has no continuation, how many nodes should hold'
+               ' the rest? Where the tree already holds the same tokens in other blocks, the caller must learn '
+               'which of its blocks repeat cached ones. An insert is a use too')
 
 
 def insert(ctx: Context) -> None:
@@ -225,8 +225,9 @@ def insert(ctx: Context) -> None:
            "blocks already in the tree, in the same ids, are neither duplicates nor new")
 
 
-EVICT_HINT = ("evict the unlocked leaf with the smallest last_access first, whole (pool.free its blocks), until at "
-              "least n blocks are free; a parent that becomes an unlocked leaf is a candidate too")
+EVICT_HINT = ('evict: which nodes may go (nobody locks them, nothing hangs below them), in which order (the least'
+              ' recently used), how many (until n blocks are free), and what becomes of a parent whose last child'
+              ' went?')
 
 
 def evict(ctx: Context) -> None:
@@ -349,7 +350,8 @@ LAB = Lab(
         Check("RadixCache.evict: least recently used unlocked leaves", evict, EVICT_HINT, 60,
               function="RadixCache.evict"),
         Check("real engine: same tokens and hits, with eviction", engine_runs,
-              "run the engine with your cache; every node must stay under the key of its first block "
+              "insert and evict meet here: every node must stay under the key of its first block, and a locked node "
+              "stays; run the engine with your cache "
               "(engine.check_invariants() after each step says which broke)", 240),
     ),
     why=(

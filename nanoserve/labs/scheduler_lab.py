@@ -58,8 +58,10 @@ def _chunks_of(planning) -> list[tuple]:
     return [(c.seq.seq_id, c.num_tokens, c.is_prefill, list(c.draft_token_ids)) for c in planning.plan.chunks]
 
 
-CHUNK_HINT = ("_chunk_size: the tokens not yet computed (nor cached) = num_tokens - max(num_cached, "
-              "num_computed_tokens); more than the budget: the budget with chunked prefill, else 0 (wait)")
+CHUNK_HINT = ('_chunk_size: which tokens of this sequence still need their KV computed this step? KV already '
+              'computed and a prefix the cache supplies both count as done, and the two can overlap (counting '
+              'both would count some tokens twice). When what is left is more than the budget, what does '
+              'enable_chunked_prefill allow: a part now, or waiting for a step with room?')
 
 
 def chunk_size(ctx: Context) -> None:
@@ -80,9 +82,10 @@ def chunk_size(ctx: Context) -> None:
                    f"expected {want}", CHUNK_HINT)
 
 
-RUNNING_HINT = ("_schedule_running: decodes (1 uncomputed token) first, then prefills, in admission order; while "
-                "budget is left: skip one that is no longer RUNNING; num_new = min(uncomputed + drafts, budget); "
-                "keep the drafts that fit; if self._reserve(...) gives blocks, add the chunk and subtract num_new")
+RUNNING_HINT = ('_schedule_running: compare your plan with the expected one. Which kind of sequence goes first, '
+                'so that a long prefill never starves the decodes? For each: how many tokens fit in what is left '
+                'of the budget (drafts too, and only those that fit)? What must succeed before a chunk is '
+                'planned, and what changes after?')
 
 
 def schedule_running(ctx: Context) -> None:
@@ -181,7 +184,8 @@ def budget_respected(ctx: Context) -> None:
     def on_step(engine, result, before):
         n = sum(c.num_tokens for c in _chunks(result))
         expect(n <= BUDGET, f"step {result.stats.step} computed {n} tokens with max_num_batched_tokens={BUDGET}",
-               "cut every chunk to the budget that is left (min(tokens to compute, budget)) and subtract it")
+               "_schedule_running (or _chunk_size): no chunk may be larger than the budget that is left, and what is "
+               "planned must come off that budget")
     run_engine(ctx, ctx.components(), _mixed(), {"max_num_batched_tokens": BUDGET, "num_blocks": 32},
                on_step=on_step)
 
@@ -228,8 +232,8 @@ def whole_prompts(ctx: Context) -> None:
                 expect(c.num_tokens == left[c.seq_id],
                        f"step {result.stats.step}: {c.seq_id} computed {c.num_tokens} of its {left[c.seq_id]} "
                        "prompt tokens with enable_chunked_prefill=False",
-                       "without chunked prefill a prompt runs whole: if it does not fit in the budget left, "
-                       "_chunk_size returns 0 and it waits for a step with room")
+                       "_chunk_size: without chunked prefill a prompt runs whole or not at all; what happens to one "
+                       "that does not fit in the budget left?")
     reqs = [("a", prompts(1, 12, seed=1)[0], _params(4)), ("b", prompts(1, 12, seed=4)[0], _params(4))]
     run_engine(ctx, ctx.components(), reqs, {"max_num_batched_tokens": 20, "num_blocks": 32,
                                                "enable_chunked_prefill": False}, on_step=on_step)
@@ -279,14 +283,15 @@ LAB = Lab(
         Check("Scheduler._schedule_running: decodes first, within the budget", schedule_running, RUNNING_HINT, 60,
               function="Scheduler._schedule_running"),
         Check("real engine: never more tokens than the budget", budget_respected,
-              "cut every chunk to the budget that is left", 120),
-        Check("real engine: decodes first", decodes_first, "schedule decodes before prefill chunks", 120),
+              "_schedule_running or _chunk_size: no step may plan more tokens than the budget", 120),
+        Check("real engine: decodes first", decodes_first, "_schedule_running: which kind of sequence goes first?", 120),
         Check("real engine: chunked prefill splits a long prompt", chunked_prefill,
-              "with chunked prefill, a prompt longer than the budget is cut to the budget each step", 120),
+              "_chunk_size: with chunked prefill, how much of a prompt longer than the budget runs each step?", 120),
         Check("real engine: without chunked prefill prompts run whole", whole_prompts,
-              "without chunked prefill a prompt that does not fit waits for a step with room", 120),
+              "_chunk_size: without chunked prefill, a prompt runs whole or waits", 120),
         Check("real engine: same tokens (with speculation, small pool)", engine_runs,
-              "run the engine with your scheduler and compare its StepResult.stats with the engine's own", 240),
+              "_schedule_running (the drafts that fit) or _chunk_size (cached tokens): compare your "
+              "StepResult.stats with the engine's own", 240),
     ),
     why=(
         ("Why do decodes go before prefill chunks?",

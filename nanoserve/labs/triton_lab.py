@@ -38,8 +38,9 @@ def _reference_step(m, l, acc, s, v):
     return m_new, l * alpha + p.sum(dim=1), acc * alpha[:, None] + p @ v
 
 
-STEP_HINT = ("m_new = max(m_i, rowmax s); m_safe = 0 where m_new is -inf, else m_new; p = exp(s - m_safe); alpha = "
-             "exp(m_i - m_safe); l = l_i * alpha + rowsum p; acc = acc * alpha + p @ v; return (m_new, l, acc)")
+STEP_HINT = ('online softmax: when a tile raises the running max, what must happen to the sum and the accumulator'
+             ' computed against the old max? Think of a row whose scores so far are all -inf (no NaN may appear),'
+             ' and check what you return')
 
 
 def one_step(ctx: Context) -> None:

@@ -8,7 +8,7 @@ BUGS = (
         (("last = self.tail.prev\n        last.next, block.prev = block, last\n"
           "        block.next, self.tail.prev = self.tail, block",
           "first = self.head.next\n        self.head.next, block.prev = block, self.head\n"
-          "        block.next, first.prev = first, block"),), "just before the tail sentinel"),
+          "        block.next, first.prev = first, block"),), "freed longest ago"),
     Bug("one_sided_remove", "FreeBlockQueue.remove", "remove fixes the forward link only; walking the queue "
         "backwards goes wrong",
         (("block.prev.next, block.next.prev = block.next, block.prev", "block.prev.next = block.next"),),
@@ -29,7 +29,7 @@ BUGS = (
     Bug("allocate_negative", "BlockPool.allocate", "allocate(-1) quietly returns [] instead of raising ValueError",
         (('        if n < 0:\n            raise ValueError(f"cannot allocate {n} blocks")\n', ""),), "ValueError"),
     Bug("forward_free", "BlockPool.free", "free walks the table first block first, so a request's prefix is reused "
-        "before its tail", (("for block_id in reversed(block_ids):", "for block_id in block_ids:"),), "LAST"),
+        "before its tail", (("for block_id in reversed(block_ids):", "for block_id in block_ids:"),), "in which order"),
     Bug("free_while_shared", "BlockPool.free", "free puts a block back in the free queue at its first holder's "
         "free, while another table holds it",
         (("if block.ref_count == 0:\n                self.free_queue.append(block)",

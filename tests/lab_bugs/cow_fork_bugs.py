@@ -7,6 +7,13 @@ BUGS = (
         "partly filled, so a fork at a boundary copies a full block",
         (("if seq.num_computed_tokens % bs and i < len(seq.block_table)", "if i < len(seq.block_table)"),),
         "boundary"),
+    Bug("block_of_last_token", "KVManager._shared_write_block", "_shared_write_block looks at the block of the "
+        "last token written, not the next: at a boundary that is the full block before it",
+        (("        i = seq.num_computed_tokens // bs\n        if seq.num_computed_tokens % bs and i < len(seq.block_table)",
+          "        i = (seq.num_computed_tokens - 1) // bs\n        if i < len(seq.block_table)"),), "a boundary"),
+    Bug("last_block_skipped", "KVManager._shared_write_block", "_shared_write_block stops one block short of the "
+        "table's end, so the partly filled last block (the one a fork shares) is never copied",
+        (("i < len(seq.block_table)", "i < len(seq.block_table) - 1"),), "held twice"),
     Bug("forgets_partial", "KVManager._shared_write_block", "copy-on-write never fires: a shared, partly filled last "
         "block is written by both sequences", (("            return i\n", "            return None\n"),),
         "held twice"),

@@ -15,12 +15,16 @@ BUGS = (
         (("key = lambda c: (-c[1].priority, c[0])", "key = lambda c: (-c[1].priority, -c[0])"),), "priority"),
     Bug("keeps_progress", "Scheduler._preempt", "a recomputed victim keeps its num_computed_tokens, as if its KV "
         "were still there", (("        seq.num_computed_tokens = 0\n        self.waiting.appendleft(seq)",
-                              "        self.waiting.appendleft(seq)"),), "num_computed_tokens to 0"),
+                              "        self.waiting.appendleft(seq)"),), "0 computed)"),
     Bug("never_swaps", "Scheduler._preempt", "_preempt always recomputes, even with preemption_mode='swap'",
         (('self.config.preemption_mode == "swap" and seq.block_table', "False and seq.block_table"),), "swap"),
     Bug("waits_at_the_back", "Scheduler._preempt", "a recomputed victim waits at the back of the queue, behind "
         "requests admitted after it", (("        self.waiting.appendleft(seq)",
-                                        "        self.waiting.append(seq)"),), "FRONT"),
+                                        "        self.waiting.append(seq)"),), "where in the queue"),
+    Bug("drops_its_cache", "Scheduler._preempt", "a recomputed victim's full blocks are freed without going into "
+        "the prefix cache (release with cache_kv=False): its recompute computes them again",
+        (('        self.kv.release(seq, cache_kv=True)\n        seq.num_computed_tokens = 0\n',
+          '        self.kv.release(seq, cache_kv=False)\n        seq.num_computed_tokens = 0\n'),), "prefix cache on"),
     Bug("lost_not_counted", "Scheduler._preempt", "the Preempted event of a recompute says no KV was lost",
         (('self.emit(ev.Preempted(self.step, seq.seq_id, "recompute", lost))\n        self.kv.release(seq, cache_kv=True)\n',
           'self.emit(ev.Preempted(self.step, seq.seq_id, "recompute", 0))\n        self.kv.release(seq, cache_kv=True)\n'),),

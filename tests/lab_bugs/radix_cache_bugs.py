@@ -27,7 +27,7 @@ BUGS = (
         "them", (("                child = self._add_node(seq_id, node, tokens, block_ids, i, n)\n"
                   "                i = n\n",
                   "                child = self._add_node(seq_id, node, tokens, block_ids, i, i + 1)\n"
-                  "                i += 1\n"),), "ONE node"),
+                  "                i += 1\n"),), "how many nodes"),
     Bug("insert_no_touch", "RadixCache.insert", "insert does not touch the path it inserted, so a fresh prefix can "
         "be the first evicted", (("        self.touch(node)\n", ""),), "touch"),
     Bug("evict_locked", "RadixCache.evict", "evict picks leaves without looking at their lock count, so a running "
