@@ -47,8 +47,11 @@ def changed_files(dist: metadata.Distribution | None = None) -> list[str]:
             dist = metadata.distribution("nanoserve")
         except metadata.PackageNotFoundError:
             return []
-    if _editable(dist) or not dist.files:
-        return []
+        import nanoserve
+        if Path(nanoserve.__file__).resolve().parent.parent != Path(dist.locate_file("")).resolve():
+            return []        # that record is of another copy than the one running (e.g. a checkout's egg-info)
+    if _editable(dist) or not dist.files or dist.read_text("RECORD") is None:
+        return []            # a checkout: editable, or a source tree's egg-info (no hashes to compare with)
     recorded, changed = set(), []
     for entry in dist.files:
         top = entry.parts[0] if entry.parts else ""
