@@ -36,6 +36,7 @@ LAB_MODULES = {
     "preemption": "nanoserve.labs.preemption_lab",
     "paged-attention": "nanoserve.labs.paged_attention_lab",
     "triton-decode": "nanoserve.labs.triton_lab",
+    "step-commit": "nanoserve.labs.commit_lab",
 }
 
 
