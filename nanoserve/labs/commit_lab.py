@@ -103,6 +103,18 @@ class Setup:
         self.events.clear()
         return seq
 
+    def child(self, parent, child_id: str):
+        """A fork of `parent` made by hand (the engine's own steps, not the student's fork): for the checks
+        that come before fork's."""
+        from nanoserve.detokenizer import IncrementalDetokenizer
+        child = parent.fork(child_id, torch.Generator())
+        self.kv.fork(parent, child, 0)
+        self.sched.running.append(child)
+        self.table.requests[parent.request_id].seqs.append(child)
+        self.table.sequences[child_id] = child
+        self.table.detokenizers[child_id] = IncrementalDetokenizer(Letters(), parent.params)
+        return child
+
     def live_blocks(self) -> list[int]:
         return [b.block_id for b in self.pool.blocks if b.ref_count > 0]
 
@@ -283,7 +295,7 @@ def finish(ctx: Context) -> None:
 
     t = Setup(ctx)
     p = t.request("p")
-    child = t.table.fork(p, torch.Generator())
+    child = t.child(p, "p.1")
     t.events.clear()
     out = t.table.finish(p, SequenceStatus.FINISHED_STOPPED)
     expect("p" in t.table.requests and not out.finished and "p" not in t.table.finished_ids,
@@ -303,13 +315,31 @@ def finish(ctx: Context) -> None:
     u.sched.finish(f, SequenceStatus.FINISHED_ABORTED)      # the scheduler failed it (a sequence it cannot fit)
     f.error = "needs more blocks"
     u.events.clear()
-    out = u.table.finish(f, SequenceStatus.FINISHED_LENGTH)
+    try:
+        out = u.table.finish(f, SequenceStatus.FINISHED_LENGTH)
+    except RuntimeError as exc:       # the sequence's own guard: a finished status never changes
+        raise CheckFailed(f"finish of a sequence the scheduler had already closed (aborted) raised "
+                          f"{' '.join(str(exc).split())[:160]}", "a sequence the scheduler already finished keeps "
+                          "its status: do not close it again") from None
     expect(f.status is SequenceStatus.FINISHED_ABORTED and out.outputs[0].finish_reason == "abort",
            f"finish of a sequence the scheduler had already closed as aborted changed its status to {f.status.name}",
            "a sequence the scheduler already finished keeps its status: do not close it again")
     done = [(e.finish_reason, e.error) for e in u.events if isinstance(e, SequenceFinished)]
     expect(done == [("abort", "needs more blocks")], f"its SequenceFinished said {done}, expected "
            "[('abort', 'needs more blocks')]", "the event states the sequence's own status and error")
+
+    w = Setup(ctx)
+    m = w.request("m")
+    m2 = w.child(m, "m.1")
+    for seq in (m, m2):                                     # the scheduler failed both forks in one step
+        w.sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
+    w.table.finish(m, SequenceStatus.FINISHED_ABORTED)
+    expect("m" in w.table.requests and "m" not in w.table.finished_ids,
+           "the scheduler closed both sequences of request m; after the table finished the first, the request "
+           "is gone from the table although it still holds m.1", "the request ends with its LAST sequence in the "
+           "table, not when every status says finished: the scheduler may close two of them in one step")
+    out = w.table.finish(m2, SequenceStatus.FINISHED_ABORTED)
+    expect(out.finished and "m" not in w.table.requests, "finishing m.1 too did not end request m", FINISH_HINT)
 
 
 FORK_HINT = ("fork: the child is a new sequence of the same request (a fresh id from the request, never one in "
@@ -340,8 +370,8 @@ def fork(ctx: Context) -> None:
     det_p, det_c = s.table.detokenizers["p"], s.table.detokenizers.get("p.1")
     expect(det_c is not None and det_c is not det_p, "the child has no detokenizer of its own",
            "the child's text goes on from the parent's point on its own: give it the parent detokenizer's fork()")
-    s.table.append(child, [token(4)])
-    s.table.append(p, [token(5)])
+    s.table.append_token(child, token(4))
+    s.table.append_token(p, token(5))
     expect(child.output_text == "de" and p.output_text == "df", f"after the fork the child's text is "
            f"{child.output_text!r} and the parent's {p.output_text!r}, expected 'de' and 'df'", FORK_HINT)
     s.table.sequences["p.2"] = s.table.sequences["p"]      # a user's request may already be called "p.2"
