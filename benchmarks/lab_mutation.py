@@ -71,7 +71,7 @@ def stamp(lab) -> str:
     from nanoserve.labs import LAB_MODULES
     labs = Path(importlib.import_module("nanoserve.labs").__file__).parent
     files = [Path(importlib.import_module(LAB_MODULES[lab.name]).__file__), labs / "lab.py", labs / "drive.py",
-             labs / "common.py", labs / "mutate.py", Path(importlib.import_module(lab.module).__file__)]
+             labs / "common.py", ROOT / "nanoserve_labkit" / "mutate.py", Path(importlib.import_module(lab.module).__file__)]
     h = hashlib.sha256()
     for f in files:
         h.update(f.read_bytes())

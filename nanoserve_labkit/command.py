@@ -16,6 +16,7 @@ with exit code 2.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -49,14 +50,46 @@ def add_lab_parser(sub) -> argparse.ArgumentParser:
     grade.add_argument("--csv", default=None, metavar="FILE", help="(default: DIR/grades.csv)")
     grade.add_argument("--time-limit", type=float, default=None, metavar="S",
                        help="seconds each check may run (default: each check's own limit)")
+    cap = acts.add_parser("capstone", help="every part you wrote, at once, is the engine: judged against the "
+                                           "reference step by step (DIR holds your files from the labs)")
+    cap.add_argument("dir", metavar="DIR")
+    cap.add_argument("--model", default="tiny-llama", help="the model both engines run (default: tiny-llama)")
+    cap.add_argument("--time-limit", type=float, default=600.0, metavar="S",
+                     help="seconds one scenario may run with your engine (default: 600)")
+    cap.add_argument("--json", action="store_true", help="the report as one JSON object instead of the tables")
     return lab
+
+
+def lab_capstone(args) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from nanoserve.labs.capstone import SCENARIOS
+    from nanoserve_labkit.capstone import judge, table
+
+    if not Path(args.dir).is_dir():
+        raise FieldError("DIR", f"{args.dir} is not a folder (it holds your files from the labs)")
+    _check_limit(args.time_limit)
+    console = Console(stderr=args.json)
+    with Progress(console=console, transient=True, disable=args.json) as bar:
+        task = bar.add_task("scenarios", total=len(SCENARIOS))
+        report = judge(args.dir, args.model, time_limit_s=args.time_limit,
+                       progress=lambda name, result: bar.advance(task))
+    if args.json:
+        print(json.dumps(report.to_json()))
+    else:
+        for t in table(report):
+            console.print(t)
+        console.print(report.verdict())
+    return 0 if report.passed else 1
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
     # Triton on a CPU runs under its interpreter, which must be on before triton is first imported (loading a
     # model imports it); no lab needs compiled Triton, and the triton-decode lab's engine uses the interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    return {"list": lab_list, "start": lab_start, "check": lab_check, "grade": lab_grade}[args.lab_command](args)
+    return {"list": lab_list, "start": lab_start, "check": lab_check, "grade": lab_grade,
+            "capstone": lab_capstone}[args.lab_command](args)
 
 
 def lab_list(args) -> int:

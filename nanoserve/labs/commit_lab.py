@@ -580,6 +580,6 @@ n completions or beams, a beam pruned. Every other part of the engine is the ref
          "one the table finishes would then see every status finished and end the request while the table still "
          "holds the other: its output and its blocks would be lost."),
     ),
-    prerequisites="lesson 2 (the step) and lesson 5 (fork and copy-on-write)",
+    prerequisites="lesson 5 (fork and beam search); lesson 8 (stop strings)",
     minutes=50,
 )
