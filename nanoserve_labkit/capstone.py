@@ -68,6 +68,11 @@ class Report:
     folder: str
     parts: list[Part]
     scenarios: list[ScenarioResult] = field(default_factory=list)
+    rules: dict = field(default_factory=dict)        # lab -> (rows passed, rows, first failure) of its own rules
+
+    @property
+    def rules_hold(self) -> bool:
+        return all(passed == total for passed, total, _ in self.rules.values())
 
     @property
     def yours(self) -> list[str]:
@@ -79,8 +84,9 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        """Every part the student's, and every scenario the reference's, step for step."""
-        return self.matches and len(self.yours) == len(PARTS)
+        """Every part the student's and keeping its lab's rules, and every scenario the reference's, step for
+        step."""
+        return self.matches and self.rules_hold and len(self.yours) == len(PARTS)
 
     @property
     def throughput_ratio(self) -> float | None:
@@ -95,12 +101,18 @@ class Report:
         blamed = [s.name for s in self.scenarios if not s.passed and s.part == lab]
         if not mine:
             return "reference (not written yet)", "not yours: never a pass"
+        passed, total, text = self.rules.get(lab, (0, 0, ""))
+        if passed < total:
+            return "yours", f"its rules: {passed}/{total}; {text}"
         if blamed:
             return "yours", "most likely at fault in " + ", ".join(blamed)
         return "yours", "pass" if self.matches else "no difference traced to it"
 
     def verdict(self) -> str:
         n, total = len(self.yours), len(PARTS)
+        broken = [lab for lab, (p, t, _) in self.rules.items() if p < t]
+        if broken:
+            return f"capstone not passed: {broken[0]} breaks its lab's rules ({self.rules[broken[0]][2]})"
         failed = [s for s in self.scenarios if not s.passed]
         if failed:
             s = failed[0]
@@ -116,6 +128,7 @@ class Report:
         return {"folder": self.folder, "passed": self.passed, "verdict": self.verdict(),
                 "parts": {p.lab: {"file": str(p.path) if p.path else None, "status": self.part_status(p.lab)[1]}
                           for p in self.parts},
+                "rules": {lab: {"passed": p, "rows": t, "first_failure": x} for lab, (p, t, x) in self.rules.items()},
                 "scenarios": [{"name": s.name, "passed": s.passed, "detail": s.detail, "part": s.part,
                                "steps": s.steps} for s in self.scenarios],
                 "throughput_ratio": self.throughput_ratio}
@@ -212,68 +225,125 @@ def _fault(exc: BaseException, parts: list[Part]) -> tuple[str, str]:
     return " ".join(f"{type(exc).__name__}: {exc}".split())[:300], ""
 
 
-def judge(folder: str | Path, model: str = "tiny-llama", scenarios: tuple[str, ...] = SCENARIOS,
-          loopback: bool = False, time_limit_s: float = 600.0, progress=None) -> Report:
-    """Run every scenario with the student's engine (in the worker) and the reference (here); the report."""
-    from nanoserve.labs import get_lab
-    from nanoserve.models.loader import load_model
-    from nanoserve_labkit.run import LoadFailed, Session
-    from nanoserve_labkit.wire import ChannelBroken, Deadline
+_reference_runs: dict = {}   # (model, scenario, same attention path as paged-attention's) -> (run, seconds)
 
+
+def unit_rows(part: Part, loopback: bool = False, time_limit_s: float | None = None) -> tuple[int, int, str]:
+    """The part's lab's own rules (its checks that judge one function, not its engine runs: the scenarios
+    run the engine) on the student's file: (rows passed, rows, the first failure's text or "")."""
+    import dataclasses
+
+    from nanoserve.labs import get_lab
+    from nanoserve_labkit.run import run_checks
+    lab = get_lab(part.lab)
+    rows = tuple(c for c in lab.checks if c.function or c is lab.checks[0])
+    results = run_checks(dataclasses.replace(lab, checks=rows), part.path, time_limit_s, fail_fast=True,
+                         loopback=loopback)
+    first = next((r for r in results if not r.passed), None)
+    text = f"{first.check}: {first.detail}" if first is not None else ""
+    return sum(r.passed for r in results), len(rows), " ".join(text.split())[:300]
+
+
+class _Student:
+    """The student's engine in the lab's worker: one call per scenario, a JSON report back."""
+
+    def __init__(self, folder: Path, parts: list[Part], model: str, loopback: bool, time_limit_s: float) -> None:
+        from nanoserve.labs import get_lab
+        from nanoserve_labkit.run import Session
+        self.folder, self.parts, self.model, self.limit, self.loopback = folder, parts, model, time_limit_s, loopback
+        first = next(p for p in parts if p.path is not None)
+        self.first = first
+        self.session = Session(get_lab(first.lab), first.path, loopback, time_limit_s)
+
+    def run(self, name: str, without: tuple[str, ...] = ()) -> tuple[dict | None, ScenarioResult | None, float]:
+        """(report, None, seconds), or (None, the failure, seconds)."""
+        from nanoserve_labkit.run import LoadFailed
+        from nanoserve_labkit.wire import ChannelBroken, Deadline
+        session = self.session
+        t0 = time.perf_counter()
+        try:
+            session.start(self.limit)
+            session.ep.budget_s = None if self.loopback else self.limit
+            text = session.helper("nanoserve.labs.capstone:record_json_one", str(self.folder), name, self.model,
+                                  list(without))
+            return _plain(text), None, time.perf_counter() - t0
+        except LoadFailed as exc:
+            return None, ScenarioResult(name, False, str(exc), self.first.lab), 0.0
+        except Deadline:
+            session.stop()
+            return None, ScenarioResult(name, False, f"still running after {self.limit:g} s (stopped): a step that "
+                                        "never ends, or a livelock"), 0.0
+        except ChannelBroken as exc:
+            session.stop()
+            return None, ScenarioResult(name, False, f"the worker process ended ({exc})"), 0.0
+        except ValueError as exc:
+            return None, ScenarioResult(name, False, f"your engine's report: {exc}"), 0.0
+        except Exception as exc:   # noqa: BLE001 -- the student's engine raised: name file, line and part
+            text, part = _fault(exc, self.parts)
+            return None, ScenarioResult(name, False, text, part), 0.0
+        finally:
+            if session.ep is not None:
+                session.ep.budget_s = None
+
+    def stop(self) -> None:
+        self.session.stop()
+
+
+def _at_fault(student: _Student, name: str, want: dict, yours: list[str]) -> str:
+    """The one part whose replacement by the engine's own makes the scenario match ("" when no single one does)."""
+    for lab in yours:
+        got, failed, _ = student.run(name, (lab,))
+        if failed is None and compare(name, want, got, [p for p in yours if p != lab]).passed:
+            return lab
+    return ""
+
+
+def judge(folder: str | Path, model: str = "tiny-llama", scenarios: tuple[str, ...] = SCENARIOS,
+          loopback: bool = False, time_limit_s: float = 600.0, progress=None, fail_fast: bool = False,
+          rules: bool = True) -> Report:
+    """Each part's own rules, then every scenario with the student's engine (in the worker) and the reference
+    (here); the report. (The reference's runs are kept for the next folder: `lab grade` judges many.)"""
+    from nanoserve.models.loader import load_model
+
+    folder = Path(folder).resolve()
     parts = find_parts(folder)
     report = Report(str(folder), parts)
     yours = report.yours
+    for part in parts:
+        if part.path is not None and rules:
+            report.rules[part.lab] = unit_rows(part, loopback)
+            if progress is not None:
+                progress(part.lab, None)
     loaded = load_model(model)
     reference = reference_components(yours)
-    session = None
-    if yours:
-        first = next(p for p in parts if p.path is not None)
-        session = Session(get_lab(first.lab), first.path, loopback, time_limit_s)
+    student = _Student(folder, parts, model, loopback, time_limit_s) if yours else None
     try:
         for name in scenarios:
-            t0 = time.perf_counter()
-            want = run_scenario(name, reference, model, loaded)
-            ref_s = time.perf_counter() - t0
-            if session is None:               # nothing written yet: the reference against itself
-                got, seconds = want, ref_s
+            if fail_fast and (any(not r.passed for r in report.scenarios) or not report.rules_hold):
+                break
+            key = (model, name, "paged-attention" in yours)
+            if key not in _reference_runs:
+                t0 = time.perf_counter()
+                _reference_runs[key] = (run_scenario(name, reference, model, loaded), time.perf_counter() - t0)
+            want, ref_s = _reference_runs[key]
+            if student is None:               # nothing written yet: the reference against itself
+                result = compare(name, want, want, yours)
+                seconds = ref_s
             else:
-                try:
-                    session.start(time_limit_s)
-                    session.ep.budget_s = None if loopback else time_limit_s
-                    t0 = time.perf_counter()
-                    got = _plain(session.helper("nanoserve.labs.capstone:record_json_one", str(Path(folder).resolve()),
-                                                name, model))
-                    seconds = time.perf_counter() - t0
-                except LoadFailed as exc:
-                    report.scenarios.append(ScenarioResult(name, False, str(exc), first.lab))
-                    continue
-                except Deadline:
-                    session.stop()
-                    report.scenarios.append(ScenarioResult(name, False, f"still running after {time_limit_s:g} s "
-                                                           "(stopped): a step that never ends, or a livelock"))
-                    continue
-                except ChannelBroken as exc:
-                    session.stop()
-                    report.scenarios.append(ScenarioResult(name, False, f"the worker process ended ({exc})"))
-                    continue
-                except ValueError as exc:
-                    report.scenarios.append(ScenarioResult(name, False, f"your engine's report: {exc}"))
-                    continue
-                except Exception as exc:   # noqa: BLE001 -- the student's engine raised: name file, line and part
-                    text, part = _fault(exc, parts)
-                    report.scenarios.append(ScenarioResult(name, False, text, part))
-                    continue
-                finally:
-                    if session.ep is not None:
-                        session.ep.budget_s = None
-            result = compare(name, want, got, yours)
+                got, failed, seconds = student.run(name)
+                result = failed or compare(name, want, got, yours)
+                if not result.passed and len(yours) > 1:
+                    culprit = _at_fault(student, name, want, yours)
+                    if culprit:
+                        result.part = culprit
+                        result.detail += f" (with the engine's own {culprit} instead of yours, this scenario matches)"
             result.seconds, result.reference_seconds = seconds, ref_s
             report.scenarios.append(result)
             if progress is not None:
                 progress(name, result)
     finally:
-        if session is not None:
-            session.stop()
+        if student is not None:
+            student.stop()
     return report
 
 

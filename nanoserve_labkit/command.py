@@ -64,7 +64,7 @@ def lab_capstone(args) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from nanoserve.labs.capstone import SCENARIOS
+    from nanoserve.labs.capstone import PARTS, SCENARIOS
     from nanoserve_labkit.capstone import judge, table
 
     if not Path(args.dir).is_dir():
@@ -72,7 +72,7 @@ def lab_capstone(args) -> int:
     _check_limit(args.time_limit)
     console = Console(stderr=args.json)
     with Progress(console=console, transient=True, disable=args.json) as bar:
-        task = bar.add_task("scenarios", total=len(SCENARIOS))
+        task = bar.add_task("your parts' rules, then the scenarios", total=len(PARTS) + len(SCENARIOS))
         report = judge(args.dir, args.model, time_limit_s=args.time_limit,
                        progress=lambda name, result: bar.advance(task))
     if args.json:

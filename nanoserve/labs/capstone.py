@@ -99,9 +99,11 @@ def load_parts(parts: list[Part]) -> dict:
     return modules
 
 
-def folder_components(folder: str | Path):
-    """`--lab DIR`: the Components of every part in the capstone folder `folder`."""
-    return components(load_parts(find_parts(folder)))
+def folder_components(folder: str | Path, without: tuple[str, ...] = ()):
+    """`--lab DIR`: the Components of every part in the capstone folder `folder` (the labs in `without` run
+    the engine's own part: the judge finds the part at fault that way)."""
+    parts = [Part(p.lab, None) if p.lab in without else p for p in find_parts(folder)]
+    return components(load_parts(parts))
 
 
 # -- recording a scenario (the capstone's judge calls this in the lab's worker, next to the student's code) --
@@ -161,13 +163,15 @@ def run_scenario(name: str, components=None, model: str = "tiny-llama", loaded=N
 _built: dict = {}     # (folder, model) -> (Components, LoadedModel): built once per worker
 
 
-def record_json_one(folder: str, name: str, model: str = "tiny-llama") -> str:
-    """Scenario `name` run with the student's parts from `folder`, as JSON text (plain data: the judge reads
-    it in its own process and decides there)."""
+def record_json_one(folder: str, name: str, model: str = "tiny-llama", without: list[str] | tuple = ()) -> str:
+    """Scenario `name` run with the student's parts from `folder` (but those in `without`), as JSON text
+    (plain data: the judge reads it in its own process and decides there)."""
     import json
 
     from nanoserve.models.loader import load_model
-    if (folder, model) not in _built:
-        _built[folder, model] = (folder_components(folder), load_model(model))
-    comps, loaded = _built[folder, model]
+    key = (folder, model, tuple(without))
+    if key not in _built:
+        loaded = next((b[1] for k, b in _built.items() if k[1] == model), None) or load_model(model)
+        _built[key] = (folder_components(folder, tuple(without)), loaded)
+    comps, loaded = _built[key]
     return json.dumps(run_scenario(name, comps, model, loaded))
