@@ -52,13 +52,14 @@ def find_parts(folder: str | Path) -> list[Part]:
 
 def merged_scheduler(budget, preemption):
     """A Scheduler class with scheduler-budget's blanks from `budget` and preemption's from `preemption`
-    (either may be None: that lab's blanks are the engine's own)."""
+    (either may be None: that lab's blanks are the engine's own; each starter keeps the other lab's methods
+    as the engine wrote them)."""
     from nanoserve import scheduler as engine
     from nanoserve.labs import get_lab
     base = budget.Scheduler if budget is not None else engine.Scheduler
-    owner = preemption.Scheduler if preemption is not None else engine.Scheduler
-    if owner is base:
+    if preemption is None:      # (the scheduler-budget starter keeps the engine's own preemption methods)
         return base
+    owner = preemption.Scheduler
     taken = {q.split(".", 1)[1]: owner.__dict__[q.split(".", 1)[1]] for q in get_lab("preemption").blanks}
     return type("Scheduler", (base,), {**taken, "__doc__": base.__doc__, "__module__": base.__module__})
 
