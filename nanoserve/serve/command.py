@@ -101,7 +101,6 @@ def run_serve(args: argparse.Namespace) -> int:
         raise RuntimeError(f"`nanoserve serve` needs {exc.name}: pip install fastapi uvicorn prometheus-client "
                            "(they come with `pip install nanoserve`)") from None
     from nanoserve import EngineConfig, LLMEngine
-
     from nanoserve.labs.plug import components_from
 
     components = components_from(args.lab)    # a student's file that does not load fails here, before the port
