@@ -377,3 +377,27 @@ def table(report: Report):
         runs.add_row(s.name, str(s.steps), "same events, same outputs" if s.passed else
                      f"{s.detail}" + (f"\nmost likely: {s.part}" if s.part else ""))
     return parts, runs
+
+
+def html_page(report: Report) -> str:
+    """The report as one self-contained page a student can keep: parts, rules, scenarios, the verdict."""
+    from html import escape
+
+    def rows(items) -> str:
+        return "".join("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in row) + "</tr>" for row in items)
+
+    parts = rows((p.lab, p.path.name if p.path else "-", *report.part_status(p.lab)) for p in report.parts)
+    scen = rows((s.name, s.steps, "same events, same outputs" if s.passed else s.detail, s.part)
+                for s in report.scenarios)
+    ratio = report.throughput_ratio
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>nanoserve capstone</title>
+<style>body{{font-family:sans-serif;max-width:70em;margin:2em auto}}td,th{{border:1px solid #ccc;padding:.3em .6em;
+vertical-align:top}}table{{border-collapse:collapse;margin:1em 0}}</style></head><body>
+<h1>nanoserve capstone: {escape(report.folder)}</h1>
+<p><b>{escape(report.verdict())}</b></p>
+<h2>Parts</h2><table><tr><th>part</th><th>file</th><th>whose</th><th>result</th></tr>{parts}</table>
+<h2>Scenarios (your engine and the reference, step by step)</h2>
+<table><tr><th>scenario</th><th>steps</th><th>result</th><th>most likely</th></tr>{scen}</table>
+<p>Throughput: {f"{ratio:.2f}x the reference's" if ratio else "not measured"} (a report, not a condition).</p>
+</body></html>
+"""

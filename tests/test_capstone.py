@@ -18,7 +18,7 @@ from nanoserve.components import Components
 from nanoserve.labs import get_lab
 from nanoserve.labs.capstone import PARTS, find_parts, folder_components, merged_scheduler
 from nanoserve.labs.plug import components_from
-from nanoserve_labkit.capstone import judge
+from nanoserve_labkit.capstone import html_page, judge
 
 sys.path.insert(0, str(Path(__file__).parent / "lab_bugs"))
 from make import bug_source, specs  # noqa: E402
@@ -41,6 +41,8 @@ def test_the_engines_own_modules_pass(tmp_path):
     assert report.yours == list(PARTS) and all(p == t for p, t, _ in report.rules.values())
     assert all(report.part_status(lab) == ("yours", "pass") for lab in PARTS)
     assert report.verdict().startswith("capstone passed") and report.throughput_ratio > 0
+    page = html_page(report)
+    assert report.verdict() in page and all(f"<td>{lab}</td>" in page for lab in PARTS)
 
 
 def test_a_partial_capstone_is_never_a_pass(tmp_path):
@@ -94,3 +96,15 @@ def test_lab_dir_plugs_every_part(tmp_path):
     assert components_from([str(folder)]).replaced().keys() == replaced.keys()
     assert [p.lab for p in find_parts(folder)] == list(PARTS)
     assert isinstance(components_from([str(folder)]), Components)
+
+
+def test_lab_start_capstone_gathers_the_labs_done_here(tmp_path, monkeypatch, capsys):
+    from nanoserve.cli import main
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cow-fork").mkdir()
+    shutil.copy(importlib.import_module("nanoserve.kv_manager").__file__, tmp_path / "cow-fork" / "kv_manager.py")
+    assert main(["lab", "start", "capstone", "mine"]) == 0
+    out = capsys.readouterr().out
+    assert "your 1 part(s): cow-fork" in out and "step-commit" in out
+    assert [(p.lab, p.path is not None) for p in find_parts(tmp_path / "mine")][2] == ("cow-fork", True)
+    assert main(["lab", "start", "capstone", "mine"]) != 0      # nothing is overwritten
