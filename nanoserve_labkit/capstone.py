@@ -135,11 +135,11 @@ class Report:
 
 
 def same(a, b) -> bool:
-    """Equal, floats within float32 rounding (two attention paths may round the last bit differently; token
-    ids, block ids and every other integer must be exact)."""
+    """Equal, floats within float32 rounding over a forward (two attention paths sum in another order: on
+    SmolLM2 log-probs differ in the fifth digit); token ids, block ids and every other integer are exact."""
     if isinstance(a, float) or isinstance(b, float):
-        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-5,
-                                                                                             abs_tol=1e-6)
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-4,
+                                                                                             abs_tol=1e-5)
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, list) and isinstance(b, list):
