@@ -271,10 +271,11 @@ class _Student:
         from nanoserve_labkit.run import LoadFailed
         from nanoserve_labkit.wire import ChannelBroken, Deadline
         session = self.session
-        t0 = time.perf_counter()
         try:
             session.start(self.limit)
             session.ep.budget_s = None if self.loopback else self.limit
+            session.helper("nanoserve.labs.capstone:prepare", str(self.folder), self.model, list(without))
+            t0 = time.perf_counter()           # (the scenario alone: the worker's start and the model's load apart)
             text = session.helper("nanoserve.labs.capstone:record_json_one", str(self.folder), name, self.model,
                                   list(without))
             return _plain(text), None, time.perf_counter() - t0
@@ -315,8 +316,12 @@ def judge(folder: str | Path, model: str = "tiny-llama", scenarios: tuple[str, .
     """Each part's own rules, then every scenario with the student's engine (in the worker) and the reference
     (here); the report. (The reference's runs are kept for the next folder: `lab grade` judges many.)"""
     from nanoserve.models.loader import load_model
+    from nanoserve.models.resolve import TINY_MODELS, resolve_model_path
 
     folder = Path(folder).resolve()
+    # A real model is read from its converted folder, here and in the worker (whose HOME is its scratch
+    # folder: converting there again would be slow, and the worker may not write a file that large).
+    model = model if model in TINY_MODELS else resolve_model_path(model)
     parts = find_parts(folder)
     report = Report(str(folder), parts)
     yours = report.yours

@@ -148,7 +148,9 @@ def run_scenario(name: str, components=None, model: str = "tiny-llama", loaded=N
     outputs: dict = {}
     steps = tokens = 0
     with runner.engine:
-        runner.engine.subscribe(lambda e: events.append(untimed(event_to_dict(e))))
+        ran = []                   # the Implementation line of the engine that ran (reported, not compared)
+        runner.engine.subscribe(lambda e: (ran or ran.append(event_to_dict(e).get("implementation")),
+                                           events.append(untimed(event_to_dict(e)))))
         start = time.perf_counter()
         while not runner.done and steps < max_steps:
             result = runner.step()
@@ -158,21 +160,26 @@ def run_scenario(name: str, components=None, model: str = "tiny-llama", loaded=N
                 if out.finished:
                     outputs[out.request_id] = [[list(c.token_ids), c.text, c.finish_reason] for c in out.outputs]
         seconds = time.perf_counter() - start
-    return {"events": events, "outputs": outputs, "steps": steps, "tokens": tokens, "seconds": seconds}
+    return {"events": events, "outputs": outputs, "steps": steps, "tokens": tokens, "seconds": seconds,
+            "implementation": ran[0] if ran else None}
 
 
 _built: dict = {}     # (folder, model) -> (Components, LoadedModel): built once per worker
+
+
+def prepare(folder: str, model: str = "tiny-llama", without: list[str] | tuple = ()) -> None:
+    """Load the student's parts and the model once per worker (the judge calls this before timing a scenario)."""
+    from nanoserve.models.loader import load_model
+    key = (folder, model, tuple(without))
+    if key not in _built:
+        loaded = next((b[1] for k, b in _built.items() if k[1] == model), None) or load_model(model)
+        _built[key] = (folder_components(folder, tuple(without)), loaded)
 
 
 def record_json_one(folder: str, name: str, model: str = "tiny-llama", without: list[str] | tuple = ()) -> str:
     """Scenario `name` run with the student's parts from `folder` (but those in `without`), as JSON text
     (plain data: the judge reads it in its own process and decides there)."""
     import json
-
-    from nanoserve.models.loader import load_model
-    key = (folder, model, tuple(without))
-    if key not in _built:
-        loaded = next((b[1] for k, b in _built.items() if k[1] == model), None) or load_model(model)
-        _built[key] = (folder_components(folder, tuple(without)), loaded)
-    comps, loaded = _built[key]
+    prepare(folder, model, without)
+    comps, loaded = _built[folder, model, tuple(without)]
     return json.dumps(run_scenario(name, comps, model, loaded))
