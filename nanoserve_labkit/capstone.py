@@ -355,6 +355,9 @@ def judge(folder: str | Path, model: str = "tiny-llama", scenarios: tuple[str, .
                         result.detail += f" (with the engine's own {culprit} instead of yours, this scenario matches)"
             result.seconds, result.reference_seconds = seconds, ref_s
             report.scenarios.append(result)
+            if student is not None and model not in TINY_MODELS:
+                student.stop()      # a fresh worker for the next scenario: a real model's engines stay well
+                #                     inside the worker's address-space limit one at a time
             if progress is not None:
                 progress(name, result)
     finally:
