@@ -264,6 +264,7 @@ class _Student:
         self.folder, self.parts, self.model, self.limit, self.loopback = folder, parts, model, time_limit_s, loopback
         first = next(p for p in parts if p.path is not None)
         self.first = first
+        self.yours = [p.lab for p in parts if p.path is not None]
         self.session = Session(get_lab(first.lab), first.path, loopback, time_limit_s)
 
     def run(self, name: str, without: tuple[str, ...] = ()) -> tuple[dict | None, ScenarioResult | None, float]:
@@ -297,8 +298,66 @@ class _Student:
             if session.ep is not None:
                 session.ep.budget_s = None
 
+    def greedy(self, prompts: list[list[int]], max_tokens: int) -> tuple[list | None, ScenarioResult | None]:
+        """The student's engine's greedy tokens for `prompts` (or the failure as a result row)."""
+        from nanoserve_labkit.wire import ChannelBroken, Deadline
+        session = self.session
+        try:
+            session.start(self.limit)
+            session.ep.budget_s = None if self.loopback else self.limit
+            got = json.loads(session.helper("nanoserve.labs.capstone:greedy_json", str(self.folder), self.model,
+                                            prompts, max_tokens))
+            if not (isinstance(got, list) and len(got) == len(prompts)):
+                raise ValueError("the worker's greedy tokens are not one list per prompt")
+            return got, None
+        except (Deadline, ChannelBroken) as exc:
+            session.stop()
+            return None, ScenarioResult(PARITY, False, f"the worker stopped ({type(exc).__name__})")
+        except Exception as exc:   # noqa: BLE001 -- the student's engine raised
+            text, part = _fault(exc, self.parts)
+            return None, ScenarioResult(PARITY, False, text, part)
+        finally:
+            if session.ep is not None:
+                session.ep.budget_s = None
+
     def stop(self) -> None:
         self.session.stop()
+
+
+PARITY = "greedy = Hugging Face"
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Hugging Face `generate`'s greedy tokens for each prompt on the same weights (float32, one at a time)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                              min_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+            out.append(gen[0, len(p):].tolist())
+    return out
+
+
+def parity(student: _Student, model: str, loaded) -> ScenarioResult:
+    """The student's engine's greedy tokens against Hugging Face's on the same weights (a real model only)."""
+    from nanoserve.labs.capstone import parity_prompts
+    max_tokens = 12
+    prompts = parity_prompts(loaded.model.config.vocab_size)
+    want = hf_greedy(model, prompts, max_tokens)
+    got, failed = student.greedy(prompts, max_tokens)
+    if failed is not None:
+        return failed
+    for i, (w, g) in enumerate(zip(want, got)):
+        if w != g:
+            k = next((j for j, (a, b) in enumerate(zip(w, g or [])) if a != b), 0)
+            return ScenarioResult(PARITY, False, f"prompt {i} ({len(prompts[i])} tokens), token {k}: your engine "
+                                  f"{(g or [None])[k:k + 3]}, Hugging Face {w[k:k + 3]}",
+                                  "paged-attention" if "paged-attention" in student.yours else "")
+    return ScenarioResult(PARITY, True, steps=len(prompts))
 
 
 def _at_fault(student: _Student, name: str, want: dict, yours: list[str]) -> str:
@@ -360,6 +419,10 @@ def judge(folder: str | Path, model: str = "tiny-llama", scenarios: tuple[str, .
                 #                     inside the worker's address-space limit one at a time
             if progress is not None:
                 progress(name, result)
+        if student is not None and model not in TINY_MODELS and not (fail_fast and not report.matches):
+            report.scenarios.append(parity(student, model, loaded))
+            if progress is not None:
+                progress(PARITY, report.scenarios[-1])
     finally:
         if student is not None:
             student.stop()
@@ -382,7 +445,8 @@ def table(report: Report):
     for col in ("scenario", "steps", "result"):
         runs.add_column(col, overflow="fold")
     for s in report.scenarios:
-        runs.add_row(s.name, str(s.steps), "same events, same outputs" if s.passed else
+        same = "the same greedy tokens" if s.name == PARITY else "same events, same outputs"
+        runs.add_row(s.name, str(s.steps), same if s.passed else
                      f"{s.detail}" + (f"\nmost likely: {s.part}" if s.part else ""))
     return parts, runs
 

@@ -109,3 +109,19 @@ def test_lab_start_capstone_gathers_the_labs_done_here(tmp_path, monkeypatch, ca
     assert "your 1 part(s): cow-fork" in out and "step-commit" in out
     assert [(p.lab, p.path is not None) for p in find_parts(tmp_path / "mine")][2] == ("cow-fork", True)
     assert main(["lab", "start", "capstone", "mine"]) != 0      # nothing is overwritten
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_equals_hugging_face_and_a_wrong_attention_does_not(tmp_path):
+    from nanoserve_labkit.capstone import PARITY
+    (tmp_path / "good").mkdir()
+    folder = reference_folder(tmp_path / "good")
+    report = judge(folder, model="smollm2", loopback=True, scenarios=(), rules=False)
+    assert [(s.name, s.passed) for s in report.scenarios] == [(PARITY, True)], report.scenarios
+    lab = get_lab("paged-attention")
+    (tmp_path / "bad").mkdir()
+    bad = reference_folder(tmp_path / "bad")
+    (bad / lab.file_name).write_text(bug_source(lab, bug("paged-attention", "stores_k_only")))
+    report = judge(bad, model="smollm2", loopback=True, scenarios=(), rules=False)
+    row = report.scenarios[-1]
+    assert row.name == PARITY and not row.passed and row.part == "paged-attention", row

@@ -183,3 +183,33 @@ def record_json_one(folder: str, name: str, model: str = "tiny-llama", without: 
     prepare(folder, model, without)
     comps, loaded = _built[folder, model, tuple(without)]
     return json.dumps(run_scenario(name, comps, model, loaded))
+
+
+def parity_prompts(vocab: int, n: int = 8, seed: int = 0) -> list[list[int]]:
+    """Token-id prompts of mixed lengths (short ones, and ones that span several blocks and chunks)."""
+    import random
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for length in (1, 3, 8, 17, 31, 47, 60, 71)[:n]]
+
+
+def greedy_json(folder: str, model: str, prompts: list[list[int]], max_tokens: int) -> str:
+    """The student's engine's greedy tokens for `prompts`, all in one batch (chunked, preempting), as JSON."""
+    import json
+
+    from nanoserve.config import EngineConfig
+    from nanoserve.engine import LLMEngine
+    from nanoserve.sampling_params import SamplingParams
+    prepare(folder, model)
+    comps, loaded = _built[folder, model, ()]
+    engine = LLMEngine(EngineConfig(model=model, block_size=8, num_blocks=48, max_num_batched_tokens=64),
+                       loaded=loaded, components=comps)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), list(p), params)
+    done: dict[str, list[int]] = {}
+    with engine:
+        while engine.has_unfinished_requests():
+            for out in engine.step().outputs:
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+    return json.dumps([done.get(str(i)) for i in range(len(prompts))])
