@@ -53,9 +53,9 @@ SCENARIO_ENGINE = "settings over the scenario's (EngineConfig fields; engine_fla
 
 
 def add_lab_option(parser) -> None:
-    parser.add_argument("--lab", action="append", default=None, metavar="NAME=FILE",
-                        help="run the engine with your solution of a lab, e.g. block-pool=block_pool.py "
-                             "(repeatable; see `nanoserve lab list`)")
+    parser.add_argument("--lab", action="append", default=None, metavar="NAME=FILE|DIR",
+                        help="run the engine with your solution of a lab, e.g. block-pool=block_pool.py, or with "
+                             "every part in your capstone folder DIR (repeatable; see `nanoserve lab list`)")
 
 
 def add_threads(parser: argparse.ArgumentParser) -> None:

@@ -22,6 +22,8 @@ the other stop conditions (EOS, stop ids, max_tokens).
 
 from __future__ import annotations
 
+import copy
+
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -37,6 +39,10 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0   # the decode window starts at this token ...
         self.read_offset = 0     # ... and the tokens before this one are already in `text`
         self.stop_floor = 0      # a stop string must end after this many characters (text before min_tokens)
+
+    def fork(self) -> IncrementalDetokenizer:
+        """A copy at the same point, for a forked sequence (its text goes on from here on its own)."""
+        return copy.copy(self)   # plain state: a shallow copy
 
     def _new_text(self, ids: list[int]) -> str:
         """Text added by the tokens from read_offset on ("" while a character is incomplete)."""

@@ -35,7 +35,6 @@ With structured output the token also advances the sequence's grammar matcher
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable
 
@@ -142,7 +141,7 @@ class RequestTable:
         self.scheduler.running.append(child)
         request.seqs.append(child)
         self.sequences[child_id] = child
-        self.detokenizers[child_id] = copy.copy(self.detokenizers[parent.seq_id])   # plain state: a shallow copy
+        self.detokenizers[child_id] = self.detokenizers[parent.seq_id].fork()
         return child
 
     def prune(self, seq: Sequence) -> RequestOutput:

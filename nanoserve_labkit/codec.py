@@ -33,6 +33,13 @@ ALLOWED = {
     "nanoserve.sampling_params": {"SamplingParams"},
     "nanoserve.config": {"EngineConfig"},
     "nanoserve.events": {"StepClock"},
+    "nanoserve.request": {"Request"},                       # the step-commit lab: the request table's rows
+    "nanoserve.intake": {"PreparedRequest"},
+    "nanoserve.detokenizer": {"IncrementalDetokenizer"},
+    "nanoserve.outputs": {"RequestOutput", "CompletionOutput", "RequestMetrics"},
+    "nanoserve.sampler": {"SampledToken"},
+    "nanoserve.structured_output": {"SequenceGrammar", "MaskInfo"},
+    "nanoserve.labs.commit_lab": {"Letters", "Grammar", "Proposer"},
 }
 SAFE_ERRORS = {e.__name__: e for e in (
     ValueError, IndexError, KeyError, TypeError, AttributeError, MemoryError, NotImplementedError, RuntimeError,

@@ -17,6 +17,7 @@ with exit code 2.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 from pathlib import Path
@@ -31,7 +32,8 @@ def add_lab_parser(sub) -> argparse.ArgumentParser:
                                      "your file plugged in and prints what passes, with hints.")
     acts = lab.add_subparsers(dest="lab_command", metavar="ACTION", required=True)
     acts.add_parser("list", help="the labs: what you implement, prerequisites, rough time")
-    start = acts.add_parser("start", help="write a lab's starter file and README into DIR")
+    start = acts.add_parser("start", help="write a lab's starter file and README into DIR (NAME capstone: a "
+                                          "capstone folder of the labs you have done here)")
     start.add_argument("name", metavar="NAME")
     start.add_argument("dir", nargs="?", default=None, metavar="DIR", help="(default: ./NAME)")
     start.add_argument("--mode", choices=("guided", "design"), default="guided",
@@ -45,20 +47,130 @@ def add_lab_parser(sub) -> argparse.ArgumentParser:
                        help="seconds each check may run (default: each check's own limit)")
     check.add_argument("--fail-fast", action="store_true", help="stop at the first check that does not pass")
     check.add_argument("--json", action="store_true", help="one JSON object per check instead of the table")
-    grade = acts.add_parser("grade", help="check every .py file in DIR; a table and DIR/grades.csv")
+    grade = acts.add_parser("grade", help="check every .py file in DIR; a table and DIR/grades.csv (NAME capstone: "
+                                          "every folder in DIR is a student's capstone)")
     grade.add_argument("name", metavar="NAME")
     grade.add_argument("dir", metavar="DIR")
     grade.add_argument("--csv", default=None, metavar="FILE", help="(default: DIR/grades.csv)")
     grade.add_argument("--time-limit", type=float, default=None, metavar="S",
                        help="seconds each check may run (default: each check's own limit)")
+    cap = acts.add_parser("capstone", help="every part you wrote, at once, is the engine: judged against the "
+                                           "reference step by step (DIR holds your files from the labs)")
+    cap.add_argument("dir", metavar="DIR")
+    cap.add_argument("--model", default="tiny-llama", help="the model both engines run (default: tiny-llama)")
+    cap.add_argument("--time-limit", type=float, default=600.0, metavar="S",
+                     help="seconds one scenario may run with your engine (default: 600)")
+    cap.add_argument("--json", action="store_true", help="the report as one JSON object instead of the tables")
+    cap.add_argument("--html", default=None, metavar="FILE", help="also write the report as a page to keep")
     return lab
+
+
+def lab_capstone(args) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from nanoserve.labs.capstone import PARTS, SCENARIOS
+    from nanoserve_labkit.capstone import judge, table
+
+    if not Path(args.dir).is_dir():
+        raise FieldError("DIR", f"{args.dir} is not a folder (it holds your files from the labs)")
+    _check_limit(args.time_limit)
+    console = Console(stderr=args.json)
+    with Progress(console=console, transient=True, disable=args.json) as bar:
+        task = bar.add_task("your parts' rules, then the scenarios", total=len(PARTS) + len(SCENARIOS))
+        report = judge(args.dir, args.model, time_limit_s=args.time_limit,
+                       progress=lambda name, result: bar.advance(task))
+    if args.json:
+        print(json.dumps(report.to_json()))
+    else:
+        for t in table(report):
+            console.print(t)
+        console.print(report.verdict())
+    if args.html:
+        from nanoserve_labkit.capstone import html_page
+        Path(args.html).write_text(html_page(report))
+        console.print(f"nanoserve: wrote {args.html}")
+    return 0 if report.passed else 1
+
+
+def capstone_start(args) -> int:
+    """`lab start capstone [DIR]`: a capstone folder made of the labs done here (./LAB/FILE, as `lab start`
+    writes them); the parts not written yet are listed (they will run the reference)."""
+    import shutil
+
+    from nanoserve.labs import get_lab
+    from nanoserve.labs.capstone import PARTS
+
+    folder = Path(args.dir if args.dir is not None else "capstone")
+    if folder.exists() and any(folder.iterdir()):
+        raise FieldError("DIR", f"{folder} exists and is not empty; nothing was overwritten (pick another DIR)")
+    found, missing = [], []
+    for name in PARTS:
+        lab = get_lab(name)
+        source = Path(name) / lab.file_name
+        if source.is_file():
+            (folder / name).mkdir(parents=True, exist_ok=True)
+            shutil.copy(source, folder / name / lab.file_name)
+            found.append(name)
+        else:
+            missing.append(name)
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"nanoserve: {folder} holds your {len(found)} part(s): {', '.join(found) or 'none yet'}")
+    if missing:
+        print(f"not written yet (the reference's part runs, marked so): {', '.join(missing)}; "
+              f"start one with  nanoserve lab start NAME")
+    print(f"next: nanoserve lab capstone {folder}")
+    return 0
+
+
+def capstone_grade(args) -> int:
+    """`lab grade capstone DIR`: every folder in DIR is one student's capstone; a table and a CSV."""
+    import csv
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from nanoserve_labkit.capstone import judge
+
+    root = Path(args.dir)
+    if not root.is_dir():
+        raise FieldError("DIR", f"{root} is not a folder of capstone folders")
+    folders = sorted(p for p in root.iterdir() if p.is_dir())
+    if not folders:
+        raise FieldError("DIR", f"{root} holds no folders (one capstone folder per student)")
+    console = Console(stderr=True)
+    rows = []
+    for folder in folders:
+        console.print(f"judging {folder.name} ...")
+        report = judge(folder, time_limit_s=args.time_limit or 600.0)
+        ratio = report.throughput_ratio
+        rows.append({"submission": folder.name, "parts_yours": len(report.yours),
+                     "rules_held": sum(p == t for p, t, _ in report.rules.values()),
+                     "scenarios_passed": sum(s.passed for s in report.scenarios),
+                     "scenarios": len(report.scenarios), "passed": report.passed,
+                     "throughput_ratio": f"{ratio:.2f}" if ratio else "", "verdict": report.verdict()})
+    out = Path(args.csv) if args.csv else root / "grades.csv"
+    with open(out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    table = Table(title=f"capstone grades: {root}")
+    for col in ("submission", "parts yours", "scenarios", "verdict"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        table.add_row(r["submission"], str(r["parts_yours"]), f"{r['scenarios_passed']}/{r['scenarios']}",
+                      r["verdict"])
+    Console().print(table)
+    print(f"nanoserve: wrote {out}")
+    return 0
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
     # Triton on a CPU runs under its interpreter, which must be on before triton is first imported (loading a
     # model imports it); no lab needs compiled Triton, and the triton-decode lab's engine uses the interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    return {"list": lab_list, "start": lab_start, "check": lab_check, "grade": lab_grade}[args.lab_command](args)
+    return {"list": lab_list, "start": lab_start, "check": lab_check, "grade": lab_grade,
+            "capstone": lab_capstone}[args.lab_command](args)
 
 
 def lab_list(args) -> int:
@@ -96,6 +208,9 @@ def readme(lab, mode: str = "guided", path: Path | None = None) -> str:
 def lab_start(args) -> int:
     from nanoserve.labs import get_lab
     from nanoserve.labs.starter import starter_source
+
+    if args.name == "capstone":
+        return capstone_start(args)
 
     lab = get_lab(args.name)
     folder = Path(args.dir if args.dir is not None else args.name)
@@ -175,6 +290,9 @@ def _check_limit(seconds: float | None) -> None:
 def lab_grade(args) -> int:
     from rich.console import Console
     from rich.progress import track
+
+    if args.name == "capstone":
+        return capstone_grade(args)
 
     from nanoserve.labs import get_lab
     from nanoserve_labkit.blanks import identical

@@ -15,7 +15,8 @@ the mutation tool, the `nanoserve lab` command) is its own package,
     plug.py       `--lab NAME=FILE` on generate, record and tui; a failed step explained for the TUI
     common.py     the check every lab shares (signatures)
     *_lab.py      one module per lab: block_pool, radix_cache, cow_fork, scheduler (budget),
-                  preemption, rejection (sampling), paged_attention, triton (decode)
+                  preemption, rejection (sampling), paged_attention, triton (decode), commit (the step's)
+    capstone.py   every lab's part at once as one engine (`--lab DIR`, `nanoserve lab capstone`)
     triton_kernels.py  the triton-decode lab's kernels around a student's step (built in the worker)
     triton_fold.py     its probe kernels: one step, and a fold over a few tiles (a file: GPU targets compile it)
 """
@@ -36,6 +37,7 @@ LAB_MODULES = {
     "preemption": "nanoserve.labs.preemption_lab",
     "paged-attention": "nanoserve.labs.paged_attention_lab",
     "triton-decode": "nanoserve.labs.triton_lab",
+    "step-commit": "nanoserve.labs.commit_lab",
 }
 
 

@@ -2,6 +2,7 @@
 
     nanoserve tui --lab block-pool=block-pool/block_pool.py
     nanoserve generate --lab radix-cache=radix_cache.py --lab cow-fork=kv_manager.py "Hello"
+    nanoserve serve --lab capstone/          # a capstone folder: every lab's part at once (labs/capstone.py)
 
 Each option loads the file, checks that its functions keep the engine's
 signatures, and puts the lab's component into one `Components` record
@@ -13,6 +14,7 @@ so a leak or a broken count pauses the run at the step it happens.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from nanoserve.errors import FieldError
 
@@ -28,6 +30,14 @@ def components_from(specs: list[str] | None):
 
     replaced: dict = {}
     for spec in specs:
+        if "=" not in spec and Path(spec).is_dir():    # a capstone folder: every lab's part at once
+            from nanoserve.labs.capstone import folder_components
+            part = folder_components(spec).replaced()
+            clash = set(part) & set(replaced)
+            if clash:
+                raise FieldError("lab", f"two labs replace the same part ({', '.join(sorted(clash))})")
+            replaced.update(part)
+            continue
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise FieldError("lab", f"takes NAME=FILE, e.g. block-pool=block_pool.py; got {spec!r}")

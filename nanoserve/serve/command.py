@@ -42,6 +42,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--step-delay", type=float, default=0.0,
                    help="seconds to rest after each step, so a classroom can follow (default: %(default)s)")
     p.add_argument("--record", default=None, metavar="FILE", help="write every event to this JSONL trace")
+    p.add_argument("--lab", action="append", default=None, metavar="NAME=FILE|DIR",
+                   help="serve with your solution of a lab (NAME=FILE), or with every part in your capstone "
+                        "folder DIR (repeatable; see `nanoserve lab list`)")
     p.add_argument("--max-request-bytes", type=int, default=MAX_BODY_BYTES, metavar="N",
                    help="largest request body; larger ones get HTTP 413 (default: %(default)s)")
     add_engine_flags(p.add_argument_group("engine", "settings of the engine (EngineConfig fields)"), own=("model",))
@@ -80,7 +83,9 @@ def run_serve(args: argparse.Namespace) -> int:
         raise RuntimeError(f"`nanoserve serve` needs {exc.name}: pip install fastapi uvicorn prometheus-client "
                            "(they come with `pip install nanoserve`)") from None
     from nanoserve import EngineConfig, LLMEngine
+    from nanoserve.labs.plug import components_from
 
+    components = components_from(args.lab)    # a student's file that does not load fails here, before the port
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     config = EngineConfig(**engine_settings(args), model=args.model)
     try:   # bind first: a port in use should not cost a model load
@@ -88,7 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     raise_open_file_limit()   # each connection is an open file: as many as the system allows
-    engine = LLMEngine(config)
+    engine = LLMEngine(config, components=components)
     app = build_app(engine, model_name=args.served_model_name, api_key=api_key, max_waiting=args.max_waiting,
                     step_delay=args.step_delay, record=args.record, max_request_bytes=args.max_request_bytes)
     url = f"http://{args.host}:{sock.getsockname()[1]}"
