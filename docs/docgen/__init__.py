@@ -52,7 +52,7 @@ class Job:
 
 JOBS = [
     Job("traces", "traces", slow=True, about="traces/*.jsonl: every scenario recorded once on SmolLM2 (the "
-        "reading path), which the scenarios, web and screens jobs replay"),
+        "reading path), which the scenarios, web and screens jobs replay; lesson 4's workload, which memory replays"),
     Job("home", "home", about="index.md and getting-started.md's `implementation`: on tiny-llama"),
     Job("step", "step", about="concepts/step.md: lesson 1's runs, events of two steps, a slot table"),
     Job("scenarios", "scenarios", about="tui.md and classroom.md: facts from the recorded scenarios, "
