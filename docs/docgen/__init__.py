@@ -52,8 +52,8 @@ class Job:
 
 JOBS = [
     Job("traces", "traces", slow=True, about="traces/*.jsonl: every scenario recorded once on SmolLM2 (the "
-        "reading path), which the scenarios, web and screens jobs replay"),
-    Job("home", "home", about="index.md and getting-started.md: REPL sessions on tiny-llama"),
+        "reading path), which the scenarios, web and screens jobs replay; lesson 4's workload, which memory replays"),
+    Job("home", "home", about="index.md and getting-started.md's `implementation`: on tiny-llama"),
     Job("step", "step", about="concepts/step.md: lesson 1's runs, events of two steps, a slot table"),
     Job("scenarios", "scenarios", about="tui.md and classroom.md: facts from the recorded scenarios, "
                                          "memory-pressure pictures"),
@@ -70,6 +70,7 @@ JOBS = [
     Job("distributed", "distributed", slow=True, about="tp-split.svg and tui-disaggregated.svg: a tensor-parallel "
                                              "engine's shards, a disaggregated run's decode side"),
     Job("cli", "cli", slow=True, about="getting-started.md: the CLI on SmolLM2"),
+    Job("repl", "repl", slow=True, about="getting-started.md: REPL sessions on SmolLM2 (the reading path)"),
     Job("web", "web", slow=True, about="replay/memory-pressure.html (the home page's replay), web-*.png: the "
         "replay page and `nanoserve web` in Chromium"),
     Job("screens", "screens", slow=True, about="tui-*.svg: the TUI's own screenshots of each scenario"),

@@ -5,7 +5,8 @@
   request of a tensor-parallel engine (`docs/img/make_distributed_pictures.py`
   owns the workload);
 * `tui-disaggregated.svg`: the TUI replaying the decode side of a
-  disaggregated run, one step after the second KV handoff arrived.
+  disaggregated run on SmolLM2 (the reading path), one step after the second
+  KV handoff arrived.
 
 The tensor-parallel TUI screenshot is the `screens` job's (the
 `tensor-parallel` scenario). Both workloads start worker processes (gloo).
@@ -40,7 +41,9 @@ def make(read) -> Result:
     out.files["docs/img/tp-split.svg"] = graphviz_svg(script.split_source())
     with tempfile.TemporaryDirectory() as tmp:
         trace, svg = Path(tmp) / "tui-disaggregated.jsonl", Path(tmp) / "tui-disaggregated.svg"
-        script.record_disaggregated(trace)
+        # readable questions and answers ("Q: What is 2+2?" / " 4"), the same tokens on every CPU
+        script.record_disaggregated(trace, "smollm2", system="Short answers only.\n\n", form="Q: {}\nA:",
+                                    path="reading")
         arrived = [e.step for e in read_trace(trace) if isinstance(e, ev.KVTransferred)]
         asyncio.run(shoot(trace, arrived[1] + 1, (160, 50), svg))
         out.files["docs/img/tui-disaggregated.svg"] = svg.read_bytes()

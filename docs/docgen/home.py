@@ -1,4 +1,7 @@
-"""The home page and Getting started: REPL sessions on tiny-llama, run as the page shows them.
+"""The home page and Getting started's `implementation` session: on tiny-llama, run as the pages show them.
+
+(The home page's example prints no generated text, so a random model serves; Getting started's
+REPL sessions, which do, run SmolLM2 in the slow `repl` job, docgen/repl.py.)
 
 The code comes from the pages' own ```python / ```pycon blocks; this job runs
 it, rewrites the output, and derives the facts the prose around it states
@@ -46,43 +49,13 @@ def home(read, out: Result) -> None:
     out.facts(page, "home", {"num_lessons": sizes.number(len(sizes.lessons()))})
 
 
-def getting_started(read, out: Result) -> None:
-    page = "getting-started.md"
-    bodies = regions.regions(read(page))
-    ns: dict = {}
-    for name in ("gs.first", "gs.step"):
-        out.region(page, name, session.session_region(bodies[name], ns))
-    engine = ns["engine"]
-    r1 = _request(engine, "r1")
-    assert r1["num_output_tokens"] == 1 and r1["num_computed_tokens"] == r1["num_prompt_tokens"]
-    cached = sorted(b for n in engine.snapshot()["radix"]["nodes"] for b in n["block_ids"])
-    assert cached == r1["block_table"], "the prose says the cache holds exactly r1's prompt blocks"
-    out.facts(page, "gs.after1", {
-        "r1_prompt": r1["num_prompt_tokens"], "r1_table": _ranges(r1["block_table"]),
-        "r1_blocks": len(r1["block_table"]),
-    })
-
-    out.region(page, "gs.loop", session.session_region(bodies["gs.loop"], ns))
-    freed = [e for e in ns["result"].events if type(e).__name__ == "BlocksFreed"]
-    assert len(freed) == 1 and freed[0].seq_id == "r1", "the prose reads the last step's one BlocksFreed"
-    kept = [b for b in freed[0].block_ids if b not in freed[0].released]
-    radix = engine.snapshot()["radix"]["nodes"]
-    tree_blocks = {b for n in radix for b in n["block_ids"]}
-    assert set(kept) <= tree_blocks, "the blocks that stayed are the tree's"
-    assert all(n["lock_count"] == 0 for n in radix), "nothing runs: every cached block is evictable"
-    out.facts(page, "gs.last", {
-        "table": f"`{freed[0].block_ids}`", "released": f"`{freed[0].released}`",
-        "kept": _ranges(sorted(kept)), "num_cached": len(tree_blocks),
-        "step": freed[0].step,
-    })
-
-    ns2: dict = {}
-    out.region(page, "gs.llm", session.session_region(bodies["gs.llm"], ns2))
-    out.region(page, "gs.paths", session.session_region(bodies["gs.paths"], {}))
+def paths(read, out: Result) -> None:
+    """Getting started's `implementation` session: which code runs (tiny-llama: no text is shown)."""
+    out.region("getting-started.md", "gs.paths", session.session_region(regions.regions(read("getting-started.md"))["gs.paths"], {}))
 
 
 def make(read) -> Result:
     out = Result()
     home(read, out)
-    getting_started(read, out)
+    paths(read, out)
     return out

@@ -27,9 +27,18 @@ PREFIX, FORK, PREEMPT = "concepts/prefix-cache.md", "concepts/fork.md", "concept
 class Camera:
     """Folds an engine's events into a view state; after step s keeps the states `steps` asks for."""
 
-    def __init__(self, engine: LLMEngine, steps: set[int]) -> None:
+    def __init__(self, engine: LLMEngine | None, steps: set[int]) -> None:
         self.state, self.steps, self.states, self.events = None, steps, {}, []
-        engine.subscribe(self.on_event)
+        if engine is not None:
+            engine.subscribe(self.on_event)
+
+    @classmethod
+    def replay(cls, events, steps: set[int]) -> Camera:
+        """The same camera, fed a recorded run's events (a shipped trace) instead of a live engine's."""
+        camera = cls(None, steps)
+        for event in events:
+            camera.on_event(event)
+        return camera
 
     def on_event(self, event) -> None:
         self.state = fold(self.state, event)
@@ -64,20 +73,37 @@ def prefill_tokens(events) -> int:
 
 
 # -- lesson 4: the prefix cache ---------------------------------------------------------------
+# Lesson 4's workload, recorded once on SmolLM2 (the reading path) by the `traces` job into
+# docs/traces/lesson4-prefix-cache{,-off}.jsonl, so the radix tree shows readable questions and answers;
+# this job replays those traces (no model, and the same on every CPU).
 SYSTEM = "You are a helpful assistant. Answer briefly and politely. "
 QUESTIONS = ["What is 2+2?", "Name a colour.", "Say hello.", "Count to 3.", "Pick a fruit."]
+PC_BLOCK = 4        # SmolLM2 spends few tokens on SYSTEM (11 are shared): blocks of 4 give it a node of its own
+PREFIX_TRACES = {True: "lesson4-prefix-cache", False: "lesson4-prefix-cache-off"}
+
+
+def record_prefix_cache(loaded) -> dict[str, list]:
+    """Lesson 4's run with the cache on and off, on SmolLM2's reading path: trace name -> its events."""
+    from docgen import traces
+
+    runs = {}
+    for caching, name in PREFIX_TRACES.items():
+        engine = LLMEngine(EngineConfig(model=traces.MODEL, block_size=PC_BLOCK, num_blocks=96, max_num_batched_tokens=128,
+                                        enable_prefix_caching=caching, **traces.READING_PATH), loaded=loaded)
+        events: list = []
+        engine.subscribe(events.append)
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        drive(engine, {i + 1: [(f"q{i}", SYSTEM + q, params)] for i, q in enumerate(QUESTIONS)})
+        runs[name] = traces.timeless(events)
+    return runs
 
 
 def prefix_cache(out: Result) -> None:
     """Lesson 4: one system prompt, a question per step; step 5 has all five running."""
-    runs = {}
-    for caching in (True, False):
-        engine = LLMEngine(EngineConfig(model="tiny-llama", block_size=8, num_blocks=96, max_num_batched_tokens=128,
-                                        enable_prefix_caching=caching))
-        camera = Camera(engine, {5})
-        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-        drive(engine, {i + 1: [(f"q{i}", SYSTEM + q, params)] for i, q in enumerate(QUESTIONS)})
-        runs[caching] = camera
+    from docgen import traces
+    from nanoserve.trace import read_trace
+
+    runs = {caching: Camera.replay(read_trace(traces.path(name)), {5}) for caching, name in PREFIX_TRACES.items()}
     camera = runs[True]
     at5, end = camera.at(5), camera.state          # after step 5, and after the last step
     picture(out, "radix-shared-system-prompt", "radix", at5)
@@ -95,7 +121,7 @@ def prefix_cache(out: Result) -> None:
     out.facts(PREFIX, "pc", {
         "system_blocks": len(system_node.block_ids), "system_lock": locks[system_node.node_id],
         "n": len(QUESTIONS), "shared": _ranges(shared), "ref": at5.ref_counts[shared[0]],
-        "end_step": end.step, "system_tokens": len(SYSTEM),
+        "end_step": end.step, "block_size": PC_BLOCK,
         "hit": hits[1], "prefill_on": prefill_tokens(camera.events),
         "prefill_off": prefill_tokens(runs[False].events),
     })

@@ -12,8 +12,9 @@ what a page holds, so a test can compare it with a fresh run.
 
 Two copies are compared after `normalize`, which hides what a rerun may
 change without the engine changing: wall-clock times ("12.3 ms",
-"duration_s=0.0123", "3.4k tokens/s") and the padding a rich panel adds
-around a number whose width changed.
+"duration_s=0.0123", "3.4k tokens/s"), a log-probability's digits past the
+second decimal, and the padding a rich panel adds around a number whose width
+changed.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ TIMINGS = [
     (re.compile(r"\b\d+(\.\d+)?k? (tokens|tok|it)/s"), "<t> /s"),
     (re.compile(r"\[\d\d:\d\d<[\d:?]+, +[\d.?]+ ?it/s\]"), "[<t>]"),      # a progress bar's clock
     (re.compile(r"\b\d+(\.\d+)? ?(ms|s)\b"), "<t> s"),
+    # A log-probability's last digits differ from one CPU to the next (float32 sums in another order)
+    (re.compile(r"(logprob=-?\d+\.\d{2})\d*"), r"\1…"),
 ]
 
 

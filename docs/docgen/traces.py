@@ -2,7 +2,8 @@
 
 A learner watching a radix tree or a fork wants to read the prompts and the
 answers, which only a trained model makes readable. Each scenario is recorded
-here as `nanoserve record --scenario NAME --model smollm2` does (its chat
+here as `nanoserve record --scenario NAME --model smollm2` does (and lesson 4's
+workload for the prefix-cache page's pictures, `docgen.memory.record_prefix_cache`) (its chat
 workload: real conversations, greedy), on the float32 reading path
 (`fast_paths=False`: models/ and kernels/reference.py, torch only), with the
 steps' wall-clock durations set to 0.
@@ -48,12 +49,17 @@ def record_one(name: str, loaded, folder: Path) -> Path:
 
 
 def make(read) -> Result:
+    from docgen import memory
     from nanoserve.models.loader import load_model
     from nanoserve.scenarios import SCENARIOS
+    from nanoserve.trace import write_trace
 
     out = Result()
     loaded = load_model(MODEL)
     with tempfile.TemporaryDirectory() as tmp:
         for name in SCENARIOS:
             out.files[f"docs/traces/{name}.jsonl"] = record_one(name, loaded, Path(tmp)).read_bytes()
+        for name, events in memory.record_prefix_cache(loaded).items():     # the prefix-cache page's pictures
+            write_trace(Path(tmp) / name, events)
+            out.files[f"docs/traces/{name}.jsonl"] = (Path(tmp) / name).read_bytes()
     return out

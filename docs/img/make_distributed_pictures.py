@@ -49,15 +49,20 @@ def split_source() -> str:
                      num_blocks=SPLIT_CONFIG["num_blocks"])
 
 
-def record_disaggregated(path: Path) -> None:
-    """The decode side's events of a disaggregated run: three requests sharing a system prompt."""
+def record_disaggregated(out: Path, model: str = "tiny-llama", system: str = SYSTEM, form: str = "{}",
+                         **settings) -> None:
+    """The decode side's events of a disaggregated run: three requests sharing a system prompt.
+
+    tests/data's trace is tiny-llama's (instant); the docs' screenshot runs SmolLM2 on the reading path
+    (`model="smollm2", path="reading"`), with prompts it answers in words (`system`, each question in
+    `form`), so a learner reads the questions and the answers."""
     from nanoserve.distributed.disaggregated import DisaggregatedEngine
 
-    config = EngineConfig(model="tiny-llama", block_size=4, num_blocks=64, max_num_batched_tokens=32)
-    with DisaggregatedEngine(config) as pair, JsonlRecorder(path) as recorder:
+    config = EngineConfig(model=model, block_size=4, num_blocks=64, max_num_batched_tokens=32, **settings)
+    with DisaggregatedEngine(config) as pair, JsonlRecorder(out) as recorder:
         pair.subscribe(recorder)
         for i, question in enumerate(["What is 2+2?", "Name a colour.", "Say hello."]):
-            pair.add_request(f"q{i}", SYSTEM + question, SamplingParams(max_tokens=12, temperature=0,
+            pair.add_request(f"q{i}", system + form.format(question), SamplingParams(max_tokens=12, temperature=0,
                                                                         ignore_eos=True))
             pair.step()
         while pair.has_unfinished_requests():

@@ -4,7 +4,7 @@
   Graphviz. Every box names the code it stands for (`module:object`);
   tests/test_serve_docs.py imports each one, so the picture cannot name code
   that is gone, and checks that the SVG was drawn from this file as it is.
-* tui-attach.svg: `nanoserve tui --attach` on a real server (tiny-llama) while
+* tui-attach.svg: `nanoserve tui --attach` on a real server (SmolLM2, so the answers are text) while
   six "students" send requests: one is refused (429), one hangs up.
 """
 
@@ -100,12 +100,12 @@ def attach_screenshot() -> str:
     from nanoserve_tui.attach import AttachSource
     from nanoserve_tui.attach_app import AttachApp
 
-    engine = LLMEngine(EngineConfig(model="tiny-llama", block_size=4, num_blocks=48, max_num_seqs=4,
+    engine = LLMEngine(EngineConfig(model="smollm2", block_size=4, num_blocks=48, max_num_seqs=4,
                                     max_num_batched_tokens=32))
     app = build_app(engine, max_waiting=2, step_delay=0.15)
 
     def student(url: str, user: str, prompt: str, hang_up: bool = False) -> None:
-        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 40, "temperature": 0, "stream": True,
+        body = {"model": "smollm2", "prompt": prompt, "max_tokens": 40, "temperature": 0, "stream": True,
                 "ignore_eos": True, "user": user}
         try:
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
