@@ -17,7 +17,10 @@ PACKAGES = {"nanoserve": ROOT / "nanoserve", "nanoserve_labkit": ROOT / "nanoser
 # snapshots and traces, scenarios and the public request API. Not its internals.
 VIEWER_MAY_IMPORT = {"nanoserve", "nanoserve.events", "nanoserve.trace", "nanoserve.view", "nanoserve.trace_check",
                      "nanoserve.scenarios", "nanoserve.sampling_params", "nanoserve.errors", "nanoserve.display",
-                     "nanoserve.kv_usage"}   # the words and arithmetic of "used" and "hit rate", shared with /metrics
+                     "nanoserve.kv_usage",   # the words and arithmetic of "used" and "hit rate", shared with /metrics
+                     "nanoserve.models.default",   # which model a command runs when none is named (no torch)
+                     "nanoserve.models.first_load",   # a GGUF's one-time conversion, as progress the loading screen shows
+                     "nanoserve.labs.plug"}   # `--lab`: a student's step explained, and its invariants checked per step
 # viz/repl.py draws the engine's Displayable objects, so it names their classes to register its renderers.
 DISPLAYABLE = {"nanoserve.engine", "nanoserve.block_pool", "nanoserve.radix_cache", "nanoserve.outputs"}
 FRONT_ENDS = ("nanoserve.cli", "nanoserve.serve")   # programs people run; they may start any viewer
