@@ -5,8 +5,8 @@ The operations are the engine state machine's (tests/test_engine_stateful.py), d
 request (greedy, seeded sampling, n > 1, beam search, stop ids, shared prefixes), step one or several times,
 abort a request or one of its forks, fork a running sequence, evict cached blocks, and at the end drain
 everything and clear the prefix cache. Each plan runs on a small pool of the tiny random Llama (memory
-pressure: preemption by recompute or by swap, copy-on-write, prefix-cache hits and evictions), which is
-cheap enough for thousands of operations.
+pressure: preemption by recompute, or by swap under the priority policy; copy-on-write, prefix-cache hits and
+evictions), which is cheap enough for thousands of operations.
 
 `run_plan` applies a plan to one engine and records, after each operation, what an observer can see: the
 operation's outcome (its exception's type, or "ok"), the events it emitted, the engine's snapshot, and what
@@ -22,8 +22,8 @@ import random
 CONFIGS = (
     ("recompute", dict(block_size=4, num_blocks=14, max_num_batched_tokens=16, max_num_seqs=4,
                        enable_prefix_caching=True)),
-    ("swap", dict(block_size=4, num_blocks=12, max_num_batched_tokens=8, max_num_seqs=3,
-                  enable_prefix_caching=True, preemption_mode="swap", num_cpu_blocks=10)),
+    ("swap", dict(block_size=4, num_blocks=12, max_num_batched_tokens=8, max_num_seqs=3, enable_prefix_caching=True,
+                  preemption_mode="swap", num_cpu_blocks=10, preemption_policy="priority")),
 )
 PREFIXES = ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [7, 8, 9] * 5)
 MAX_LIVE = 6
@@ -126,7 +126,8 @@ def visible(snapshot: dict) -> dict:
 def run_plan(plan: list[list], components=None, loaded=None, config: str = "recompute") -> dict:
     """`plan` applied to a fresh engine (config `config` of CONFIGS, the tiny Llama): {"config", "synced",
     "ops": [{"outcome", "events", "snapshot", "invariants"} per operation]}. An operation's exception is
-    its outcome (`check_invariants` still runs after it); the run stops at the first broken invariant."""
+    its outcome (`check_invariants` still runs after it); the run stops at the first broken invariant or the
+    first exception other than a refusal (KeyError, ValueError: a bad target, no free seat)."""
     from nanoserve.config import EngineConfig
     from nanoserve.engine import LLMEngine
     from nanoserve.labs.capstone import untimed
@@ -142,10 +143,12 @@ def run_plan(plan: list[list], components=None, loaded=None, config: str = "reco
     events.clear()
     with engine:
         for op in plan:
+            unexpected = False
             try:
                 outcome = _apply(engine, op)
-            except (KeyError, ValueError, RuntimeError, AssertionError, IndexError, TypeError) as exc:
+            except Exception as exc:   # noqa: BLE001 -- an outcome: refused (KeyError, ValueError), or a crash
                 outcome = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+                unexpected = not isinstance(exc, (KeyError, ValueError))
             try:
                 engine.check_invariants()
                 broken = ""
@@ -154,7 +157,7 @@ def run_plan(plan: list[list], components=None, loaded=None, config: str = "reco
             ops.append({"outcome": outcome, "events": events[:], "snapshot": visible(engine.snapshot()),
                         "invariants": broken})
             events.clear()
-            if broken:
+            if broken or unexpected:
                 break
     return {"config": config, "synced": synced, "ops": ops}
 
