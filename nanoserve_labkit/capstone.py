@@ -14,7 +14,10 @@ verdict is decided here, in the checker, from what the worker reported:
 * the reported events must replay through the trace checker (`trace_check`:
   the engine's state machine, every block and ref count, every queue move);
   a report that does not decode or does not replay fails;
-* the completions must equal the reference's.
+* the completions must equal the reference's;
+* the state machine (`capstone_fuzz.py`): thousands of seeded random operations the checker draws, applied
+  by the student's engine in the worker, compared operation by operation with the reference's run of the
+  same operations here (events, outcome, state), the reported events folded and trace-checked.
 
 A report can be forged only by producing the reference's exact events, i.e.
 by running the engine's own code, which the worker withholds during grading.
