@@ -3,12 +3,14 @@ does it name the bug's part?
 
     python benchmarks/capstone_bugs.py                 # every bug of every capstone lab
     python benchmarks/capstone_bugs.py preemption      # one lab's bugs
-    python benchmarks/capstone_bugs.py --scenarios-only   # the engine's scenarios alone (no lab's own rules)
+    python benchmarks/capstone_bugs.py --scenarios-only   # the engine's runs alone (scenarios, state machine;
+                                                          # no lab's own rules)
 
 A capstone folder is made of the engine's own modules as the student's files (which pass), with one file
 replaced by the bug's (tests/lab_bugs/make.py). The judge runs with the worker's side in this process (the same
 channel code; tests/test_capstone.py runs a few through the real worker). Prints one line per bug and a summary:
-failed (and named the part), failed (another part named), passed (the capstone's scenarios never exercise it).
+failed (and named the part), failed (another part named), passed (neither the capstone's scenarios nor its state
+machine exercise it).
 """
 
 from __future__ import annotations

@@ -14,7 +14,10 @@ verdict is decided here, in the checker, from what the worker reported:
 * the reported events must replay through the trace checker (`trace_check`:
   the engine's state machine, every block and ref count, every queue move);
   a report that does not decode or does not replay fails;
-* the completions must equal the reference's.
+* the completions must equal the reference's;
+* the state machine (`capstone_fuzz.py`): thousands of seeded random operations the checker draws, applied
+  by the student's engine in the worker, compared operation by operation with the reference's run of the
+  same operations here (events, outcome, state), the reported events folded and trace-checked.
 
 A report can be forged only by producing the reference's exact events, i.e.
 by running the engine's own code, which the worker withholds during grading.
@@ -29,6 +32,7 @@ the time a capstone may take; one call per scenario costs nothing per step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -255,6 +259,13 @@ def _unit_rows(part: Part, loopback: bool, time_limit_s: float | None) -> tuple[
     return sum(r.passed for r in results), len(rows), " ".join(text.split())[:300]
 
 
+# What the whole engine imports, imported by the worker before the student's files and the audit hook (the
+# hook refuses C library loads: transformers' model classes import torch.distributed, which opens libc).
+ENGINE_IMPORTS = ("transformers.modeling_utils", "transformers.models.llama.modeling_llama", "nanoserve.engine",
+                  "nanoserve.models.loader", "nanoserve.scenarios", "nanoserve.labs.capstone",
+                  "nanoserve.labs.capstone_fuzz")
+
+
 class _Student:
     """The student's engine in the lab's worker: one call per scenario, a JSON report back."""
 
@@ -265,7 +276,9 @@ class _Student:
         first = next(p for p in parts if p.path is not None)
         self.first = first
         self.yours = [p.lab for p in parts if p.path is not None]
-        self.session = Session(get_lab(first.lab), first.path, loopback, time_limit_s)
+        lab = get_lab(first.lab)
+        lab = dataclasses.replace(lab, worker_imports=(*lab.worker_imports, *ENGINE_IMPORTS))
+        self.session = Session(lab, first.path, loopback, time_limit_s)
 
     def run(self, name: str, without: tuple[str, ...] = ()) -> tuple[dict | None, ScenarioResult | None, float]:
         """(report, None, seconds), or (None, the failure, seconds)."""
@@ -325,6 +338,7 @@ class _Student:
 
 
 PARITY = "greedy = Hugging Face"
+FUZZ = "state machine"      # (nanoserve_labkit/capstone_fuzz.py: random operations, invariants after each)
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -371,7 +385,7 @@ def _at_fault(student: _Student, name: str, want: dict, yours: list[str]) -> str
 
 def judge(folder: str | Path, model: str = "tiny-llama", scenarios: tuple[str, ...] = SCENARIOS,
           loopback: bool = False, time_limit_s: float = 600.0, progress=None, fail_fast: bool = False,
-          rules: bool = True) -> Report:
+          rules: bool = True, fuzz: bool = True) -> Report:
     """Each part's own rules, then every scenario with the student's engine (in the worker) and the reference
     (here); the report. (The reference's runs are kept for the next folder: `lab grade` judges many.)"""
     from nanoserve.models.loader import load_model
@@ -419,6 +433,12 @@ def judge(folder: str | Path, model: str = "tiny-llama", scenarios: tuple[str, .
                 #                     inside the worker's address-space limit one at a time
             if progress is not None:
                 progress(name, result)
+        if student is not None and fuzz and not (fail_fast and not report.matches):
+            from nanoserve_labkit.capstone_fuzz import fuzz_stage
+            report.scenarios.append(fuzz_stage(student, yours))     # (on the tiny Llama, whatever `model` is)
+            student.stop()
+            if progress is not None:
+                progress(report.scenarios[-1].name, report.scenarios[-1])
         if student is not None and model not in TINY_MODELS and not (fail_fast and not report.matches):
             report.scenarios.append(parity(student, model, loaded))
             if progress is not None:
@@ -445,7 +465,8 @@ def table(report: Report):
     for col in ("scenario", "steps", "result"):
         runs.add_column(col, overflow="fold")
     for s in report.scenarios:
-        same = "the same greedy tokens" if s.name == PARITY else "same events, same outputs"
+        same = {PARITY: "the same greedy tokens", FUZZ: "every invariant held; the reference's events and state "
+                "after every operation"}.get(s.name, "same events, same outputs")
         runs.add_row(s.name, str(s.steps), same if s.passed else
                      f"{s.detail}" + (f"\nmost likely: {s.part}" if s.part else ""))
     return parts, runs
@@ -459,7 +480,8 @@ def html_page(report: Report) -> str:
         return "".join("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in row) + "</tr>" for row in items)
 
     parts = rows((p.lab, p.path.name if p.path else "-", *report.part_status(p.lab)) for p in report.parts)
-    scen = rows((s.name, s.steps, "same events, same outputs" if s.passed else s.detail, s.part)
+    scen = rows((s.name, s.steps, ("every invariant held, the reference's events" if s.name == FUZZ else
+                                   "same events, same outputs") if s.passed else s.detail, s.part)
                 for s in report.scenarios)
     ratio = report.throughput_ratio
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>nanoserve capstone</title>

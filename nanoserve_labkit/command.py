@@ -70,6 +70,7 @@ def lab_capstone(args) -> int:
     from rich.progress import Progress
 
     from nanoserve.labs.capstone import PARTS, SCENARIOS
+    from nanoserve.models.resolve import TINY_MODELS
     from nanoserve_labkit.capstone import judge, table
 
     if not Path(args.dir).is_dir():
@@ -77,7 +78,9 @@ def lab_capstone(args) -> int:
     _check_limit(args.time_limit)
     console = Console(stderr=args.json)
     with Progress(console=console, transient=True, disable=args.json) as bar:
-        task = bar.add_task("your parts' rules, then the scenarios", total=len(PARTS) + len(SCENARIOS))
+        real = args.model not in TINY_MODELS      # (a real model adds the parity with Hugging Face)
+        task = bar.add_task("your parts' rules, the scenarios, the state machine",
+                            total=len(PARTS) + len(SCENARIOS) + 1 + real)
         report = judge(args.dir, args.model, time_limit_s=args.time_limit,
                        progress=lambda name, result: bar.advance(task))
     if args.json:

@@ -19,7 +19,7 @@ from nanoserve.components import Components
 from nanoserve.labs import get_lab
 from nanoserve.labs.capstone import PARTS, find_parts, folder_components, merged_scheduler
 from nanoserve.labs.plug import components_from
-from nanoserve_labkit.capstone import html_page, judge
+from nanoserve_labkit.capstone import FUZZ, html_page, judge
 
 sys.path.insert(0, str(Path(__file__).parent / "lab_bugs"))
 from make import bug_source, specs  # noqa: E402
@@ -42,6 +42,8 @@ def test_the_engines_own_modules_pass(tmp_path):
     assert report.yours == list(PARTS) and all(p == t for p, t, _ in report.rules.values())
     assert all(report.part_status(lab) == ("yours", "pass") for lab in PARTS)
     assert report.verdict().startswith("capstone passed") and report.throughput_ratio > 0
+    fuzz = next(s for s in report.scenarios if s.name == FUZZ)
+    assert fuzz.passed and fuzz.steps > 2000, fuzz      # a few thousand operations, every invariant holding
     page = html_page(report)
     assert html.escape(report.verdict()) in page and all(f"<td>{lab}</td>" in page for lab in PARTS)
 
@@ -73,6 +75,44 @@ def test_a_known_bug_fails_the_capstone_and_names_its_part(tmp_path, lab_name, b
         first = next(s for s in report.scenarios if not s.passed)
         assert first.part == lab_name and first.detail.startswith("step "), (first.detail, first.part)
     assert lab_name in report.verdict()
+
+
+@pytest.mark.parametrize("lab_name,bug_name", [("scheduler-budget", "spends_refused_budget"),
+                                               ("preemption", "victim_in_batch")])
+def test_a_bug_only_the_state_machine_finds_fails_the_capstone_and_names_its_part(tmp_path, lab_name, bug_name):
+    """Bugs every scenario misses (a budget spent on a sequence that got no blocks; a victim taken from this
+    step's batch: the scenarios' queues never come to that) but the state machine's random operations reach:
+    the stage fails at an operation and names the part."""
+    lab = get_lab(lab_name)
+    folder = reference_folder(tmp_path)
+    (folder / lab.file_name).write_text(bug_source(lab, bug(lab_name, bug_name)))
+    report = judge(folder, loopback=True, rules=False)
+    assert [s.name for s in report.scenarios if not s.passed] == [FUZZ], report.scenarios
+    fuzz = report.scenarios[-1]
+    assert fuzz.part == lab_name and " engine, operation " in fuzz.detail, (fuzz.detail, fuzz.part)
+    assert report.verdict().startswith(f"capstone not passed: {FUZZ}") and lab_name in report.verdict()
+
+
+def test_the_state_machine_stage_decides_from_the_reference_not_from_the_report(tmp_path):
+    """A forged report (the reference's own run with one operation's events changed, every invariant
+    claimed to hold) fails: the judge compares with the reference it ran itself, then folds the events."""
+    import copy
+
+    from nanoserve.labs.capstone_fuzz import CONFIGS
+    from nanoserve_labkit.capstone_fuzz import compare_fuzz, reference_run
+    yours = list(PARTS)
+    plan, want = reference_run(49, 300, CONFIGS[0][0], yours)
+    assert compare_fuzz(plan, want, want, yours)[0].passed
+    k = next(i for i, op in enumerate(want["ops"]) if any(e["type"] == "BlocksFreed" for e in op["events"]))
+    forged = copy.deepcopy(want)
+    forged["ops"][k]["events"] = [e for e in forged["ops"][k]["events"] if e["type"] != "BlocksFreed"]
+    result, at = compare_fuzz(plan, want, forged, yours)
+    assert not result.passed and at == k and result.detail.startswith(f"operation {k} ("), result.detail
+    assert result.part == "block-pool"
+    hidden = copy.deepcopy(want)       # a snapshot that hides a leak: the reference's state says otherwise
+    hidden["ops"][k]["snapshot"]["pool"]["num_free_blocks"] = -1
+    result, at = compare_fuzz(plan, want, hidden, yours)
+    assert not result.passed and at == k and "state differs: pool.num_free_blocks" in result.detail, result.detail
 
 
 def test_scheduler_blanks_come_from_the_lab_that_owns_them(tmp_path):
@@ -109,6 +149,36 @@ def test_lab_start_capstone_gathers_the_labs_done_here(tmp_path, monkeypatch, ca
     assert "your 1 part(s): cow-fork" in out and "step-commit" in out
     assert [(p.lab, p.path is not None) for p in find_parts(tmp_path / "mine")][2] == ("cow-fork", True)
     assert main(["lab", "start", "capstone", "mine"]) != 0      # nothing is overwritten
+
+
+def test_lab_grade_capstone_writes_a_row_per_student(tmp_path, monkeypatch, capsys):
+    """`lab grade capstone DIR` through the real sandboxed worker (one scenario and a short state machine, to
+    keep it quick): a complete folder passes, a partial one is marked so, one CSV row each."""
+    import csv
+
+    import nanoserve_labkit.capstone as capstone
+    import nanoserve_labkit.capstone_fuzz as fuzz
+    from nanoserve.cli import main
+    for name in ("alice", "bob"):
+        (tmp_path / name).mkdir()
+    reference_folder(tmp_path / "alice")
+    reference_folder(tmp_path / "bob", ("block-pool",))
+    judge_all = capstone.judge
+    monkeypatch.setattr(capstone, "judge", lambda folder, **kw: judge_all(folder, scenarios=("continuous-batching",),
+                                                                         **kw))
+    monkeypatch.setattr(fuzz, "OPS_PER_CONFIG", 150)
+    assert main(["lab", "grade", "capstone", str(tmp_path)]) == 0
+    assert f"wrote {tmp_path / 'grades.csv'}" in capsys.readouterr().out
+    rows = {r["submission"]: r for r in csv.DictReader(open(tmp_path / "grades.csv"))}
+    assert rows.keys() == {"alice", "bob"}
+    alice, bob = rows["alice"], rows["bob"]
+    assert (alice["passed"], alice["parts_yours"], alice["rules_held"]) == ("True", "8", "8"), alice
+    assert alice["scenarios_passed"] == alice["scenarios"] == "2" and alice["verdict"].startswith("capstone passed")
+    assert (bob["passed"], bob["parts_yours"], bob["scenarios_passed"]) == ("False", "1", "2"), bob
+    assert bob["verdict"].startswith("partial capstone: 1 of 8 parts")
+    assert main(["lab", "grade", "capstone", str(tmp_path / "alice" / "block_pool.py")]) != 0
+    err = capsys.readouterr().err
+    assert "DIR" in err and "not a folder of capstone folders" in err
 
 
 @pytest.mark.slow
