@@ -22,4 +22,7 @@ student never needs to read it; a lab author reads `mutate.py`. Modules:
     guard.py      the worker's audit hook: the roads around the withheld bodies, closed while a check runs
     report.py     the results table, `lab grade`'s table and CSV
     mutate.py     mutants of a lab's solution, to test the checks (benchmarks/lab_mutation.py runs them)
+    capstone.py   `nanoserve lab capstone`: the student's whole engine in the worker, judged here
+    capstone_compare.py  a stage's result, reports compared, the part whose event differs
+    capstone_fuzz.py     the capstone's state machine: the same random operations on both engines
 """

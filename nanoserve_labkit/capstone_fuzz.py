@@ -63,7 +63,7 @@ def _report(text) -> dict:
 
 def _first_key(a: dict, b: dict, prefix: str = "") -> str:
     """The first field (dotted) where two snapshots differ."""
-    from nanoserve_labkit.capstone import same
+    from nanoserve_labkit.capstone_compare import same
     for k in sorted(set(a) | set(b), key=str):
         x, y = a.get(k), b.get(k)
         if not same(x, y):
@@ -79,7 +79,7 @@ def compare_fuzz(plan: list, want: dict, got: dict, yours: list[str]):
     from nanoserve.fold import fold
     from nanoserve.trace import event_from_dict
     from nanoserve.trace_check import check_trace
-    from nanoserve_labkit.capstone import ScenarioResult, _blame, _short, same
+    from nanoserve_labkit.capstone_compare import ScenarioResult, _blame, _short, same
 
     def fail(k: int, text: str, part: str = ""):
         where = f"operation {k} ({describe(plan[k])})" if k < len(plan) else f"operation {k}"
@@ -143,7 +143,7 @@ def reference_run(seed: int, num_ops: int, config: str, yours: list[str]) -> tup
 
 def _run_student(student, plan: list, config: str, without: tuple[str, ...] = ()):
     """(report, None) or (None, the failure as a result row), the plan run in the worker."""
-    from nanoserve_labkit.capstone import ScenarioResult, _fault
+    from nanoserve_labkit.capstone_compare import ScenarioResult, _fault
     from nanoserve_labkit.wire import ChannelBroken, Deadline
     session = student.session
     try:
@@ -175,7 +175,7 @@ def _matches(plan: list, want: dict, got: dict, yours: list[str]) -> bool:
 def fuzz_stage(student, yours: list[str], seed: int = SEED, num_ops: int | None = None):
     """The stage on every engine of CONFIGS (`num_ops` each, default OPS_PER_CONFIG): the first failure (part
     blamed), or a pass counting operations."""
-    from nanoserve_labkit.capstone import ScenarioResult
+    from nanoserve_labkit.capstone_compare import ScenarioResult
     num_ops = num_ops or OPS_PER_CONFIG
     total = 0
     for config, _ in CONFIGS:

@@ -186,12 +186,12 @@ def test_smollm2_greedy_equals_hugging_face_and_a_wrong_attention_does_not(tmp_p
     from nanoserve_labkit.capstone import PARITY
     (tmp_path / "good").mkdir()
     folder = reference_folder(tmp_path / "good")
-    report = judge(folder, model="smollm2", loopback=True, scenarios=(), rules=False)
+    report = judge(folder, model="smollm2", loopback=True, scenarios=(), rules=False, fuzz=False)
     assert [(s.name, s.passed) for s in report.scenarios] == [(PARITY, True)], report.scenarios
     lab = get_lab("paged-attention")
     (tmp_path / "bad").mkdir()
     bad = reference_folder(tmp_path / "bad")
     (bad / lab.file_name).write_text(bug_source(lab, bug("paged-attention", "stores_k_only")))
-    report = judge(bad, model="smollm2", loopback=True, scenarios=(), rules=False)
+    report = judge(bad, model="smollm2", loopback=True, scenarios=(), rules=False, fuzz=False)
     row = report.scenarios[-1]
     assert row.name == PARITY and not row.passed and row.part == "paged-attention", row

@@ -17,6 +17,7 @@ the mutation tool, the `nanoserve lab` command) is its own package,
     *_lab.py      one module per lab: block_pool, radix_cache, cow_fork, scheduler (budget),
                   preemption, rejection (sampling), paged_attention, triton (decode), commit (the step's)
     capstone.py   every lab's part at once as one engine (`--lab DIR`, `nanoserve lab capstone`)
+    capstone_fuzz.py   the capstone's state machine: a seeded plan of random operations, applied to an engine
     triton_kernels.py  the triton-decode lab's kernels around a student's step (built in the worker)
     triton_fold.py     its probe kernels: one step, and a fold over a few tiles (a file: GPU targets compile it)
 """
