@@ -39,7 +39,7 @@ ALLOWED = {
     "nanoserve.outputs": {"RequestOutput", "CompletionOutput", "RequestMetrics"},
     "nanoserve.sampler": {"SampledToken"},
     "nanoserve.structured_output": {"SequenceGrammar", "MaskInfo"},
-    "nanoserve.labs.commit_lab": {"Letters", "Grammar", "Proposer"},
+    "nanoserve.labs.commit_setup": {"Letters", "Grammar", "Proposer"},
 }
 SAFE_ERRORS = {e.__name__: e for e in (
     ValueError, IndexError, KeyError, TypeError, AttributeError, MemoryError, NotImplementedError, RuntimeError,

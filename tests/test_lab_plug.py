@@ -79,23 +79,15 @@ def test_tui_pauses_on_a_step_that_fails_in_the_students_code(tmp_path):
     where it failed with the check's hint, and the panels show the pool as that step left it."""
     from test_tui import WIDE, notices, run_async, wait_for
 
-    from nanoserve_tui.app import NanoserveApp
-    from nanoserve_tui.live_source import LiveSource
 
     path = tmp_path / "bad_pool.py"
     path.write_text(FAILING_POOL)
-    from nanoserve.labs.plug import explain_failure
-    app = NanoserveApp(LiveSource(scenario="memory-pressure", components=components_from([f"block-pool={path}"]),
-                                  explain=explain_failure))
+    app = lab_app(path)
 
     @run_async
     async def drive():
         async with app.run_test(size=WIDE) as pilot:
-            await wait_for(pilot, lambda: app.frame is not None)
-            app.speed = 5
-            await pilot.press("r")
-            await wait_for(pilot, lambda: app.source.lab_failed is not None, timeout=120)
-            await wait_for(pilot, lambda: not app.playing and not app.source._pending_steps)
+            await run_until_the_lab_fails(pilot, app)
             await wait_for(pilot, lambda: app.frame is app.source._frame)   # the last frame posted is shown
             failed_at = app.frame.state.step
             panel = str(app.query_one("#lab-error").render())
@@ -118,27 +110,38 @@ def test_tui_pauses_on_the_step_that_leaks(tmp_path):
 
     from test_tui import WIDE, run_async, wait_for
 
-    from nanoserve_tui.app import NanoserveApp
-    from nanoserve_tui.live_source import LiveSource
 
     path = tmp_path / "leaky_pool.py"
     source = inspect.getsource(block_pool)
     assert source.count("                self.free_queue.append(block)\n") == 1
     path.write_text(source.replace("                self.free_queue.append(block)\n", "                pass\n"))
-    from nanoserve.labs.plug import explain_failure
-    app = NanoserveApp(LiveSource(scenario="memory-pressure", components=components_from([f"block-pool={path}"]),
-                                  explain=explain_failure))
+    app = lab_app(path)
 
     @run_async
     async def drive():
         async with app.run_test(size=WIDE) as pilot:
-            await wait_for(pilot, lambda: app.frame is not None)
-            app.speed = 5
-            await pilot.press("r")
-            await wait_for(pilot, lambda: app.source.lab_failed is not None, timeout=120)
-            await wait_for(pilot, lambda: not app.playing and not app.source._pending_steps)
+            await run_until_the_lab_fails(pilot, app)
             await wait_for(pilot, lambda: app.frame is app.source._frame)
             panel = str(app.query_one("#lab-error").render())
             assert app.query_one("#lab-error").display and "broke an invariant: invariant broken" in panel, panel
             assert app.source.lab_failed == f"step {app.frame.state.step}"     # paused on the step of the leak
     drive()
+
+
+def lab_app(path):
+    """The TUI live on memory-pressure with the student's block pool at `path`, failures explained as --lab does."""
+    from nanoserve.labs.plug import explain_failure
+    from nanoserve_tui.app import NanoserveApp
+    from nanoserve_tui.live_source import LiveSource
+    return NanoserveApp(LiveSource(scenario="memory-pressure", components=components_from([f"block-pool={path}"]),
+                                   explain=explain_failure))
+
+
+async def run_until_the_lab_fails(pilot, app) -> None:
+    """Run at speed until the student's part fails a step, and the run has paused."""
+    from test_tui import wait_for
+    await wait_for(pilot, lambda: app.frame is not None)
+    app.speed = 5
+    await pilot.press("r")
+    await wait_for(pilot, lambda: app.source.lab_failed is not None, timeout=120)
+    await wait_for(pilot, lambda: not app.playing and not app.source._pending_steps)

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import gc
 import sys
-import time
-from pathlib import Path
 
 from textual import on
 from textual.app import App, ComposeResult, SystemCommand
@@ -33,7 +31,6 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Static
 
-from nanoserve.trace_check import MAX_EVENTS, count_lines, load_trace
 from nanoserve_tui.live_source import LiveSource
 from nanoserve_tui.screens import AddRequestScreen, BranchScreen, HelpScreen, ScenarioPicker
 from nanoserve_tui.source import (
@@ -42,10 +39,10 @@ from nanoserve_tui.source import (
     Frame,
     FrameReady,
     LabStepFailed,
-    ReplaySource,
     Source,
     SourceStatus,
     Unsupported,
+    replay_source,
 )
 from nanoserve_tui.widgets.event_log import EventLog
 from nanoserve_tui.widgets.first_load import FirstLoad
@@ -58,7 +55,6 @@ from nanoserve_tui.widgets.status import StatusBar
 from nanoserve_tui.widgets.tables import BlockTables
 
 SPEEDS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)   # steps per second when running
-LONG_TRACE = 20_000    # events: a trace this long takes seconds to read, and a line says so first
 
 
 # The keys of the controls a source may not have (see `Source.controls`). When the source lacks one, the
@@ -428,23 +424,6 @@ def make_source(model: str | None = None, replay: str | None = None, scenario: s
                              "--reading-path")
         return replay_source(replay)
     return LiveSource(model=model, scenario=scenario, components=components, overrides=overrides, explain=explain)
-
-
-def replay_source(path: str | Path) -> ReplaySource:
-    """A checked trace's source: ValueError naming the file and the first event a viewer could not draw."""
-    path = Path(path)
-    lines = count_lines(path) if path.is_file() else 0
-    if LONG_TRACE <= lines <= MAX_EVENTS:     # (seconds of reading and checking: say so before the screen)
-        print(f"nanoserve: reading {path} ({lines} events) …", end="", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    events = load_trace(path)                 # ValueError("path: line N (Type, step S): field ...")
-    try:
-        source = ReplaySource(events, name=path.name)
-    except (KeyError, IndexError, TypeError, AttributeError, AssertionError) as exc:   # folds inconsistently
-        raise ValueError(f"{path}: the events do not replay ({type(exc).__name__}: {exc})") from None
-    if LONG_TRACE <= lines:
-        print(f" done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-    return source
 
 
 def run_app(model: str | None = None, replay: str | None = None, scenario: str | None = None,

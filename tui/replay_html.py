@@ -32,8 +32,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanoserve_tui.app import NanoserveApp, replay_source
-from nanoserve_tui.source import ReplaySource
+from nanoserve_tui.app import NanoserveApp
+from nanoserve_tui.source import ReplaySource, replay_source
 
 BUDGET_BYTES = 5_000_000        # the whole page, frames included
 MAX_FRAMES = 250                # steps rendered at most (~15 kB each once encoded: ~3.8 MB)

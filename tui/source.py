@@ -26,6 +26,8 @@ A command a source cannot do (abort in a replay, a branch of a trace) raises
 from __future__ import annotations
 
 import copy
+import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +38,7 @@ from textual.message import Message
 
 from nanoserve.events import DraftVerified, Event, StepFinished, StepStarted
 from nanoserve.trace import ViewState, fold, fold_all
-from nanoserve.trace_check import load_trace
+from nanoserve.trace_check import MAX_EVENTS, count_lines, load_trace
 
 # The app's actions that depend on the source (`Source.controls` says which it has): the key bar shows
 # only those, and a hidden key says why it does not apply.
@@ -254,3 +256,23 @@ class ReplaySource(Source):
         if self.position == 0:
             raise Unsupported("already at the start of the trace")
         self.goto(self.position - 1)
+
+
+LONG_TRACE = 20_000    # events: a trace this long takes seconds to read, and a line says so first
+
+
+def replay_source(path: str | Path) -> ReplaySource:
+    """A checked trace's source: ValueError naming the file and the first event a viewer could not draw."""
+    path = Path(path)
+    lines = count_lines(path) if path.is_file() else 0
+    if LONG_TRACE <= lines <= MAX_EVENTS:     # (seconds of reading and checking: say so before the screen)
+        print(f"nanoserve: reading {path} ({lines} events) …", end="", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    events = load_trace(path)                 # ValueError("path: line N (Type, step S): field ...")
+    try:
+        source = ReplaySource(events, name=path.name)
+    except (KeyError, IndexError, TypeError, AttributeError, AssertionError) as exc:   # folds inconsistently
+        raise ValueError(f"{path}: the events do not replay ({type(exc).__name__}: {exc})") from None
+    if LONG_TRACE <= lines:
+        print(f" done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    return source

@@ -99,11 +99,11 @@ def check(args: argparse.Namespace) -> str:
     if engine_settings(args) and mode != "live":
         raise ValueError(f"engine flags set a live engine; --{mode} takes none")
     if mode == "replay":
-        from nanoserve_tui.app import replay_source
+        from nanoserve_tui.source import replay_source
         replay_source(args.replay)                        # the TUI's own check of the trace
         return f"nanoserve: replay of {os.path.basename(args.replay)}"
     if mode == "compare":
-        from nanoserve_tui.app import replay_source
+        from nanoserve_tui.source import replay_source
         for trace in args.compare:
             replay_source(trace)
         return "nanoserve: " + " vs ".join(os.path.basename(t) for t in args.compare)

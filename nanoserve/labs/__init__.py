@@ -18,6 +18,7 @@ the mutation tool, the `nanoserve lab` command) is its own package,
                   preemption, rejection (sampling), paged_attention, triton (decode), commit (the step's)
     capstone.py   every lab's part at once as one engine (`--lab DIR`, `nanoserve lab capstone`)
     capstone_fuzz.py   the capstone's state machine: a seeded plan of random operations, applied to an engine
+    commit_setup.py    the step-commit lab's bench: stand-ins, a table around the student's class, the engine run
     triton_kernels.py  the triton-decode lab's kernels around a student's step (built in the worker)
     triton_fold.py     its probe kernels: one step, and a fold over a few tiles (a file: GPU targets compile it)
 """
