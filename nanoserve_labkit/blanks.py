@@ -3,7 +3,7 @@
 A check judges the student's code, so the worker must not hold the engine's
 implementation of what the student is asked to write. Yet the worker needs
 the engine's module (the student's file imports its types, `signature`
-checks read its signatures). `install(module, qualnames)` puts a finder
+checks read its signatures). `install([(module, qualnames), ...])` puts a finder
 first on `sys.meta_path`, before anything imports the module: from then on
 importing it, however it is spelled (`import`, `importlib`, `reload`, after
 deleting it from `sys.modules`), gives a copy of the engine's module in
@@ -283,23 +283,34 @@ class BlankingFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return self.withheld.source
 
 
-def install(module: str, qualnames) -> Withheld:
-    """Serve `module` blanked from now on (call before anything imports it); returns what it withholds."""
-    if module in sys.modules:
-        raise RuntimeError(f"{module} was imported before its bodies could be withheld")
-    finder = BlankingFinder(Withheld(module, tuple(qualnames)))
-    sys.meta_path.insert(0, finder)
-    importlib.import_module(module)
-    return finder.withheld
+def install(specs) -> list[Withheld]:
+    """Serve each module of `specs` ((module, qualnames) pairs; one module named twice has its blanks joined)
+    blanked from now on; call before anything imports them. Every finder is in place before the first import
+    (one withheld module may import another). Returns what is withheld, one Withheld per module."""
+    joined: dict[str, list[str]] = {}
+    for module, qualnames in specs:
+        names = joined.setdefault(module, [])
+        names += [q for q in qualnames if q not in names]
+    withheld = []
+    for module, qualnames in joined.items():
+        if module in sys.modules:
+            raise RuntimeError(f"{module} was imported before its bodies could be withheld")
+        finder = BlankingFinder(Withheld(module, tuple(qualnames)))
+        sys.meta_path.insert(0, finder)
+        withheld.append(finder.withheld)
+    for w in withheld:
+        importlib.import_module(w.module)
+    return withheld
 
 
-def classes(lab) -> frozenset[tuple[str, str]]:
+def classes(*labs) -> frozenset[tuple[str, str]]:
     """(module, class) of each class the student writes methods of: the checker never hands one to the worker."""
-    return frozenset((lab.module, q.split(".")[0]) for q in lab.blanks if "." in q)
+    return frozenset((lab.module, q.split(".")[0]) for lab in labs for q in lab.blanks if "." in q)
 
 
 def spec_arg(lab) -> str:
-    """The worker's argument that names what to withhold: `withhold:MODULE:QUAL,QUAL`."""
+    """The worker's argument that names what to withhold: `withhold:MODULE:QUAL,QUAL` (one per lab; the
+    capstone's worker gets one for every part the student wrote)."""
     return f"withhold:{lab.module}:{','.join(lab.blanks)}"
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nanoserve.labs.capstone import LEFT_OUT, PARTS, SCENARIOS, Part, find_parts, reference_components, run_scenario
+from nanoserve_labkit.blanks import PHRASE
 from nanoserve_labkit.capstone_compare import ScenarioResult, _fault, _plain, compare
 
 
@@ -151,24 +152,42 @@ ENGINE_IMPORTS = ("transformers.modeling_utils", "transformers.models.llama.mode
 
 
 class _Student:
-    """The student's engine in the lab's worker: one call per scenario, a JSON report back."""
+    """The student's engine in the lab's worker: one call per scenario, a JSON report back. The worker withholds
+    the engine's own code of every part the student wrote (`blanks.py`), so what it reports was computed by
+    the student's parts; a run `without` some parts (to find the part at fault) gets a worker of its own in
+    which those parts' engine code is present."""
 
     def __init__(self, folder: Path, parts: list[Part], model: str, loopback: bool, time_limit_s: float) -> None:
+        self.folder, self.parts, self.model, self.limit, self.loopback = folder, parts, model, time_limit_s, loopback
+        self.first = next(p for p in parts if p.path is not None)
+        self.yours = [p.lab for p in parts if p.path is not None]
+        self.session = self._session(())
+        self._blame = None          # (without, Session) of the last run without some parts
+
+    def _session(self, without: tuple[str, ...]):
         from nanoserve.labs import get_lab
         from nanoserve_labkit.run import Session
-        self.folder, self.parts, self.model, self.limit, self.loopback = folder, parts, model, time_limit_s, loopback
-        first = next(p for p in parts if p.path is not None)
-        self.first = first
-        self.yours = [p.lab for p in parts if p.path is not None]
+        written = [p for p in self.parts if p.path is not None and p.lab not in without]
+        first = written[0] if written else self.first
         lab = get_lab(first.lab)
         lab = dataclasses.replace(lab, worker_imports=(*lab.worker_imports, *ENGINE_IMPORTS))
-        self.session = Session(lab, first.path, loopback, time_limit_s)
+        others = tuple((get_lab(p.lab), p.path) for p in written[1:])
+        return Session(lab, first.path, self.loopback, self.limit, others=others)
+
+    def _session_without(self, without: tuple[str, ...]):
+        if not without:
+            return self.session
+        if self._blame is None or self._blame[0] != without:
+            if self._blame is not None:
+                self._blame[1].stop()
+            self._blame = (without, self._session(without))
+        return self._blame[1]
 
     def run(self, name: str, without: tuple[str, ...] = ()) -> tuple[dict | None, ScenarioResult | None, float]:
         """(report, None, seconds), or (None, the failure, seconds)."""
         from nanoserve_labkit.run import LoadFailed
         from nanoserve_labkit.wire import ChannelBroken, Deadline
-        session = self.session
+        session = self._session_without(tuple(without))
         try:
             session.start(self.limit)
             session.ep.budget_s = None if self.loopback else self.limit
@@ -219,6 +238,9 @@ class _Student:
 
     def stop(self) -> None:
         self.session.stop()
+        if self._blame is not None:
+            self._blame[1].stop()
+            self._blame = None
 
 
 PARITY = "greedy = Hugging Face"
@@ -305,7 +327,7 @@ def judge(folder: str | Path, model: str = "tiny-llama", scenarios: tuple[str, .
             else:
                 got, failed, seconds = student.run(name)
                 result = failed or compare(name, want, got, yours)
-                if not result.passed and len(yours) > 1:
+                if not result.passed and len(yours) > 1 and PHRASE not in result.detail:
                     culprit = _at_fault(student, name, want, yours)
                     if culprit:
                         result.part = culprit

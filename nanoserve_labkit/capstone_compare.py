@@ -122,8 +122,18 @@ def _plain(text) -> dict:
 
 
 def _fault(exc: BaseException, parts: list[Part]) -> tuple[str, str]:
-    """(where, the part whose file it is) for an exception from the student's engine."""
+    """(where, the part whose file it is) for an exception from the student's engine. A call that reached a
+    withheld body of the engine ("this check runs your code; the engine's own `Q` ...") is the fault of the
+    part that should have written `Q`, wherever the call came from."""
+    from nanoserve.labs import get_lab
     from nanoserve.labs.load import frames_of, where
+    from nanoserve_labkit.blanks import verdict
+    said = verdict(exc)
+    if said:
+        owner = next((p for p in parts if p.path is not None and any(f"`{q}`" in said for q in get_lab(p.lab).blanks)),
+                     None)
+        if owner is not None:
+            return f"{said}: {owner.path.name} takes it from the engine instead of writing it", owner.lab
     for part in parts:
         if part.path is not None and any(Path(f[0]).name == part.path.name for f in frames_of(exc)):
             return where(exc, part.path), part.lab

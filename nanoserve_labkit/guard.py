@@ -1,9 +1,9 @@
 """The worker's audit hook: the roads around the blanked module (`blanks.py`), closed while a check runs.
 
-`lock(withheld, path)` is called once, after torch and the engine's modules
-are loaded and just before the student's file at `path` is imported. It
-installs a `sys.addaudithook` hook, which no Python code can remove, that
-refuses (PermissionError, whose message says "this check runs your code"):
+`lock(withheld, paths)` is called once, after torch and the engine's modules
+are loaded and just before the student's file is imported (the capstone names
+every part's file, and withholds every part's module). It installs a
+`sys.addaudithook` hook, which no Python code can remove, that refuses (PermissionError, whose message says "this check runs your code"):
 
 * opening the engine's source of the lab's module or its cached bytecode, by
   any name (a symlink, a hard link, another copy of nanoserve: the same
@@ -46,49 +46,55 @@ FILE_EVENTS = frozenset({"open", "os.link", "os.symlink", "os.rename"})
 REFUSED_IMPORTS = frozenset({"_posixsubprocess"})
 
 
-def lock(w: Withheld, path: str | Path) -> None:
-    """Install the hook for the student's file at `path` (once per worker; it stays until the process ends)."""
-    student = Path(path).resolve()
-    try:
-        source = student.read_text()
-        st = os.stat(student)
-        mine = (st.st_dev, st.st_ino)
-    except (OSError, UnicodeDecodeError):       # (the import that follows says what is wrong with the file)
-        source, mine = "", None
-    try:
-        tree = ast.parse(source)
-        own_bodies = frozenset(body_prints(tree))
-        code = compile(tree, str(student), "exec")
-        own_codes = frozenset(code_prints(code))
-        own_bytecodes = frozenset(hashlib.sha256(c).hexdigest() for c in _bytecodes(code))
-    except (SyntaxError, ValueError):
-        own_bodies, own_codes, own_bytecodes = frozenset(), frozenset(), frozenset()
-    bodies, codes = w.bodies - own_bodies, w.codes - own_codes
+def lock(withheld: list[Withheld], paths: list[str | Path]) -> None:
+    """Install the hook for the student's files at `paths` (the lab's file; the capstone: every part's) around
+    the modules in `withheld` (once per worker; it stays until the process ends)."""
+    own_bodies, own_codes, own_bytecodes, mine = set(), set(), set(), set()
+    for path in paths:
+        student = Path(path).resolve()
+        try:
+            source = student.read_text()
+            st = os.stat(student)
+            mine.add((st.st_dev, st.st_ino))
+        except (OSError, UnicodeDecodeError):       # (the import that follows says what is wrong with the file)
+            source = ""
+        try:
+            tree = ast.parse(source)
+            code = compile(tree, str(student), "exec")
+        except (SyntaxError, ValueError):
+            continue
+        own_bodies |= body_prints(tree)
+        own_codes |= code_prints(code)
+        own_bytecodes |= {hashlib.sha256(c).hexdigest() for c in _bytecodes(code)}
+    bodies = frozenset().union(*(w.bodies for w in withheld)) - own_bodies
+    codes = frozenset().union(*(w.codes for w in withheld)) - own_codes
+    bytecodes = frozenset().union(*(w.bytecodes for w in withheld)) - own_bytecodes
     protected = set()
-    for f in w.files:
+    for f in (f for w in withheld for f in w.files):
         try:
             st = os.stat(f)
             protected.add((st.st_dev, st.st_ino))
         except OSError:
             pass
-    stem = Path(w.origin).stem
-    names = frozenset({stem + ".py"})
-    pyc_prefix = stem + "."
+    stems = [Path(w.origin).stem for w in withheld]
+    names = frozenset(stem + ".py" for stem in stems)
+    pyc_prefixes = tuple(stem + "." for stem in stems)
     proc_dev = os.stat("/proc").st_dev if os.path.isdir("/proc") else -1
-    protected.discard(mine)
-    protected = frozenset(protected)
+    protected = frozenset(protected - mine)
+    mine = frozenset(mine)
     _posixsubprocess = sys.modules.get("_posixsubprocess")
     if _posixsubprocess is not None:                # its fork_exec starts a program without an audit event
         def fork_exec(*args, **kwargs):
             raise PermissionError(f"{PHRASE}: it starts no other program here")
         _posixsubprocess.fork_exec = fork_exec
-    hook = _make_hook(message=f"{PHRASE}; the engine's own {stem}.py is not available here", protected=protected,
-                      names=names, pyc_prefix=pyc_prefix, mine=mine, proc_dev=proc_dev, bodies=bodies, codes=codes,
-                      bytecodes=w.bytecodes - own_bytecodes)
+    files = " and ".join(sorted(names))
+    hook = _make_hook(message=f"{PHRASE}; the engine's own {files} is not available here", protected=protected,
+                      names=names, pyc_prefixes=pyc_prefixes, mine=mine, proc_dev=proc_dev, bodies=bodies,
+                      codes=codes, bytecodes=bytecodes)
     sys.addaudithook(hook)
 
 
-def _make_hook(message, protected, names, pyc_prefix, mine, proc_dev, bodies, codes, bytecodes):
+def _make_hook(message, protected, names, pyc_prefixes, mine, proc_dev, bodies, codes, bytecodes):
     """The hook, with everything it reads bound in its closure."""
     _stat, _fspath, _isinstance, _str, _bytes, _hasattr = os.stat, os.fspath, isinstance, str, bytes, hasattr
     _compile, _loads, _sha, _error, _ast_flag, _AST = compile, marshal.loads, hashlib.sha256, PermissionError, \
@@ -115,11 +121,11 @@ def _make_hook(message, protected, names, pyc_prefix, mine, proc_dev, bodies, co
             key = (st.st_dev, st.st_ino)
         except (OSError, ValueError):
             st, key = None, None
-        if key is not None and key == mine:
+        if key is not None and key in mine:
             return False
         if key is not None and key in protected:
             return True
-        if base in names or (base.startswith(pyc_prefix) and base.endswith(".pyc")):
+        if base in names or (base.startswith(pyc_prefixes) and base.endswith(".pyc")):
             return True                                        # another copy of the engine's module
         if base == "mem" and (st is None or st.st_dev == proc_dev):
             return True                                        # a process's memory

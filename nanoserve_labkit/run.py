@@ -73,8 +73,11 @@ class Session:
     """One student's file on the checker's side: the worker (started when needed), the channel, the module."""
 
     def __init__(self, lab: Lab, path: Path, loopback: bool = False, time_limit_s: float | None = None,
-                 confine: str = "landlock") -> None:
+                 confine: str = "landlock", others: tuple = ()) -> None:
+        """`others`: (lab, path) of more student files whose labs' bodies the worker withholds too (the
+        capstone's other parts; their files are loaded by the lab's own helpers)."""
         self.lab, self.path, self.loopback, self.confine = lab, path.resolve(), loopback, confine
+        self.others = tuple((other, Path(p).resolve()) for other, p in others)
         # the worker's CPU-time cap: twice every check's limit, and the imports (a last line of defence:
         # the limits above stop a check first)
         self.cpu_s = int(2 * sum(time_limit_s or c.time_limit_s for c in lab.checks) + 3 * STARTUP_S)
@@ -94,7 +97,8 @@ class Session:
         else:
             if self.confine != "none":     # our /proc/PID/{fd,environ,mem} closed to the worker (confine.py)
                 undumpable()
-            self.process = WorkerProcess([blanks.spec_arg(self.lab), self.lab.module, *self.lab.worker_imports],
+            withhold = [blanks.spec_arg(lab) for lab in (self.lab, *(lab for lab, _ in self.others))]
+            self.process = WorkerProcess([*withhold, self.lab.module, *self.lab.worker_imports],
                                          cpu_s=self.cpu_s, confine=self.confine)
             read_fd, write_fd = self.process.start()
             self.ep = Endpoint(send=lambda m: wire.send(write_fd, m),
@@ -109,9 +113,11 @@ class Session:
                 self.stop()
                 raise LoadFailed(Status.FAIL, "the lab's worker process did not start")
         self.ep.budget_s = None if self.loopback else limit_s
-        self.ep.withheld_types = blanks.classes(self.lab)      # the engine's own of what the student writes
+        # the engine's own of what the student writes
+        self.ep.withheld_types = blanks.classes(self.lab, *(lab for lab, _ in self.others))
         try:
-            module = self.ep.request({"op": "load", "path": str(self.path), "blanks": list(self.lab.blanks)})
+            module = self.ep.request({"op": "load", "path": str(self.path), "blanks": list(self.lab.blanks),
+                                      "also": [str(p) for _, p in self.others]})
         except Deadline:
             self.stop()
             raise LoadFailed(Status.TIMEOUT, f"importing {self.path.name} did not finish within {limit_s:g} s "

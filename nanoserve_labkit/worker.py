@@ -51,11 +51,8 @@ def main(argv: list[str]) -> int:
     import torch  # noqa: F401 -- loaded before guard.py's audit hook, which refuses the C library loads it makes
 
     from nanoserve_labkit import blanks
-    withheld = None
-    for name in argv[3:]:       # first: the lab's module, blanked (before anything imports it)
-        spec = blanks.parse_spec_arg(name)
-        if spec is not None:
-            withheld = blanks.install(*spec)
+    # first: the lab's module (the capstone: every part's), blanked before anything imports it
+    withheld = blanks.install([s for s in map(blanks.parse_spec_arg, argv[3:]) if s is not None])
     for name in ["nanoserve.labs.starter", *argv[3:]]:   # the engine's modules: imported before the student's
         if blanks.parse_spec_arg(name) is None:
             importlib.import_module(name)
@@ -73,17 +70,18 @@ def main(argv: list[str]) -> int:
         wire.send(write_fd, ep.serve(message))
 
 
-def install(ep, withheld=None) -> None:
-    """The worker's own requests (load, helper, reset) on endpoint `ep`; with `withheld` (blanks.py), the
-    student's file is imported under the audit hook of `guard.py`."""
+def install(ep, withheld=()) -> None:
+    """The worker's own requests (load, helper, reset) on endpoint `ep`; with `withheld` (blanks.py's
+    Withheld, one per module), the student's file is imported under the audit hook of `guard.py`, which
+    allows the bodies of every file the load names (`also`: the capstone's other parts) and no others."""
     pinned: dict[int, object] = {}
 
     def load(ep, m):
         from nanoserve.labs.load import load_student
         from nanoserve_labkit.blanks import own_code
-        if withheld is not None:
+        if withheld:
             from nanoserve_labkit.guard import lock
-            lock(withheld, str(m.get("path")))
+            lock(withheld, [str(m.get("path")), *map(str, m.get("also") or [])])
         module = load_student(str(m.get("path")))
         if m.get("blanks"):
             own_code(module, m["blanks"], str(m.get("path")))

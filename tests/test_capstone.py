@@ -58,6 +58,17 @@ def test_a_partial_capstone_is_never_a_pass(tmp_path):
     assert report.verdict().startswith("partial capstone: 1 of 8 parts")
 
 
+def test_the_worker_withholds_every_part_the_student_wrote(tmp_path):
+    """In the real worker the engine's own code of every written part is withheld, not only the first's: a
+    later part that imports the engine's answer fails the scenario, and the part is named."""
+    folder = reference_folder(tmp_path)
+    (folder / "radix_cache.py").write_text("from nanoserve.radix_cache import *  # noqa: F403\n")
+    report = judge(folder, scenarios=("continuous-batching",), rules=False, fuzz=False, time_limit_s=120)
+    [result] = report.scenarios
+    assert not result.passed and result.part == "radix-cache", (result.detail, result.part)
+    assert "this check runs your code" in result.detail and "radix_cache.py takes it from the engine" in result.detail
+
+
 @pytest.mark.parametrize("lab_name,bug_name,rules", [("block-pool", "mru_allocate", True),
                                                       ("step-commit", "eos_ignored_flag", True),
                                                       ("radix-cache", "match_no_split", False),
