@@ -7,6 +7,9 @@ request carries several prompts. A loglikelihood request is `echo: true, logprob
 * fast: lm-eval's API client driven in-process (`LocalCompletionsAPI.loglikelihood` and
   `.generate_until`) on a tiny random Llama; the loglikelihoods equal Hugging Face's on the same
   weights and token ids within 1e-3 (float32), the generations equal `LLM.generate`;
+* fast: the same client against `serve --lab DIR` (a capstone folder: every part a student's file) gives the
+  reference server's log-likelihoods when the files are the engine's own, and other ones when one part has
+  a known bug (the lab bugs of tests/lab_bugs);
 * slow: the whole harness (`lm_eval.simple_evaluate`) on SmolLM2 with the two local tasks of
   tests/data/lm_eval (a multiple_choice task and a generate_until task), the same checks.
 
@@ -98,6 +101,55 @@ def test_the_api_client_in_process(model_dir):
         gen = lm.generate_until([Instance("generate_until", {}, (c, {"until": until, "max_gen_toks": 6}), i)
                                  for i, c in enumerate(contexts)], disable_tqdm=True)
         check_generations(lm, LLM(model_dir, **SERVER), contexts, until + [lm.tokenizer.eos_token], 6, gen)
+
+
+def capstone_folder(folder: Path) -> Path:
+    """A capstone folder whose every part is the engine's own module (what `lab start capstone` gathers)."""
+    import importlib
+    import shutil
+
+    from nanoserve.labs import get_lab
+    from nanoserve.labs.capstone import PARTS
+    for name in PARTS:
+        lab = get_lab(name)
+        shutil.copy(importlib.import_module(lab.module).__file__, folder / lab.file_name)
+    return folder
+
+
+def lab_loglikelihoods(loaded, lab_dir: Path | None) -> list[tuple[float, bool]]:
+    """lm-eval's log-likelihoods of PAIRS through a server with the parts of `lab_dir` (what `serve --lab DIR`
+    builds) or, with None, the reference server."""
+    from nanoserve.config import EngineConfig
+    from nanoserve.engine import LLMEngine
+    from nanoserve.labs.plug import components_from
+    from nanoserve.serve.app import build_app
+    from nanoserve.serve.background import BackgroundServer
+    components = components_from([str(lab_dir)]) if lab_dir is not None else None
+    engine = LLMEngine(EngineConfig(model=loaded.name, **SERVER), loaded=loaded, components=components)
+    with BackgroundServer(build_app(engine)) as background:
+        lm = client(background.url, loaded.name)
+        return lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(PAIRS)],
+                                disable_tqdm=True)
+
+
+def test_serve_lab_dir_gives_the_reference_servers_loglikelihoods(model_dir, tmp_path):
+    import sys
+
+    loaded = load_model(model_dir)
+    want = lab_loglikelihoods(loaded, None)
+    folder = capstone_folder(tmp_path)
+    got = lab_loglikelihoods(loaded, folder)
+    for (context, continuation), (w, w_greedy), (g, g_greedy) in zip(PAIRS, want, got):
+        assert g == pytest.approx(w, abs=1e-4) and g_greedy == w_greedy, (context, continuation)
+    sys.path.insert(0, str(ROOT / "tests" / "lab_bugs"))      # values never stored: other log-likelihoods
+    from make import bug_source, specs
+
+    from nanoserve.labs import get_lab
+    lab = get_lab("paged-attention")
+    bug = next(b for b in specs("paged-attention")[0] if b.name == "stores_k_only")
+    (folder / lab.file_name).write_text(bug_source(lab, bug))
+    wrong = lab_loglikelihoods(loaded, folder)
+    assert any(abs(g - w) > 1e-2 for (w, _), (g, _) in zip(want, wrong))
 
 
 # -- slow: the whole harness on SmolLM2, the local tasks -------------------------------------------------
