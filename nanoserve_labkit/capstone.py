@@ -49,6 +49,7 @@ class Report:
     parts: list[Part]
     scenarios: list[ScenarioResult] = field(default_factory=list)
     rules: dict = field(default_factory=dict)        # lab -> (rows passed, rows, first failure) of its own rules
+    identical: dict = field(default_factory=dict)    # lab -> the functions whose bodies are the engine's own
 
     @property
     def rules_hold(self) -> bool:
@@ -86,7 +87,9 @@ class Report:
             return "yours", f"its rules: {passed}/{total}; {text}"
         if blamed:
             return "yours", "most likely at fault in " + ", ".join(blamed)
-        return "yours", "pass" if self.matches else "no difference traced to it"
+        result = "pass" if self.matches else "no difference traced to it"
+        same = self.identical.get(lab)
+        return "yours", result + (f"; flagged: identical to the engine's code: {', '.join(same)}" if same else "")
 
     def verdict(self) -> str:
         n, total = len(self.yours), len(PARTS)
@@ -109,6 +112,7 @@ class Report:
                 "parts": {p.lab: {"file": str(p.path) if p.path else None, "status": self.part_status(p.lab)[1]}
                           for p in self.parts},
                 "rules": {lab: {"passed": p, "rows": t, "first_failure": x} for lab, (p, t, x) in self.rules.items()},
+                "identical": self.identical,
                 "scenarios": [{"name": s.name, "passed": s.passed, "detail": s.detail, "part": s.part,
                                "steps": s.steps} for s in self.scenarios],
                 "throughput_ratio": self.throughput_ratio}
@@ -305,6 +309,10 @@ def judge(folder: str | Path, model: str = "tiny-llama", scenarios: tuple[str, .
     report = Report(str(folder), parts)
     yours = report.yours
     for part in parts:
+        if part.path is not None:          # functions copied from the engine: flagged, never failed (teacher.md)
+            from nanoserve.labs import get_lab
+            from nanoserve_labkit.blanks import identical
+            report.identical[part.lab] = identical(get_lab(part.lab), part.path)
         if part.path is not None and rules:
             report.rules[part.lab] = unit_rows(part, loopback)
             if progress is not None:

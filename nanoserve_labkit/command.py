@@ -151,7 +151,9 @@ def capstone_grade(args) -> int:
                      "rules_held": sum(p == t for p, t, _ in report.rules.values()),
                      "scenarios_passed": sum(s.passed for s in report.scenarios),
                      "scenarios": len(report.scenarios), "passed": report.passed,
-                     "throughput_ratio": f"{ratio:.2f}" if ratio else "", "verdict": report.verdict()})
+                     "throughput_ratio": f"{ratio:.2f}" if ratio else "",
+                     "identical": "; ".join(f"{lab}: {', '.join(q)}" for lab, q in report.identical.items() if q),
+                     "verdict": report.verdict()})
     out = Path(args.csv) if args.csv else root / "grades.csv"
     with open(out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
