@@ -24,6 +24,7 @@ Requests in
 Plan: who runs this step, how many tokens each, in which blocks
     scheduler.py        continuous batching, the token budget, chunked prefill, preemption
     kv_manager.py       how a sequence's blocks change: allocate, fork, copy-on-write, swap, cache
+    kv_groups.py        KV cache groups: a block table per kind of attention, blocks freed as a window slides
     block_pool.py       physical blocks, their ref counts, the LRU free queue
     radix_cache.py      the radix-tree prefix cache over whole blocks
     spec_decode.py      speculative decoding: proposers and the exact acceptance rule

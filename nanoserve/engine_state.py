@@ -85,7 +85,7 @@ def check_invariants(table: RequestTable, scheduler: Scheduler, pool: BlockPool,
                 f"{request.request_id}: n={request.params.n} not forked yet, but its sequences are "
                 f"{[(s.seq_id, s.num_output_tokens, s.seats) for s in seqs]} (one, no output, n seats expected)")
     if not table.sequences:   # nothing runs: the only blocks in use are the prefix cache's
-        cached = radix.num_cached_blocks if radix else 0
+        cached = radix.num_cached_blocks * len(scheduler.kv.groups) if radix else 0   # (and their companions)
         assert pool.num_used_blocks == cached, \
             f"{pool.num_used_blocks - cached} blocks leaked with no requests"
         assert cpu_pool is None or cpu_pool.num_used_blocks == 0, "CPU blocks leaked"

@@ -124,6 +124,7 @@ class BlocksAllocated(Event):
 
     seq_id: str
     block_ids: tuple[int, ...]
+    group: int = 0                    # KV cache group (kv_groups.py): 0 unless the model has several
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +134,7 @@ class BlocksFreed(Event):
     seq_id: str
     block_ids: tuple[int, ...]
     released: tuple[int, ...]
+    group: int = 0                    # KV cache group (kv_groups.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +238,7 @@ class PrefixMatched(Event):
     num_tokens: int                   # tokens looked up (the prompt, or prompt + output after preemption)
     num_hit_tokens: int               # tokens whose KV is reused: their prefill is skipped
     block_ids: tuple[int, ...]        # the cached blocks now at the start of the sequence's table
+    group_block_ids: tuple[tuple[int, ...], ...] = ()   # groups 1..: the cached blocks each now holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +291,7 @@ class BlockDeduplicated(Event):
     dropped: int                      # its own copy (freed, back to the free queue if nobody else holds it)
     kept: int                         # the cached block with the same tokens
     released: bool                    # True when `dropped` reached the free queue
+    group: int = 0                    # KV cache group (kv_groups.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,6 +302,7 @@ class Forked(Event):
     seq_id: str                       # the new sequence
     block_ids: tuple[int, ...]        # the shared table: every ref count went up by one
     seed: int = -1                    # the seed of the new sequence's RNG (-1: not recorded)
+    group_block_ids: tuple[tuple[int, ...], ...] = ()   # groups 1.. (kv_groups.py): their shared tables
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,6 +313,7 @@ class CowCopied(Event):
     index: int                        # position in the sequence's block table
     src: int                          # the shared block (one holder fewer)
     dst: int                          # a fresh block from the free queue, holding a copy of src's KV
+    group: int = 0                    # KV cache group (kv_groups.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,6 +331,7 @@ class SwappedOut(Event):
     block_ids: tuple[int, ...]        # device blocks, in table order (one holder fewer each)
     released: tuple[int, ...]         # the device blocks that went back to the free queue, in that order
     cpu_block_ids: tuple[int, ...]    # where each one's KV now lives
+    group: int = 0                    # KV cache group (kv_groups.py): one event per group
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,6 +341,7 @@ class SwappedIn(Event):
     seq_id: str
     cpu_block_ids: tuple[int, ...]    # freed in the CPU pool
     block_ids: tuple[int, ...]        # fresh device blocks, in table order
+    group: int = 0                    # KV cache group (kv_groups.py): one event per group
 
 
 # -- across processes: tensor parallelism, prefill/decode disaggregation (nanoserve/distributed/) --------
@@ -382,6 +390,19 @@ class KVTransferred(Event):
         return self.request_id
 
 
+@dataclass(frozen=True, slots=True)
+class BlocksLeftWindow(Event):
+    """A windowed KV group's blocks fell out of its sliding window: the sequence lets them go (kv_groups.py)."""
+
+    seq_id: str
+    group: int                        # the windowed group (1..; group 0 holds every token)
+    window: int                       # its layers' sliding window, in tokens
+    num_computed_tokens: int          # the next query's position: keys <= this - window are never read again
+    indices: tuple[int, ...]          # positions in the group's table, now empty
+    block_ids: tuple[int, ...]        # the blocks they held (one holder fewer each)
+    released: tuple[int, ...]         # those that went back to the free queue (the rest stay cached)
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.__name__: cls
     for cls in (
@@ -389,6 +410,6 @@ EVENT_TYPES: dict[str, type[Event]] = {
         BlocksFreed, Preempted, TokenConstrained, TokenSampled, SequenceFinished, SequenceAborted, StepFinished,
         DraftProposed, DraftVerified, KVTrimmed, PrefixMatched, RadixInserted, RadixSplit, RadixLocked,
         RadixEvicted, BlockDeduplicated, Forked, CowCopied, BeamPruned, SwappedOut, SwappedIn,
-        CollectiveOps, RankPoolState, KVTransferred,
+        CollectiveOps, RankPoolState, KVTransferred, BlocksLeftWindow,
     )
 }

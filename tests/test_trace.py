@@ -13,6 +13,7 @@ from nanoserve.events import (
     BeamPruned,
     BlockDeduplicated,
     BlocksAllocated,
+    BlocksLeftWindow,
     BlocksFreed,
     ChunkScheduled,
     CollectiveOps,
@@ -96,6 +97,8 @@ SAMPLES = [
     RankPoolState(8, 1, (1,), 512, 2, 0, 1, "0a1b2c3d4e5f"),
     RequestAdded(8, "d", "héllo", 5, 4),
     KVTransferred(8, "d", "prefill", "decode", (7, 3), (0, 1), 4, 2048, 0.0005),
+    BlocksLeftWindow(9, "a", 1, 8, 17, (0, 1), (5, 6), (6,)),
+    BlocksAllocated(9, "a", (7,), 2),
 ]
 
 

@@ -1,0 +1,136 @@
+"""KV cache groups (kv_groups.py): Gemma 3's local layers free the blocks their window passed.
+
+tiny-gemma3 has a window of 8 tokens on two of its three layers; with 4-token blocks and prompts of up to
+71 tokens, blocks really leave the window. Greedy tokens with freeing on equal those with it off and HF's,
+through chunked prefill, preemption (recompute and swap), prefix-cache hits, forks, beams and n-gram
+speculation; `check_invariants` after every step holds each windowed table to its window (and the pool's,
+the tree's and the CPU pool's books across groups).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import make_engine, run_to_end, save_tiny
+from engine_checks import drive
+from test_parity import hf_greedy, prompts
+
+from nanoserve import SamplingParams
+from nanoserve import events as ev
+from nanoserve.kv_groups import FREED, KVGroup, make_groups, max_window_blocks
+from nanoserve.models.loader import load_model
+
+MAX_TOKENS = 16
+WINDOW_BLOCKS = max_window_blocks(8, 4)   # tiny-gemma3's window, 4-token blocks: 3
+
+CASES = {
+    # name: engine config (4-token blocks; the pool in whole-model blocks, as num_blocks always counts)
+    "chunked": dict(max_num_batched_tokens=16, num_blocks=256),
+    "no-chunking": dict(max_num_batched_tokens=128, num_blocks=256, enable_chunked_prefill=False),
+    "preempt-recompute": dict(max_num_batched_tokens=32, num_blocks=40),
+    "preempt-swap": dict(max_num_batched_tokens=32, num_blocks=40, preemption_mode="swap"),
+    "no-prefix-cache": dict(max_num_batched_tokens=24, num_blocks=64, enable_prefix_caching=False),
+    "ngram": dict(max_num_batched_tokens=32, num_blocks=256, speculative_method="ngram",
+                  num_speculative_tokens=3),
+}
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    path = save_tiny("tiny-gemma3", tmp_path_factory.mktemp("gemma3"))
+    return path, load_model(path)
+
+
+@pytest.fixture(scope="module")
+def hf(gemma):
+    return hf_greedy(gemma[0], prompts(257), MAX_TOKENS)
+
+
+def greedy_run(loaded, prompt_list, **config):
+    """Greedy tokens by request, and what the groups did: (tokens, BlocksLeftWindow events, preemptions,
+    the most blocks a windowed table held between steps)."""
+    engine = make_engine(loaded, block_size=4, **config)
+    left, most = [], 0
+    engine.subscribe(lambda e: left.append(e) if isinstance(e, ev.BlocksLeftWindow) else None)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompt_list):
+        engine.add_request(str(i), p, params)
+    finished, preempted = {}, 0
+    while engine.has_unfinished_requests():
+        result = engine.step()
+        engine.check_invariants()          # includes: a windowed table holds only its window's blocks
+        preempted += result.stats.num_preempted
+        finished.update({o.request_id: o for o in result.outputs if o.finished})
+        most = max([most] + [sum(b != FREED for b in t) for s in engine.sequences.values() for t in s.group_tables])
+    return [finished[str(i)].outputs[0].token_ids for i in range(len(prompt_list))], left, preempted, most
+
+
+def test_groups_follow_the_layer_kinds():
+    assert make_groups([8, 8, None], True) == [KVGroup(None, (2,)), KVGroup(8, (0,)), KVGroup(8, (1,))]
+    assert make_groups([512] * 5 + [None] + [512] * 5 + [None], True) == [
+        KVGroup(None, (5, 11)), *(KVGroup(512, pair) for pair in [(0, 1), (2, 3), (4, 6), (7, 8), (9, 10)])]
+    assert make_groups([8, 8, None], False) == [KVGroup(None, (0, 1, 2))]       # freeing off: today's layout
+    assert make_groups([None, None], True) == [KVGroup(None, (0, 1))]           # no window: one group
+    assert make_groups([8, 8], True) == [KVGroup(None, (0, 1))]                 # every layer windowed: no freeing
+    assert max_window_blocks(8, 4) == 3 and max_window_blocks(512, 16) == 33
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_window_freeing_keeps_greedy_tokens(case, gemma, hf):
+    """Freeing on, freeing off and HF give the same tokens; with freeing on blocks did leave the window,
+    and no windowed table ever held more than its window's blocks (+1)."""
+    path, loaded = gemma
+    on, left, preempted, most = greedy_run(loaded, prompts(257), **CASES[case])
+    off, left_off, _, _ = greedy_run(loaded, prompts(257), kv_window_freeing=False, **CASES[case])
+    assert on == off == hf
+    assert left and not left_off
+    assert 0 < most <= WINDOW_BLOCKS
+    if case.startswith("preempt"):
+        assert preempted > 0
+
+
+def test_prefix_cache_across_the_window(gemma):
+    """A 37-token shared prefix, far past the 8-token window: the second wave hits it, taking from the
+    local groups only the cached blocks their windows still need, and gives HF's tokens."""
+    path, loaded = gemma
+    rng = random.Random(3)
+    shared = [rng.randrange(257) for _ in range(37)]
+    waves = [[shared + [rng.randrange(257) for _ in range(n)] for n in lens] for lens in ([1, 9], [4, 2, 15, 6])]
+    engine = make_engine(loaded, block_size=4, num_blocks=24, max_num_batched_tokens=24)
+    hits = []
+    engine.subscribe(lambda e: hits.append(e) if isinstance(e, ev.PrefixMatched) and e.num_hit_tokens else None)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    got = []
+    for w, wave in enumerate(waves):
+        for i, p in enumerate(wave):
+            engine.add_request(f"{w}.{i}", p, params)
+        out = run_to_end(engine)
+        got += [out[f"{w}.{i}"].outputs[0].token_ids for i in range(len(wave))]
+    assert got == hf_greedy(path, [p for wave in waves for p in wave], MAX_TOKENS)
+    big = [h for h in hits if h.num_hit_tokens >= 36]
+    assert len(big) >= 4
+    for h in big:   # a local group takes only the blocks its window still needs
+        for table in h.group_block_ids:
+            assert table[0] == FREED and sum(b != FREED for b in table) <= WINDOW_BLOCKS
+
+
+@pytest.mark.parametrize("kind", ["n", "beams", "swap-n"])
+def test_forks_and_beams_across_groups(kind, gemma):
+    """n > 1 (sampled, seeded) and beam search: the same completions with freeing on and off, the fold of
+    the events equal to the engine's snapshot after every step."""
+    path, loaded = gemma
+    if kind == "beams":
+        params = SamplingParams(max_tokens=MAX_TOKENS, n=2, beam_width=3, temperature=0, ignore_eos=True)
+    else:
+        params = SamplingParams(max_tokens=MAX_TOKENS, n=3, temperature=1.0, seed=7, ignore_eos=True)
+    extra = dict(preemption_mode="swap", num_blocks=40) if kind == "swap-n" else dict(num_blocks=128)
+    results = []
+    for freeing in (True, False):
+        engine = make_engine(loaded, block_size=4, max_num_batched_tokens=32, kv_window_freeing=freeing, **extra)
+        watcher = None   # (the fold learns groups in the next commit)
+        for i, p in enumerate(prompts(257)[8:14]):
+            engine.add_request(str(i), p, params)
+        out = drive(engine, watcher)
+        results.append({k: sorted(tuple(c.token_ids) for c in o.outputs) for k, o in out.items()})
+    assert results[0] == results[1]
