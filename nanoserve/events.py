@@ -30,6 +30,12 @@ class StepClock:
         self.step = 0
 
 
+# The trace format's version: 2 added KV cache groups (EngineSynced's kv_groups, group_tables and
+# companions; the block events' group fields; BlocksLeftWindow, GroupsCached). Version 1 traces have
+# none of them, and read as one group.
+TRACE_VERSION = 2
+
+
 @dataclass(frozen=True, slots=True)
 class Event:
     """Base of all events: the step number."""
@@ -68,6 +74,15 @@ class EngineSynced(Event):
     # mid-run shows the hit rate /metrics shows (0 in traces recorded before they were added).
     cache_hit_tokens: int = 0
     cache_lookup_tokens: int = 0
+    # KV cache groups (kv_groups.py; empty for one group): (window or 0, layers) per group, group 0 first;
+    # (seq_id, group_tables, cpu_group_tables) per live sequence that has them (FREED entries are -1);
+    # (group 0's cached block, its companions in groups 1..) per cached block the tree holds them for
+    kv_groups: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    group_tables: tuple[tuple, ...] = ()
+    companions: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # The trace format (TRACE_VERSION when recorded; 1: before the format had a number). A reader
+    # refuses a trace newer than itself and reads every older one.
+    trace_version: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,6 +406,16 @@ class KVTransferred(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class GroupsCached(Event):
+    """The prefix cache took group 0's new blocks (RadixInserted): it holds these, at the same positions in
+    KV cache groups 1.., with them (one reference each), and frees them when it evicts those."""
+
+    seq_id: str
+    block_ids: tuple[int, ...]                    # group 0's newly cached blocks
+    group_block_ids: tuple[tuple[int, ...], ...]  # per block: its companions in groups 1..
+
+
+@dataclass(frozen=True, slots=True)
 class BlocksLeftWindow(Event):
     """A windowed KV group's blocks fell out of its sliding window: the sequence lets them go (kv_groups.py)."""
 
@@ -410,6 +435,6 @@ EVENT_TYPES: dict[str, type[Event]] = {
         BlocksFreed, Preempted, TokenConstrained, TokenSampled, SequenceFinished, SequenceAborted, StepFinished,
         DraftProposed, DraftVerified, KVTrimmed, PrefixMatched, RadixInserted, RadixSplit, RadixLocked,
         RadixEvicted, BlockDeduplicated, Forked, CowCopied, BeamPruned, SwappedOut, SwappedIn,
-        CollectiveOps, RankPoolState, KVTransferred, BlocksLeftWindow,
+        CollectiveOps, RankPoolState, KVTransferred, BlocksLeftWindow, GroupsCached,
     )
 }

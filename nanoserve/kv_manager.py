@@ -258,12 +258,13 @@ class KVManager:
                 released = self.pool.free([own])
                 table[index] = cached_g
                 self.emit(ev.BlockDeduplicated(self.step, seq.seq_id, index, own, cached_g, bool(released), g))
-        if seq.group_tables:
-            for i in range(num_full):
-                if seq.block_table[i] not in self.companions:   # newly cached: the tree's reference on each
-                    companions = tuple(t[i] for t in seq.group_tables)
-                    self.pool.share(companions)
-                    self.companions[seq.block_table[i]] = companions
+        new = [i for i in range(num_full) if seq.group_tables and seq.block_table[i] not in self.companions]
+        for i in new:                       # newly cached: the tree's reference on each companion
+            self.companions[seq.block_table[i]] = companions = tuple(t[i] for t in seq.group_tables)
+            self.pool.share(companions)
+        if new:
+            self.emit(ev.GroupsCached(self.step, seq.seq_id, tuple(seq.block_table[i] for i in new),
+                                      tuple(self.companions[seq.block_table[i]] for i in new)))
         self._relock(seq, node)
 
     # -- fork ---------------------------------------------------------------------------------

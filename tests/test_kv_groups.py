@@ -13,13 +13,14 @@ import random
 
 import pytest
 from conftest import make_engine, run_to_end, save_tiny
-from engine_checks import drive
+from engine_checks import FoldWatcher, drive
 from test_parity import hf_greedy, prompts
 
 from nanoserve import SamplingParams
 from nanoserve import events as ev
 from nanoserve.kv_groups import FREED, KVGroup, make_groups, max_window_blocks
 from nanoserve.models.loader import load_model
+from nanoserve.trace_check import check_trace
 
 MAX_TOKENS = 16
 WINDOW_BLOCKS = max_window_blocks(8, 4)   # tiny-gemma3's window, 4-token blocks: 3
@@ -51,6 +52,8 @@ def greedy_run(loaded, prompt_list, **config):
     """Greedy tokens by request, and what the groups did: (tokens, BlocksLeftWindow events, preemptions,
     the most blocks a windowed table held between steps)."""
     engine = make_engine(loaded, block_size=4, **config)
+    watcher, events = FoldWatcher(engine), []   # the viewers' fold follows every group's blocks
+    engine.subscribe(events.append)
     left, most = [], 0
     engine.subscribe(lambda e: left.append(e) if isinstance(e, ev.BlocksLeftWindow) else None)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -60,9 +63,11 @@ def greedy_run(loaded, prompt_list, **config):
     while engine.has_unfinished_requests():
         result = engine.step()
         engine.check_invariants()          # includes: a windowed table holds only its window's blocks
+        watcher.check(engine)
         preempted += result.stats.num_preempted
         finished.update({o.request_id: o for o in result.outputs if o.finished})
         most = max([most] + [sum(b != FREED for b in t) for s in engine.sequences.values() for t in s.group_tables])
+    check_trace(events)                 # the trace's block books balance, group by group
     return [finished[str(i)].outputs[0].token_ids for i in range(len(prompt_list))], left, preempted, most
 
 
@@ -128,7 +133,7 @@ def test_forks_and_beams_across_groups(kind, gemma):
     results = []
     for freeing in (True, False):
         engine = make_engine(loaded, block_size=4, max_num_batched_tokens=32, kv_window_freeing=freeing, **extra)
-        watcher = None   # (the fold learns groups in the next commit)
+        watcher = FoldWatcher(engine)
         for i, p in enumerate(prompts(257)[8:14]):
             engine.add_request(str(i), p, params)
         out = drive(engine, watcher)
