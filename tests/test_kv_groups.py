@@ -9,7 +9,9 @@ the tree's and the CPU pool's books across groups).
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 from conftest import make_engine, run_to_end, save_tiny
@@ -18,11 +20,14 @@ from test_parity import hf_greedy, prompts
 
 from nanoserve import SamplingParams
 from nanoserve import events as ev
+from nanoserve.engine_state import fold_mismatches
 from nanoserve.kv_groups import FREED, KVGroup, make_groups, max_window_blocks
 from nanoserve.models.loader import load_model
-from nanoserve.trace_check import check_trace
+from nanoserve.trace import JsonlRecorder, fold_all
+from nanoserve.trace_check import check_trace, load_trace
 
 MAX_TOKENS = 16
+ROOT = Path(__file__).resolve().parents[1]
 WINDOW_BLOCKS = max_window_blocks(8, 4)   # tiny-gemma3's window, 4-token blocks: 3
 
 CASES = {
@@ -139,3 +144,53 @@ def test_forks_and_beams_across_groups(kind, gemma):
         out = drive(engine, watcher)
         results.append({k: sorted(tuple(c.token_ids) for c in o.outputs) for k, o in out.items()})
     assert results[0] == results[1]
+
+
+# -- traces ------------------------------------------------------------------------------------------
+
+def test_traces_recorded_before_groups_still_replay():
+    """The docs' and the tests' traces (format 1, no groups) load, check and fold as before."""
+    paths = sorted((ROOT / "docs/traces").glob("*.jsonl")) + sorted((ROOT / "tests/data").glob("*.jsonl"))
+    assert len(paths) >= 10
+    for path in paths:
+        events = load_trace(path)
+        assert events[0].trace_version == 1 and not events[0].kv_groups
+        state = fold_all(events)
+        assert all(not s.group_tables for s in state.sequences.values()) and not state.companions
+
+
+def test_a_grouped_trace_joined_mid_run_round_trips(gemma, tmp_path):
+    """A recorder that joins mid-run gets the groups in EngineSynced (tables with left-window entries,
+    the cache's companions); the JSONL replays, passes the checks, and folds to the engine's snapshot."""
+    path, loaded = gemma
+    engine = make_engine(loaded, block_size=4, num_blocks=64, max_num_batched_tokens=24)
+    rng = random.Random(5)
+    shared = [rng.randrange(257) for _ in range(30)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(str(i), shared + [rng.randrange(257) for _ in range(5 + 7 * i)], params)
+    for _ in range(6):
+        engine.step()
+    trace = tmp_path / "groups.jsonl"
+    with JsonlRecorder(trace) as rec:
+        engine.subscribe(rec)
+        for i in range(3, 5):
+            engine.add_request(str(i), shared + [rng.randrange(257) for _ in range(3)], params)
+        run_to_end(engine)
+    events = load_trace(trace)
+    synced = events[0]
+    assert synced.trace_version == ev.TRACE_VERSION == 2
+    assert len(synced.kv_groups) == 3 and synced.companions
+    assert any(b == FREED for _, tables, _ in synced.group_tables for t in tables for b in t)
+    assert any(isinstance(e, ev.BlocksLeftWindow) for e in events)
+    assert not fold_mismatches(fold_all(events), engine.snapshot())
+
+
+def test_a_trace_newer_than_the_reader_is_refused(tmp_path):
+    lines = (ROOT / "docs/traces/long-prompt.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    first["trace_version"] = ev.TRACE_VERSION + 1
+    bad = tmp_path / "newer.jsonl"
+    bad.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match="newer than this nanoserve"):
+        load_trace(bad)
