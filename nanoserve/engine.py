@@ -386,6 +386,6 @@ class LLMEngine(Displayable):
 
     def clear_prefix_cache(self) -> int:
         """Evict every cached block nobody is using; returns how many went back to the free queue."""
-        freed = self.radix.clear() if self.radix else 0
+        freed = self.kv.clear_cache()   # (KV cache groups: the companions too, group_cache.py)
         self._raise_subscriber_errors(freed)
         return freed

@@ -51,7 +51,7 @@ def snapshot(table: RequestTable, scheduler: Scheduler, kv: KVManager, pool: Blo
                   # prompt tokens looked up and hit since the engine started (kv_usage.HIT_RATE)
                   "num_lookup_tokens": kv.num_lookup_tokens, "num_hit_tokens": kv.num_hit_tokens,
                   # KV cache groups: group 0's cached block -> its companions in groups 1.., held for the tree
-                  "companions": [[b, list(c)] for b, c in kv.companions.items()]},
+                  "companions": [[b, list(c)] for b, c in kv.group_cache.companions.items()]},
         # KV cache groups (kv_groups.py): each one's window (0: full attention) and layers, group 0 first
         "kv_groups": [[g.window or 0, list(g.layers)] for g in kv.groups],
         "cpu_pool": cpu_pool.snapshot() if cpu_pool else None,
@@ -92,7 +92,7 @@ def check_invariants(table: RequestTable, scheduler: Scheduler, pool: BlockPool,
                 f"{request.request_id}: n={request.params.n} not forked yet, but its sequences are "
                 f"{[(s.seq_id, s.num_output_tokens, s.seats) for s in seqs]} (one, no output, n seats expected)")
     if not table.sequences:   # nothing runs: the only blocks in use are the prefix cache's
-        cached = radix.num_cached_blocks * len(scheduler.kv.groups) if radix else 0   # (and their companions)
+        cached = radix.num_cached_blocks + scheduler.kv.group_cache.num_blocks if radix else 0   # (+ companions)
         assert pool.num_used_blocks == cached, \
             f"{pool.num_used_blocks - cached} blocks leaked with no requests"
         assert cpu_pool is None or cpu_pool.num_used_blocks == 0, "CPU blocks leaked"

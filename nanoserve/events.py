@@ -416,6 +416,16 @@ class GroupsCached(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class CompanionEvicted(Event):
+    """The prefix cache let go of a cached block's companion in one KV cache group (group_cache.py)."""
+
+    block_id: int                     # the cached group-0 block it went with
+    group: int
+    companion: int                    # the block it held in that group (one holder fewer)
+    released: bool                    # True when it reached the free queue
+
+
+@dataclass(frozen=True, slots=True)
 class BlocksLeftWindow(Event):
     """A windowed KV group's blocks fell out of its sliding window: the sequence lets them go (kv_groups.py)."""
 
@@ -436,5 +446,6 @@ EVENT_TYPES: dict[str, type[Event]] = {
         DraftProposed, DraftVerified, KVTrimmed, PrefixMatched, RadixInserted, RadixSplit, RadixLocked,
         RadixEvicted, BlockDeduplicated, Forked, CowCopied, BeamPruned, SwappedOut, SwappedIn,
         CollectiveOps, RankPoolState, KVTransferred, BlocksLeftWindow, GroupsCached,
+        CompanionEvicted,
     )
 }

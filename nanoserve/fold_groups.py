@@ -8,7 +8,8 @@ their group, and this module applies them to the sequence's `group_tables`
 
 * `BlocksLeftWindow`: a windowed group let go of blocks its window passed,
 * `GroupsCached`: the prefix cache holds, with each new group-0 block, the
-  blocks at the same position in the other groups (its companions),
+  blocks at the same position in the other groups (its companions), and
+  `CompanionEvicted`: it let go of one (group_cache.py),
 * `Forked` and `PrefixMatched`'s `group_block_ids`: the other groups' shares.
 
 It imports nothing but `events.py` and `view.py`, like fold.py.
@@ -24,7 +25,8 @@ FREED = -1   # (kv_groups.FREED: a table entry whose block left the window)
 
 def is_group_event(event: ev.Event) -> bool:
     """Does `fold_group_event` apply it (rather than fold.py's group-0 handling)?"""
-    return isinstance(event, (ev.BlocksLeftWindow, ev.GroupsCached)) or getattr(event, "group", 0) > 0
+    return isinstance(event, (ev.BlocksLeftWindow, ev.GroupsCached, ev.CompanionEvicted)) or \
+        getattr(event, "group", 0) > 0
 
 
 def _take(state: ViewState, blocks) -> None:
@@ -57,6 +59,14 @@ def fold_group_event(state: ViewState, req: SequenceView | None, event: ev.Event
         for block_id, companions in zip(event.block_ids, event.group_block_ids):
             state.companions[block_id] = list(companions)
             _take(state, companions)                     # the tree's reference on each
+        return
+    if isinstance(event, ev.CompanionEvicted):           # the cache let go of one (group_cache.py)
+        _drop(state, [event.companion], [event.companion] if event.released else [])
+        companions = state.companions.get(event.block_id)
+        if companions is not None:
+            companions[event.group - 1] = FREED
+            if all(c == FREED for c in companions) and event.block_id not in state.cached_blocks():
+                del state.companions[event.block_id]     # (its group-0 block was evicted before)
         return
     if isinstance(event, ev.BlocksFreed):                # release, a trim, or an evicted block's companion
         _drop(state, event.block_ids, event.released)
@@ -108,6 +118,8 @@ def shared_groups(state: ViewState, req: SequenceView, group_block_ids: tuple[tu
 
 
 def forget_evicted(state: ViewState, event: ev.RadixEvicted) -> None:
-    """The tree evicted group-0 blocks: it no longer keeps their companions (freed by BlocksFreed events)."""
+    """The tree evicted group-0 blocks: their companions go with them (a CompanionEvicted each follows;
+    an entry none is left in goes now)."""
     for b in event.block_ids:
-        state.companions.pop(b, None)
+        if all(c == FREED for c in state.companions.get(b, [FREED])):
+            state.companions.pop(b, None)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from nanoserve import events as ev
 from nanoserve.block_pool import BlockPool
+from nanoserve.group_cache import GroupCache
 from nanoserve.kv_groups import FREED, KVGroup, first_needed_block, live, max_window_blocks
 from nanoserve.radix_cache import RadixCache
 from nanoserve.sequence import Sequence
@@ -65,9 +66,9 @@ class KVManager:
         self.num_hit_tokens = 0       # ... and tokens whose prefill a hit skipped
         self.moves = BlockMoves()     # where this step's block moves go (the plan's, from begin_step)
         self.groups = groups or [KVGroup(None, ())]   # KV cache groups; group 0 holds every token
-        # The prefix cache with several groups: the tree holds group 0's blocks; here, for each of them, the
-        # blocks at the same position in groups 1.. (the tree's one reference on each, held for it)
-        self.companions: dict[int, tuple[int, ...]] = {}
+        # The prefix cache with several groups: for each block the tree holds, the blocks at the same position
+        # in groups 1.. (group_cache.py)
+        self.group_cache = GroupCache(pool, self.groups, emit, self.clock)
 
     def tables(self, seq: Sequence) -> list[list[int]]:
         """`seq`'s block table in every group: [block_table, *group_tables]."""
@@ -81,13 +82,19 @@ class KVManager:
     @property
     def num_available_blocks(self) -> int:
         """Blocks an allocation can get: free ones plus cached ones nobody is using."""
-        # (an evicted cached block frees its companions in the other groups too)
-        return self.pool.num_free_blocks + (self.radix.num_evictable_blocks * len(self.groups) if self.radix else 0)
+        # (KV cache groups: and the companions in the other groups only the cache holds, group_cache.py)
+        if self.radix is None:
+            return self.pool.num_free_blocks
+        return self.pool.num_free_blocks + self.radix.num_evictable_blocks + self.group_cache.num_evictable
 
     def evictable_in_path(self, node) -> int:
-        """Blocks on the path to `node` that count as evictable now (a match is about to lock them)."""
-        return sum(len(n.block_ids) for n in node.path() if n.lock_count == 0) * len(self.groups) \
-            if node is not None else 0
+        """Blocks on the path to `node` that count as evictable now (a match is about to lock them, and
+        share their companions)."""
+        if node is None:
+            return 0
+        companions = [c for n in node.path() for b in n.block_ids for c in self.group_cache.companions.get(b, ())]
+        return sum(len(n.block_ids) for n in node.path() if n.lock_count == 0) + \
+            sum(c != FREED and self.pool.blocks[c].ref_count == 1 for c in companions)
 
     def blocks_to_write(self, seq: Sequence, num_new: int) -> int:
         """Fresh blocks `seq` needs to write `num_new` more tokens (new blocks + copy-on-write copies)."""
@@ -109,19 +116,21 @@ class KVManager:
     def _take(self, n: int) -> list[int]:
         short = n - self.pool.num_free_blocks
         if short > 0 and self.radix is not None:
-            self.evict(-(-short // len(self.groups)))
+            self.evict(short)
         return self.pool.allocate(n)
 
     def evict(self, num_blocks: int) -> int:
-        """Evict at least `num_blocks` of group 0's cached blocks (and their companions); returns blocks freed."""
-        freed = self.radix.evict(num_blocks)
-        for block_id in [b for b in self.companions if self.pool.blocks[b].ref_count == 0]:
-            companions = self.companions.pop(block_id)
-            for g, c in enumerate(companions, 1):
-                released = self.pool.free([c])
-                freed += len(released)
-                self.emit(ev.BlocksFreed(self.step, "", (c,), tuple(released), g))
+        """Free at least `num_blocks` cached blocks: companions only the cache holds first (a window passed
+        them), then the tree's least recently used leaves with their companions; returns blocks freed."""
+        freed = self.group_cache.evict_alone(num_blocks)
+        if freed < num_blocks:
+            freed += self.radix.evict(num_blocks - freed)
+            freed += self.group_cache.forget_evicted()
         return freed
+
+    def clear_cache(self) -> int:
+        """Evict everything the prefix cache holds unlocked; returns the number of blocks freed."""
+        return self.evict(self.pool.num_blocks) if self.radix is not None else 0
 
     def grow(self, seq: Sequence, num_new: int) -> None:
         """Blocks for `num_new` more tokens of `seq` in every group (blocks that left a window go first,
@@ -198,7 +207,11 @@ class KVManager:
         forward of the very positions whose logits give them (prompt_logprobs.py)."""
         if self.radix is None or seq.needs_prompt_logprobs:
             return None, []
-        return self.radix.match_prefix(seq.all_token_ids)
+        node, blocks = self.radix.match_prefix(seq.all_token_ids)
+        usable = self.group_cache.usable(blocks) if len(self.groups) > 1 else len(blocks)
+        if usable < len(blocks):   # (KV cache groups: a window's companions went, group_cache.py)
+            node, blocks = self.radix.match_prefix(seq.token_ids(0, usable * self.pool.block_size + 1))
+        return node, blocks
 
     def commit_match(self, seq: Sequence, node, blocks: list[int]) -> None:
         """`seq` (no blocks yet) starts from the cached blocks: share them, lock their nodes. In a windowed
@@ -207,9 +220,7 @@ class KVManager:
             return
         assert not seq.block_table and seq.num_computed_tokens == 0
         hit = len(blocks) * self.pool.block_size
-        groups = [[FREED] * first_needed_block(g.window, hit, self.pool.block_size) for g in self.groups[1:]]
-        for g, table in enumerate(groups):
-            table += [self.companions[b][g] for b in blocks[len(table):]]
+        groups = self.group_cache.tables_for(blocks)
         self.num_lookup_tokens += seq.num_tokens
         self.num_hit_tokens += hit
         self.emit(ev.PrefixMatched(self.step, seq.seq_id, seq.num_tokens, hit, tuple(blocks),
@@ -253,18 +264,15 @@ class KVManager:
                                              seq.block_table[:num_full])
         for index, own, cached in duplicates:
             for g, table in enumerate(self.tables(seq)):
-                own, cached_g = table[index], cached if g == 0 else self.companions[cached][g - 1]
+                own, cached_g = table[index], cached if g == 0 else self.group_cache.dedup(cached, g)
+                if cached_g == FREED or own == FREED:   # (the cache lost it; or the window passed it)
+                    continue
                 self.pool.share([cached_g])
                 released = self.pool.free([own])
                 table[index] = cached_g
                 self.emit(ev.BlockDeduplicated(self.step, seq.seq_id, index, own, cached_g, bool(released), g))
-        new = [i for i in range(num_full) if seq.group_tables and seq.block_table[i] not in self.companions]
-        for i in new:                       # newly cached: the tree's reference on each companion
-            self.companions[seq.block_table[i]] = companions = tuple(t[i] for t in seq.group_tables)
-            self.pool.share(companions)
-        if new:
-            self.emit(ev.GroupsCached(self.step, seq.seq_id, tuple(seq.block_table[i] for i in new),
-                                      tuple(self.companions[seq.block_table[i]] for i in new)))
+        if seq.group_tables:                # newly cached blocks: the tree keeps their companions too
+            self.group_cache.add(seq.seq_id, seq.block_table, seq.group_tables, list(range(depth, num_full)))
         self._relock(seq, node)
 
     # -- fork ---------------------------------------------------------------------------------
@@ -361,16 +369,17 @@ class KVManager:
     def check_invariants(self, running: list[Sequence], swapped: list[Sequence]) -> None:
         tables = [live(t) for s in running for t in self.tables(s)]
         if self.radix is not None:
-            tables += self.radix.held_blocks() + [list(c) for c in self.companions.values()]
+            tables += self.radix.held_blocks() + self.group_cache.held()
             locks = Counter(s.cache_node.node_id for s in running if s.cache_node is not None)
             self.radix.check_invariants(dict(locks))
+            cached = self.group_cache.companions
             for s in running:   # a sequence's table starts with the blocks of its locked path
                 path = [b for n in reversed(s.cache_node.path()) for b in n.block_ids] if s.cache_node else []
                 assert s.block_table[: len(path)] == path, f"{s.seq_id}: table does not start with its cached path"
                 for g, table in enumerate(s.group_tables):
-                    assert all(t in (FREED, self.companions[b][g]) for t, b in zip(table, path)), \
+                    assert all(FREED in (t, cached[b][g]) or t == cached[b][g] for t, b in zip(table, path)), \
                         f"{s.seq_id}: group {g + 1} does not start with its cached path"
-            assert set(self.companions) <= {b for n in self.radix.held_blocks() for b in n}, "companions leaked"
+            assert set(cached) <= {b for n in self.radix.held_blocks() for b in n}, "companions leaked"
         self.pool.check_invariants(tables)
         if self.cpu_pool is not None:
             self.cpu_pool.check_invariants([live(t) for s in swapped

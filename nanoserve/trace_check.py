@@ -49,7 +49,7 @@ MAX_EVENTS = 250_000
 MAX_BLOCKS = 262_144
 
 # Fields that hold ids of device (GPU/CPU pool) blocks, and of CPU swap blocks.
-BLOCK_FIELDS = ("block_ids", "free_queue", "kept", "dropped", "src", "dst")
+BLOCK_FIELDS = ("block_ids", "free_queue", "kept", "dropped", "src", "dst", "companion")
 CPU_BLOCK_FIELDS = ("cpu_block_ids",)
 # EngineSynced.requests rows: index of the status, of the block table and of the CPU block table
 SYNCED_STATUS, SYNCED_TABLE, SYNCED_CPU_TABLE = 1, 7, 10
@@ -292,6 +292,9 @@ class PoolBooks:
             self.take("kept", [e.kept])
             self.drop("dropped", [e.dropped])
             self.release("released", [e.dropped] if e.released else [], [e.dropped])
+        elif isinstance(e, ev.CompanionEvicted):
+            self.drop("companion", [e.companion])
+            self.release("released", [e.companion] if e.released else [], [e.companion])
         elif isinstance(e, ev.CowCopied):
             self.drop("src", [e.src])
             if self.refs[e.src] == 0:

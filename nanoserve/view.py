@@ -76,6 +76,13 @@ class SequenceView:
     group_tables: list[list[int]] = field(default_factory=list)
     cpu_group_tables: list[list[int]] = field(default_factory=list)
 
+    def locate(self, block_id: int) -> tuple[int, int]:
+        """(KV cache group, index in its table) of a block this sequence holds: (0, i) with one group."""
+        for g, table in enumerate([self.block_table, *self.group_tables]):
+            if block_id in table:
+                return g, table.index(block_id)
+        raise ValueError(f"{self.seq_id} does not hold block {block_id}")
+
 
 @dataclass(slots=True)
 class RadixNodeView:
@@ -211,13 +218,14 @@ class ViewState:
     def cached_blocks(self) -> dict[int, int]:
         """Block id -> the radix node holding it."""
         return {c: node.node_id for node in self.radix.values() for b in node.block_ids
-                for c in (b, *self.companions.get(b, ()))}   # (KV cache groups: its companions too)
+                for c in (b, *self.companions.get(b, ())) if c >= 0}   # (KV cache groups: its companions too)
 
     def evictable_blocks(self) -> set[int]:
         """Blocks only the cache holds (ref count 1, node unlocked): reusable by a hit, or evicted for room."""
         locks = self.lock_counts()
+        alone = {c for cs in self.companions.values() for c in cs}   # (group_cache.py: evictable when unheld)
         return {b for b, node_id in self.cached_blocks().items()
-                if self.ref_counts[b] == 1 and locks[node_id] == 0}
+                if self.ref_counts[b] == 1 and (locks[node_id] == 0 or b in alone)}
 
     def block_kinds(self, owners: dict[int, list[str]] | None = None) -> list[str]:
         """Per block, what a picture colours it by:

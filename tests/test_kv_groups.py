@@ -73,6 +73,7 @@ def greedy_run(loaded, prompt_list, **config):
         finished.update({o.request_id: o for o in result.outputs if o.finished})
         most = max([most] + [sum(b != FREED for b in t) for s in engine.sequences.values() for t in s.group_tables])
     check_trace(events)                 # the trace's block books balance, group by group
+    greedy_run.events = events
     return [finished[str(i)].outputs[0].token_ids for i in range(len(prompt_list))], left, preempted, most
 
 
@@ -123,6 +124,21 @@ def test_prefix_cache_across_the_window(gemma):
     for h in big:   # a local group takes only the blocks its window still needs
         for table in h.group_block_ids:
             assert table[0] == FREED and sum(b != FREED for b in table) <= WINDOW_BLOCKS
+
+
+def test_a_short_pool_takes_passed_companions_first(gemma):
+    """Shared prefixes in a short pool: the cache gives back the blocks a window passed (CompanionEvicted)
+    before whole nodes, hits are cut back to what the windows still have, and the tokens stay HF's."""
+    path, loaded = gemma
+    rng = random.Random(0)
+    shared = [rng.randrange(257) for _ in range(30)]
+    prompt_list = [shared + [rng.randrange(257) for _ in range(rng.randint(1, 40))] for _ in range(12)]
+    on, left, _, most = greedy_run(loaded, prompt_list, num_blocks=40, max_num_batched_tokens=32)
+    evicted = [e for e in greedy_run.events if isinstance(e, ev.CompanionEvicted)]
+    hits = [e for e in greedy_run.events if isinstance(e, ev.PrefixMatched) and e.num_hit_tokens]
+    off, *_ = greedy_run(loaded, prompt_list, num_blocks=40, max_num_batched_tokens=32, kv_window_freeing=False)
+    assert on == off == hf_greedy(path, prompt_list, MAX_TOKENS)
+    assert evicted and hits and 0 < most <= WINDOW_BLOCKS
 
 
 @pytest.mark.parametrize("kind", ["n", "beams", "swap-n"])
@@ -194,3 +210,41 @@ def test_a_trace_newer_than_the_reader_is_refused(tmp_path):
     bad.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
     with pytest.raises(ValueError, match="newer than this nanoserve"):
         load_trace(bad)
+
+
+# -- the pictures ------------------------------------------------------------------------------------
+
+def window_state(loaded):
+    """The view, folded from events, at the end of the first step where a block left a window."""
+    engine = make_engine(loaded, block_size=4, num_blocks=64, max_num_batched_tokens=8)
+    events = []
+    engine.subscribe(events.append)
+    engine.add_request("r1", list(range(3, 40)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    state = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        state = fold_all(events)
+        if state.left_window:
+            return state
+    raise AssertionError("no block left the window")
+
+
+def test_tui_and_graphviz_draw_the_groups(gemma):
+    """The TUI's block-table panel lists each group's table with `·` where a block left the window; the
+    pool panel labels the blocks that left this step; Graphviz draws the same."""
+    from nanoserve.viz.graphviz import pool_dot, tables_dot
+    from nanoserve_tui.widgets.pool import _cell_lines
+    from nanoserve_tui.widgets.tables import TablesLayout
+
+    state = window_state(gemma[1])
+    layout = TablesLayout(state, 200)
+    text = ["".join(seg.text for seg in layout.line(i)) for i in range(layout.count)]
+    assert sum("g1 W8" in t or "g2 W8" in t for t in text) == 2 and any("→·" in t for t in text)
+    owners = state.block_owners()
+    kinds = state.block_kinds(owners)
+    gone = next(iter(state.left_window))
+    assert _cell_lines(state, gone, owners, kinds[gone], 3)[1] == "←window"
+    held = state.sequences["r1"].group_tables[0][-1]
+    assert _cell_lines(state, held, owners, kinds[held], 3)[1] == "r1/g1"
+    assert "left the window" in tables_dot(state) and "group 2 · window 8" in tables_dot(state)
+    assert "← window" in pool_dot(state)

@@ -17,11 +17,13 @@ from nanoserve.events import (
     BlocksLeftWindow,
     ChunkScheduled,
     CollectiveOps,
+    CompanionEvicted,
     CowCopied,
     DraftProposed,
     DraftVerified,
     EngineSynced,
     Forked,
+    GroupsCached,
     KVTransferred,
     KVTrimmed,
     Preempted,
@@ -99,6 +101,8 @@ SAMPLES = [
     KVTransferred(8, "d", "prefill", "decode", (7, 3), (0, 1), 4, 2048, 0.0005),
     BlocksLeftWindow(9, "a", 1, 8, 17, (0, 1), (5, 6), (6,)),
     BlocksAllocated(9, "a", (7,), 2),
+    GroupsCached(9, "a", (3,), ((5, 6),)),
+    CompanionEvicted(9, 3, 1, 5, True),
 ]
 
 
