@@ -317,7 +317,6 @@ class Forked(Event):
     seq_id: str                       # the new sequence
     block_ids: tuple[int, ...]        # the shared table: every ref count went up by one
     seed: int = -1                    # the seed of the new sequence's RNG (-1: not recorded)
-    group_block_ids: tuple[tuple[int, ...], ...] = ()   # groups 1.. (kv_groups.py): their shared tables
 
 
 @dataclass(frozen=True, slots=True)
@@ -416,6 +415,15 @@ class GroupsCached(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class GroupsForked(Event):
+    """After Forked: the new sequence shares its parent's tables in KV cache groups 1.. too (kv_groups.py)."""
+
+    parent_id: str
+    seq_id: str
+    group_block_ids: tuple[tuple[int, ...], ...]   # per group 1..: the shared table (-1: left the window)
+
+
+@dataclass(frozen=True, slots=True)
 class CompanionEvicted(Event):
     """The prefix cache let go of a cached block's companion in one KV cache group (group_cache.py)."""
 
@@ -446,6 +454,6 @@ EVENT_TYPES: dict[str, type[Event]] = {
         DraftProposed, DraftVerified, KVTrimmed, PrefixMatched, RadixInserted, RadixSplit, RadixLocked,
         RadixEvicted, BlockDeduplicated, Forked, CowCopied, BeamPruned, SwappedOut, SwappedIn,
         CollectiveOps, RankPoolState, KVTransferred, BlocksLeftWindow, GroupsCached,
-        CompanionEvicted,
+        CompanionEvicted, GroupsForked,
     )
 }

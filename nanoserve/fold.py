@@ -363,8 +363,6 @@ def fold(state: ViewState | None, event: ev.Event) -> ViewState:
         _new_request(state, req, state.waiting)
     elif isinstance(event, ev.Forked):
         _fork(state, event)
-        if event.group_block_ids:
-            shared_groups(state, state.sequences[event.seq_id], event.group_block_ids)
     elif req is None:  # every other event is about a request we must know
         raise ValueError(f"{type(event).__name__} for unknown request {rid!r}")
     elif isinstance(event, _MEMORY_EVENTS):

@@ -10,7 +10,7 @@ their group, and this module applies them to the sequence's `group_tables`
 * `GroupsCached`: the prefix cache holds, with each new group-0 block, the
   blocks at the same position in the other groups (its companions), and
   `CompanionEvicted`: it let go of one (group_cache.py),
-* `Forked` and `PrefixMatched`'s `group_block_ids`: the other groups' shares.
+* `GroupsForked` and `PrefixMatched`'s `group_block_ids`: the other groups' shares.
 
 It imports nothing but `events.py` and `view.py`, like fold.py.
 """
@@ -25,7 +25,7 @@ FREED = -1   # (kv_groups.FREED: a table entry whose block left the window)
 
 def is_group_event(event: ev.Event) -> bool:
     """Does `fold_group_event` apply it (rather than fold.py's group-0 handling)?"""
-    return isinstance(event, (ev.BlocksLeftWindow, ev.GroupsCached, ev.CompanionEvicted)) or \
+    return isinstance(event, (ev.BlocksLeftWindow, ev.GroupsCached, ev.CompanionEvicted, ev.GroupsForked)) or \
         getattr(event, "group", 0) > 0
 
 
@@ -59,6 +59,9 @@ def fold_group_event(state: ViewState, req: SequenceView | None, event: ev.Event
         for block_id, companions in zip(event.block_ids, event.group_block_ids):
             state.companions[block_id] = list(companions)
             _take(state, companions)                     # the tree's reference on each
+        return
+    if isinstance(event, ev.GroupsForked):                # the child shares its parent's tables
+        shared_groups(state, state.sequences[event.seq_id], event.group_block_ids)
         return
     if isinstance(event, ev.CompanionEvicted):           # the cache let go of one (group_cache.py)
         _drop(state, [event.companion], [event.companion] if event.released else [])
@@ -111,7 +114,7 @@ def fold_group_event(state: ViewState, req: SequenceView | None, event: ev.Event
 
 
 def shared_groups(state: ViewState, req: SequenceView, group_block_ids: tuple[tuple[int, ...], ...]) -> None:
-    """Forked / PrefixMatched: `req` now holds these tables in groups 1.. (one more holder each live block)."""
+    """GroupsForked / PrefixMatched: `req` now holds these tables in groups 1.. (one more holder each live block)."""
     req.group_tables = [list(t) for t in group_block_ids]
     for table in group_block_ids:
         _take(state, table)

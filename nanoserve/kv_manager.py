@@ -98,8 +98,11 @@ class KVManager:
 
     def blocks_to_write(self, seq: Sequence, num_new: int) -> int:
         """Fresh blocks `seq` needs to write `num_new` more tokens (new blocks + copy-on-write copies)."""
-        return sum(self.pool.blocks_needed(len(t), seq.num_computed_tokens + num_new) +
-                   int(self._shared_write_block(seq, t) is not None) for t in self.tables(seq))
+        bs, i = self.pool.block_size, seq.num_computed_tokens // self.pool.block_size
+        shared = [seq.num_computed_tokens % bs and i < len(t) and self.pool.blocks[t[i]].ref_count > 1
+                  for t in seq.group_tables]             # (copy-on-write in groups 1..)
+        return sum(self.pool.blocks_needed(len(t), seq.num_computed_tokens + num_new) for t in self.tables(seq)) + \
+            int(self._shared_write_block(seq) is not None) + sum(map(bool, shared))
 
     def blocks_for(self, num_tokens: int, num_new: int, num_held: int = 0) -> int:
         """Blocks a sequence needs, beyond the first `num_held` of each table, to hold `num_tokens` tokens of
@@ -138,6 +141,7 @@ class KVManager:
         tables = self.tables(seq)
         self.slide(seq)
         self.copy_on_write(seq)
+        self._copy_on_write_groups(seq)
         for g, table in enumerate(tables):
             needed = self.pool.blocks_needed(len(table), seq.num_computed_tokens + num_new)
             if needed:
@@ -163,31 +167,38 @@ class KVManager:
 
     # -- copy-on-write ---------------------------------------------------------------------
 
-    def _shared_write_block(self, seq: Sequence, table: list[int] | None = None) -> int | None:
-        """Index of the partly filled block `seq` writes next (in `table`, group 0's by default), if another
-        table holds it too."""
-        bs, table = self.pool.block_size, seq.block_table if table is None else table
+    def _shared_write_block(self, seq: Sequence) -> int | None:
+        """Index of the partly filled block `seq` writes next, if another table holds it too."""
+        bs = self.pool.block_size
         i = seq.num_computed_tokens // bs
-        if seq.num_computed_tokens % bs and i < len(table) and self.pool.blocks[table[i]].ref_count > 1:
+        if seq.num_computed_tokens % bs and i < len(seq.block_table) and \
+                self.pool.blocks[seq.block_table[i]].ref_count > 1:
             return i
         return None
 
     def copy_on_write(self, seq: Sequence) -> tuple[int, int] | None:
-        """Give `seq` its own copy of a shared block it is about to write into, in every group; returns
-        group 0's (src, dst)."""
-        first = None
-        for g, table in enumerate(self.tables(seq)):
-            i = self._shared_write_block(seq, table)
-            if i is None:
-                continue
-            src = table[i]
-            dst = self._take(1)[0]
-            self.pool.free([src])                  # one holder fewer; the others keep it
-            table[i] = dst
-            self.moves.copies.append((src, dst))
-            self.emit(ev.CowCopied(self.step, seq.seq_id, i, src, dst, g))
-            first = first or (src, dst)
-        return first
+        """Give `seq` its own copy of a shared block it is about to write into; returns (src, dst)."""
+        i = self._shared_write_block(seq)
+        if i is None:
+            return None
+        src = seq.block_table[i]
+        dst = self._take(1)[0]
+        self.pool.free([src])                  # one holder fewer; the others keep it
+        seq.block_table[i] = dst
+        self.moves.copies.append((src, dst))
+        self.emit(ev.CowCopied(self.step, seq.seq_id, i, src, dst))
+        return src, dst
+
+    def _copy_on_write_groups(self, seq: Sequence) -> None:
+        """`copy_on_write` in KV cache groups 1.. (kv_groups.py): the block each group writes next, if shared."""
+        bs, i = self.pool.block_size, seq.num_computed_tokens // self.pool.block_size
+        for g, table in enumerate(seq.group_tables, 1):
+            if seq.num_computed_tokens % bs and i < len(table) and self.pool.blocks[table[i]].ref_count > 1:
+                src, dst = table[i], self._take(1)[0]
+                self.pool.free([src])
+                table[i] = dst
+                self.moves.copies.append((src, dst))
+                self.emit(ev.CowCopied(self.step, seq.seq_id, i, src, dst, g))
 
     @property
     def step(self) -> int:
@@ -278,18 +289,21 @@ class KVManager:
     # -- fork ---------------------------------------------------------------------------------
 
     def fork(self, parent: Sequence, child: Sequence, seed: int = -1) -> None:
-        """`child` (a copy of `parent`'s tokens) shares all of `parent`'s blocks and cache locks, in every
-        group. (`seed`, the seed of the child's RNG, is only reported in the event.)"""
+        """`child` (a copy of `parent`'s tokens) shares all of `parent`'s blocks and cache locks.
+        (`seed`, the seed of the child's RNG, is only reported in the event.)"""
         self.pool.share(parent.block_table)
         child.block_table = list(parent.block_table)
-        child.group_tables = [list(t) for t in self.tables(parent)[1:]]
-        for table in child.group_tables:
-            self.pool.share(live(table))
         child.num_computed_tokens = parent.num_computed_tokens
-        self.emit(ev.Forked(self.step, parent.seq_id, child.seq_id, tuple(child.block_table), seed,
-                            tuple(tuple(t) for t in child.group_tables)))
+        self.emit(ev.Forked(self.step, parent.seq_id, child.seq_id, tuple(child.block_table), seed))
         if parent.cache_node is not None:
             self._relock(child, parent.cache_node)
+
+    def fork_groups(self, parent: Sequence, child: Sequence) -> None:
+        """After `fork`: `child` shares `parent`'s tables in KV cache groups 1.. too (kv_groups.py)."""
+        child.group_tables = [list(t) for t in parent.group_tables]
+        for table in child.group_tables:
+            self.pool.share(live(table))
+        self.emit(ev.GroupsForked(self.step, parent.seq_id, child.seq_id, tuple(map(tuple, child.group_tables))))
 
     # -- release ----------------------------------------------------------------------------
 

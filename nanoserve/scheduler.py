@@ -287,7 +287,7 @@ class Scheduler:
         """
         while self.kv.blocks_to_write(seq, num_new) > self.kv.num_available_blocks:
             victim = self._victim(seq, scheduled)
-            if victim is seq and self.kv.blocks_for(seq.num_computed_tokens + num_new, num_new) > self.pool.num_blocks:
+            if victim is seq and self.pool.blocks_needed(0, seq.num_computed_tokens + num_new) > self.pool.num_blocks:
                 # It would not fit even alone in the pool: it never will. (Otherwise it waits
                 # for room like any victim; blocks it shares with a fork do not count against it.)
                 self.running.remove(seq)

@@ -278,8 +278,10 @@ class PoolBooks:
     def apply(self, e: ev.Event) -> None:
         if isinstance(e, (ev.BlocksAllocated, ev.PrefixMatched, ev.Forked, ev.SwappedIn, ev.RadixInserted)):
             self.take("block_ids", e.block_ids)
-            if isinstance(e, (ev.PrefixMatched, ev.Forked)):   # KV cache groups 1..: their shares (-1: none)
+            if isinstance(e, ev.PrefixMatched):   # KV cache groups 1..: their shares (-1: none)
                 self.take("group_block_ids", [b for t in e.group_block_ids for b in t if b >= 0])
+        elif isinstance(e, ev.GroupsForked):
+            self.take("group_block_ids", [b for t in e.group_block_ids for b in t if b >= 0])
         elif isinstance(e, ev.GroupsCached):
             self.take("group_block_ids", [b for t in e.group_block_ids for b in t])
         elif isinstance(e, (ev.BlocksFreed, ev.SwappedOut, ev.BlocksLeftWindow)):

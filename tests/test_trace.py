@@ -24,6 +24,7 @@ from nanoserve.events import (
     EngineSynced,
     Forked,
     GroupsCached,
+    GroupsForked,
     KVTransferred,
     KVTrimmed,
     Preempted,
@@ -103,6 +104,7 @@ SAMPLES = [
     BlocksAllocated(9, "a", (7,), 2),
     GroupsCached(9, "a", (3,), ((5, 6),)),
     CompanionEvicted(9, 3, 1, 5, True),
+    GroupsForked(9, "a", "a.1", ((-1, 6), (-1, 7))),
 ]
 
 
