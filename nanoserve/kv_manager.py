@@ -85,7 +85,8 @@ class KVManager:
         # (KV cache groups: and the companions in the other groups only the cache holds, group_cache.py)
         if self.radix is None:
             return self.pool.num_free_blocks
-        return self.pool.num_free_blocks + self.radix.num_evictable_blocks + self.group_cache.num_evictable
+        alone = self.group_cache.num_evictable if len(self.groups) > 1 else 0
+        return self.pool.num_free_blocks + self.radix.num_evictable_blocks + alone
 
     def evictable_in_path(self, node) -> int:
         """Blocks on the path to `node` that count as evictable now (a match is about to lock them, and
@@ -125,6 +126,8 @@ class KVManager:
     def evict(self, num_blocks: int) -> int:
         """Free at least `num_blocks` cached blocks: companions only the cache holds first (a window passed
         them), then the tree's least recently used leaves with their companions; returns blocks freed."""
+        if len(self.groups) == 1:
+            return self.radix.evict(num_blocks)
         freed = self.group_cache.evict_alone(num_blocks)
         if freed < num_blocks:
             freed += self.radix.evict(num_blocks - freed)

@@ -248,3 +248,38 @@ def test_tui_and_graphviz_draw_the_groups(gemma):
     assert _cell_lines(state, held, owners, kinds[held], 3)[1] == "r1/g1"
     assert "left the window" in tables_dot(state) and "group 2 · window 8" in tables_dot(state)
     assert "← window" in pool_dot(state)
+
+
+# -- the issue's target, at Gemma 3's shape (slow) ---------------------------------------------------
+
+def long_gemma3_run(loaded, prompt, new_tokens: int, **config):
+    """Greedy tokens of one long request, and per step the live blocks of each of its tables."""
+    engine = make_engine(loaded, block_size=16, num_blocks=600, max_num_batched_tokens=512, **config)
+    engine.add_request("long", prompt, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+    held, out = [], None
+    while engine.has_unfinished_requests():
+        result = engine.step()
+        engine.check_invariants()
+        seq = engine.sequences.get("long")
+        if seq is not None:
+            held.append([sum(b != FREED for b in t) for t in [seq.block_table, *seq.group_tables]])
+        out = next((o for o in result.outputs if o.finished), out)
+    return out.outputs[0].token_ids, held
+
+
+@pytest.mark.slow
+def test_a_4000_token_gemma3_shaped_request_holds_a_window_per_local_group(tmp_path):
+    """Gemma 3's shape: five sliding layers (window 512) to one full layer. A 3,500-token prompt and 500
+    generated tokens: each local group holds at most ceil(511 / 16) + 1 = 33 blocks after every step, the
+    global one all 250; the tokens equal those with freeing off, and HF's."""
+    path = save_tiny("tiny-gemma3", tmp_path, num_hidden_layers=6, sliding_window=512,
+                     layer_types=["sliding_attention"] * 5 + ["full_attention"], max_position_embeddings=4096)
+    loaded = load_model(path)
+    rng = random.Random(11)
+    prompt = [rng.randrange(257) for _ in range(3500)]
+    on, held = long_gemma3_run(loaded, prompt, 500)
+    off, held_off = long_gemma3_run(loaded, prompt, 500, kv_window_freeing=False)
+    assert len(held[-1]) == 6 and len(held_off[-1]) == 1
+    assert max(max(h[1:]) for h in held) <= max_window_blocks(512, 16) == 33
+    assert held[-1][0] == held_off[-1][0] == 250
+    assert on == off == hf_greedy(path, [prompt], 500)[0]
