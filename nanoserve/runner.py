@@ -22,7 +22,10 @@ decoding uses the same class over its own cache.
 
 The cache is one pair of tensors per layer, `[num_blocks, block_size,
 num_kv_heads, head_dim]`, allocated once; blocks are handed out by the
-block pool, which never touches these tensors. Block moves the scheduler
+block pool, which never touches these tensors. With KV cache groups
+(kv_groups.py: Gemma 3's local and global layers) a pair serves slot s of
+every group, and each layer reads its own group's block tables: `prepare`
+builds one layout per group, and a layer gets its group's metadata. Block moves the scheduler
 plans are carried out here, before the forward that needs them:
 `copy_blocks` (copy-on-write, on the device) and `swap_out`/`swap_in`
 (between the device cache and a CPU copy of it, pinned when on CUDA).

@@ -39,6 +39,9 @@ CASES = {
     "no-prefix-cache": dict(max_num_batched_tokens=24, num_blocks=64, enable_prefix_caching=False),
     "ngram": dict(max_num_batched_tokens=32, num_blocks=256, speculative_method="ngram",
                   num_speculative_tokens=3),
+    "draft": dict(max_num_batched_tokens=32, num_blocks=256, speculative_method="draft",
+                  num_speculative_tokens=3, draft_num_layers=2),
+    "reading-path": dict(max_num_batched_tokens=24, num_blocks=64, path="reading"),   # kernels/reference.py
 }
 
 
