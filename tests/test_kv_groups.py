@@ -286,3 +286,24 @@ def test_a_4000_token_gemma3_shaped_request_holds_a_window_per_local_group(tmp_p
     assert max(max(h[1:]) for h in held) <= max_window_blocks(512, 16) == 33
     assert held[-1][0] == held_off[-1][0] == 250
     assert on == off == hf_greedy(path, [prompt], 500)[0]
+
+
+@pytest.mark.parametrize("where, fail_at, config", [
+    ("run", 4, {}), ("copy_blocks", "first", {}),
+    ("swap_out", "first", dict(preemption_mode="swap", num_blocks=10)),
+    ("swap_in", "first", dict(preemption_mode="swap", num_blocks=10)),
+    ("run", 6, dict(speculative_method="ngram")),
+])
+def test_a_failed_step_is_undone_across_groups(gemma, where, fail_at, config):
+    """test_hardening's failure injection on tiny-gemma3: a copy or swap into any group's block that never
+    ran sends its sequence back to recompute; invariants and the fold hold; the outputs are unchanged."""
+    from engine_checks import tokens
+    from test_hardening import run_workload
+
+    reference, _, _ = run_workload(gemma[1], **config)
+    finished, caught, failures = run_workload(gemma[1], fail_at, where, **config)
+    assert failures and len(caught) == 1
+    if where in ("copy_blocks", "swap_in", "swap_out"):
+        assert any(isinstance(e, ev.Preempted) and e.mode == "recompute" for e in caught[0].result.events)
+    for rid in ("g", "s", "n"):
+        assert tokens(finished)[rid] == tokens(reference)[rid], rid
