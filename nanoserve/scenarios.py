@@ -210,6 +210,10 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
         dict(block_size=4, num_blocks=64, max_num_batched_tokens=16, max_num_seqs=4),
         [Arrival(0, "long", TEXT * 2, dict(max_tokens=32)),
          Arrival(2, "short", "Hello there!", dict(max_tokens=24))],
+        # (tiny-gemma3 has no chat template: the plain workload runs; this one is for a chat model with windows)
+        Workload(dict(block_size=8, num_blocks=96, max_num_batched_tokens=64, max_num_seqs=4),
+                 [Arrival(0, "long", user("Summarise in one sentence: " + ARTICLE), dict(GREEDY, max_tokens=48)),
+                  Arrival(2, "short", user("Say hello in Spanish."), dict(GREEDY, max_tokens=24))]),
         model="tiny-gemma3",
     ),
     Scenario(
