@@ -69,6 +69,16 @@ class KVManager:
         # The prefix cache with several groups: for each block the tree holds, the blocks at the same position
         # in groups 1.. (group_cache.py)
         self.group_cache = GroupCache(pool, self.groups, emit, self.clock)
+        if radix is not None and len(self.groups) > 1:
+            # Whoever evicts from the tree (this manager, or a caller of radix.evict), the evicted blocks'
+            # companions go with them: the tree's events pass through here first.
+            tree_emit = radix.emit
+
+            def emit_and_forget(event: ev.Event) -> None:
+                tree_emit(event)
+                if isinstance(event, ev.RadixEvicted):
+                    self.group_cache.forget_evicted()
+            radix.emit = emit_and_forget
 
     def tables(self, seq: Sequence) -> list[list[int]]:
         """`seq`'s block table in every group: [block_table, *group_tables]."""
@@ -128,11 +138,11 @@ class KVManager:
         them), then the tree's least recently used leaves with their companions; returns blocks freed."""
         if len(self.groups) == 1:
             return self.radix.evict(num_blocks)
+        free = self.pool.num_free_blocks
         freed = self.group_cache.evict_alone(num_blocks)
         if freed < num_blocks:
-            freed += self.radix.evict(num_blocks - freed)
-            freed += self.group_cache.forget_evicted()
-        return freed
+            self.radix.evict(num_blocks - freed)   # (their companions go too: see __init__)
+        return self.pool.num_free_blocks - free
 
     def clear_cache(self) -> int:
         """Evict everything the prefix cache holds unlocked; returns the number of blocks freed."""
