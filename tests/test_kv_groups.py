@@ -308,3 +308,18 @@ def test_a_failed_step_is_undone_across_groups(gemma, where, fail_at, config):
         assert any(isinstance(e, ev.Preempted) and e.mode == "recompute" for e in caught[0].result.events)
     for rid in ("g", "s", "n"):
         assert tokens(finished)[rid] == tokens(reference)[rid], rid
+
+
+@pytest.mark.slow
+def test_the_state_machine_on_gemma3():
+    """test_engine_stateful's Hypothesis machine (every mechanism, injected failures, fold == snapshot,
+    outputs equal to a mechanisms-off reference) on tiny-gemma3 with window freeing, in its own process."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NANOSERVE_MACHINE_MODEL": "tiny-gemma3", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                           str(ROOT / "tests" / "test_engine_stateful.py")], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:]
