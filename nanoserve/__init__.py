@@ -24,6 +24,8 @@ Requests in
 Plan: who runs this step, how many tokens each, in which blocks
     scheduler.py        continuous batching, the token budget, chunked prefill, preemption
     kv_manager.py       how a sequence's blocks change: allocate, fork, copy-on-write, swap, cache
+    kv_groups.py        KV cache groups: a block table per kind of attention, blocks freed as a window slides
+    group_cache.py      the prefix cache across KV cache groups: the other groups' blocks kept with group 0's
     block_pool.py       physical blocks, their ref counts, the LRU free queue
     radix_cache.py      the radix-tree prefix cache over whole blocks
     spec_decode.py      speculative decoding: proposers and the exact acceptance rule
@@ -54,6 +56,7 @@ Watching: what the engine decided, for people
     trace.py            deliver events, record and replay them as JSONL
     trace_check.py      refuse a trace whose fields or block books are wrong, before drawing it
     fold.py             events -> the view state
+    fold_groups.py      the events of KV cache groups 1.. -> the view state
     view.py             the view state every viewer draws
     kv_usage.py         one definition of "used", "cached" and the hit rate for every screen
     engine_state.py     snapshot() and check_invariants()

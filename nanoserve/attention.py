@@ -69,6 +69,12 @@ class AttentionMetadata:
     num_decodes: int
 
 
+def layer_meta(meta: AttentionMetadata | list[AttentionMetadata], layer: int) -> AttentionMetadata:
+    """The metadata layer `layer` reads: the step's one, or (KV cache groups, kv_groups.py: each group has
+    its own block tables) its group's, from the runner's per-layer list."""
+    return meta[layer] if isinstance(meta, list) else meta
+
+
 class AttentionBackend:
     """The interface: `prepare` once per step, `forward` in every layer, `copy_blocks` for copy-on-write.
 

@@ -30,6 +30,9 @@ class EngineConfig:
     max_model_len: int | None = None    # prompt + output limit; None: the model's, capped by the pool and budget
     enable_chunked_prefill: bool = True  # let a long prompt spread over several steps
     enable_prefix_caching: bool = True  # radix prefix cache: reuse the KV of shared prefixes (radix_cache.py)
+    kv_window_freeing: bool = True      # a model mixing sliding-window and full layers keeps one block table per
+                                        # KV cache group and frees the blocks its windows passed (kv_groups.py);
+                                        # False: one table for every layer, every token's KV kept
     preemption_mode: str = "recompute"  # a preempted request's KV: "recompute" it later or "swap" it to CPU
     preemption_policy: str = "newest"   # victim: "newest" admitted, lowest "priority", or "shortest_remaining" keeps
                                         # the ones closest to done (the most tokens left is preempted first)
@@ -73,6 +76,7 @@ class EngineConfig:
         self.max_model_len = v.optional_integer("max_model_len", self.max_model_len, minimum=2)
         v.boolean("enable_chunked_prefill", self.enable_chunked_prefill)
         v.boolean("enable_prefix_caching", self.enable_prefix_caching)
+        v.boolean("kv_window_freeing", self.kv_window_freeing)
         v.choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
         v.choice("preemption_policy", self.preemption_policy, ("newest", "priority", "shortest_remaining"))
         self.num_cpu_blocks = v.optional_integer("num_cpu_blocks", self.num_cpu_blocks, minimum=0)

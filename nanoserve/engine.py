@@ -62,6 +62,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.display import Displayable
 from nanoserve.errors import SubscriberError
 from nanoserve.implementation import choose
+from nanoserve.kv_groups import make_groups
 from nanoserve.models.loader import LoadedModel, load_model
 from nanoserve.outputs import RequestOutput, StepResult, StepStats
 from nanoserve.request import Request
@@ -100,26 +101,34 @@ class LLMEngine(Displayable):
         self.tokenizer = self.loaded.tokenizer
         model = self.loaded.model
         config.resolve(model.max_positions, *kv_budget(model, config, dtype))   # FieldError before any allocation
-        self.pool = parts.block_pool(config.num_blocks, config.block_size)
+        # KV cache groups (kv_groups.py): one group of every layer, or one per kind of attention. A block of
+        # the pool is `block_size` tokens of one group's layers, so the pool holds num_blocks * groups of
+        # them: the bytes num_blocks whole-model blocks take.
+        self.kv_groups = make_groups(list(getattr(model, "sliding_windows", None) or [None] * model.num_layers),
+                                     config.kv_window_freeing and config.tensor_parallel_size == 1)
+        self.pool = parts.block_pool(config.num_blocks * len(self.kv_groups), config.block_size)
         self.bus = EventBus(hold_errors=True)   # a raising viewer never stops a step half way
         self.clock = ev.StepClock()             # the step number: the engine advances it, its parts read it
         # The radix prefix cache (None when off) and the CPU pool for swap preemption (None without swap space).
         self.radix = parts.radix_cache(self.pool, self.emit, self._span_text, clock=self.clock) \
             if config.enable_prefix_caching else None
-        self.cpu_pool = parts.block_pool(config.num_cpu_blocks, config.block_size) if config.num_cpu_blocks else None
-        self.kv = parts.kv_manager(self.pool, self.radix, self.cpu_pool, self.emit, clock=self.clock)
+        self.cpu_pool = parts.block_pool(config.num_cpu_blocks * len(self.kv_groups), config.block_size) \
+            if config.num_cpu_blocks else None
+        self.kv = parts.kv_manager(self.pool, self.radix, self.cpu_pool, self.emit, clock=self.clock,
+                                   **({"groups": self.kv_groups} if len(self.kv_groups) > 1 else {}))
         self.scheduler = parts.scheduler(config, self.kv, self.emit, clock=self.clock)
         backend = choose(config)              # which code runs: "auto" turned into names, once (implementation.py)
         if config.tensor_parallel_size > 1:   # the model split over processes (distributed/tensor_parallel.py)
             from nanoserve.distributed.tensor_parallel import TensorParallelRunner
             self.runner = TensorParallelRunner(model, config, backend, self.emit, lambda: self.step_count, workers)
         else:
-            self.runner = ModelRunner.from_config(model, config, dtype, backend, parts.attention_backend)
+            self.runner = ModelRunner.from_config(model, config, dtype, backend, parts.attention_backend,
+                                                  groups=self.kv_groups)
         # What computes a step, as it actually runs: the model class, attention backend and matmul, and why
         # a faster part did not run (runner.Implementation; the snapshot, the TUI header and --stats say it).
         self.implementation = self.runner.implementation
         if self.cpu_pool is not None:
-            self.runner.allocate_swap(config.num_cpu_blocks)
+            self.runner.allocate_swap(self.cpu_pool.num_blocks)
         self.sampler = Sampler()
         self.proposer = build_proposer(config, self.loaded, dtype)   # None unless speculative decoding is on
         self.vocab_size = model.config.vocab_size
@@ -269,7 +278,7 @@ class LLMEngine(Displayable):
             return Drafts()
         c = self.config
         drafts = spec_decode.propose(self.proposer, self.scheduler.running, c.num_speculative_tokens,
-                                     c.max_model_len, self.pool.num_blocks * self.pool.block_size)
+                                     c.max_model_len, c.num_blocks * self.pool.block_size)
         for rid, tokens in drafts.tokens.items():
             self.emit(ev.DraftProposed(self.step_count, rid, self.proposer.method, tuple(tokens)))
         return drafts
@@ -295,7 +304,8 @@ class LLMEngine(Displayable):
         if not plan.chunks:
             return []
         inputs = [RunInput(c.token_ids(), c.start, c.seq.block_table,
-                           num_logits=1 + len(c.draft_token_ids) if c.samples else 0) for c in plan.chunks]
+                           num_logits=1 + len(c.draft_token_ids) if c.samples else 0,
+                           group_tables=c.seq.group_tables) for c in plan.chunks]
         if not any(c.seq.needs_prompt_logprobs for c in plan.chunks):
             logits = self.runner.run(self.runner.prepare(inputs))   # [rows, vocab], in chunk order
         else:   # a request asked for its prompt's log-probabilities: more rows come back (prompt_logprobs.py)
@@ -376,6 +386,6 @@ class LLMEngine(Displayable):
 
     def clear_prefix_cache(self) -> int:
         """Evict every cached block nobody is using; returns how many went back to the free queue."""
-        freed = self.radix.clear() if self.radix else 0
+        freed = self.kv.clear_cache()   # (KV cache groups: the companions too, group_cache.py)
         self._raise_subscriber_errors(freed)
         return freed

@@ -48,6 +48,8 @@ FLAGS = {
                           metavar="N"),
     "enable_chunked_prefill": Flag("turn chunked prefill off: a prompt runs in one step", ("--no-chunked-prefill",)),
     "enable_prefix_caching": Flag("turn the radix prefix cache off", ("--no-prefix-caching",)),
+    "kv_window_freeing": Flag("keep every token's KV in sliding-window layers (one block table for all layers)",
+                              ("--no-kv-window-freeing",)),
     "preemption_mode": Flag("what happens to a preempted request's KV", choices=("recompute", "swap")),
     "preemption_policy": Flag("which request is preempted first", choices=("newest", "priority", "shortest_remaining")),
     "num_cpu_blocks": Flag("swap space in blocks (default: as many as --num-blocks when swapping)", metavar="N"),

@@ -35,6 +35,9 @@ def snapshot(table: RequestTable, scheduler: Scheduler, kv: KVManager, pool: Blo
             "cache_node": seq.cache_node.node_id if seq.cache_node is not None else 0,
             "cpu_block_table": list(seq.cpu_block_table),
             "grammar": seq.grammar.kind if seq.grammar is not None else "",   # structured output's kind
+            # KV cache groups 1.. (kv_groups.py; empty with one group), FREED entries -1
+            "group_tables": [list(t) for t in seq.group_tables],
+            "cpu_group_tables": [list(t) for t in seq.cpu_group_tables],
         }
     return {
         "step": table.clock.step,
@@ -46,7 +49,11 @@ def snapshot(table: RequestTable, scheduler: Scheduler, kv: KVManager, pool: Blo
         "sequences": [view(s) for s in table.sequences.values()],
         "radix": {"enabled": radix is not None, "nodes": radix.snapshot() if radix else [],
                   # prompt tokens looked up and hit since the engine started (kv_usage.HIT_RATE)
-                  "num_lookup_tokens": kv.num_lookup_tokens, "num_hit_tokens": kv.num_hit_tokens},
+                  "num_lookup_tokens": kv.num_lookup_tokens, "num_hit_tokens": kv.num_hit_tokens,
+                  # KV cache groups: group 0's cached block -> its companions in groups 1.., held for the tree
+                  "companions": [[b, list(c)] for b, c in kv.group_cache.companions.items()]},
+        # KV cache groups (kv_groups.py): each one's window (0: full attention) and layers, group 0 first
+        "kv_groups": [[g.window or 0, list(g.layers)] for g in kv.groups],
         "cpu_pool": cpu_pool.snapshot() if cpu_pool else None,
         "config": {f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
         # what computes a step, as it runs (runner.Implementation): the config says what was asked for
@@ -85,7 +92,7 @@ def check_invariants(table: RequestTable, scheduler: Scheduler, pool: BlockPool,
                 f"{request.request_id}: n={request.params.n} not forked yet, but its sequences are "
                 f"{[(s.seq_id, s.num_output_tokens, s.seats) for s in seqs]} (one, no output, n seats expected)")
     if not table.sequences:   # nothing runs: the only blocks in use are the prefix cache's
-        cached = radix.num_cached_blocks if radix else 0
+        cached = radix.num_cached_blocks + scheduler.kv.group_cache.num_blocks if radix else 0   # (+ companions)
         assert pool.num_used_blocks == cached, \
             f"{pool.num_used_blocks - cached} blocks leaked with no requests"
         assert cpu_pool is None or cpu_pool.num_used_blocks == 0, "CPU blocks leaked"
@@ -131,10 +138,18 @@ def fold_mismatches(state, snap: dict) -> list[str]:
         for name in ("status", "block_table", "num_computed_tokens", "num_output_tokens", "output_text",
                      "cache_node", "cpu_block_table", "num_prompt_tokens", "max_tokens"):
             same(f"{r['seq_id']}.{name}", getattr(view, name), r[name])
+        for name in ("group_tables", "cpu_group_tables"):   # (no live entry left: no tables)
+            same(f"{r['seq_id']}.{name}", _tables(getattr(view, name)), _tables(r.get(name, [])))
     if snap["radix"]["enabled"]:
         nodes = {n["node_id"]: (n["parent_id"], n["block_ids"], n["num_tokens"], n["lock_count"])
                  for n in snap["radix"]["nodes"]}
         locks = state.lock_counts()
         folded = {n.node_id: (n.parent_id, n.block_ids, n.num_tokens, locks[n.node_id]) for n in state.radix_nodes()}
         same("radix tree", folded, nodes)
+        same("companions", state.companions, {b: list(c) for b, c in snap["radix"].get("companions", [])})
     return out
+
+
+def _tables(tables: list[list[int]]) -> list[list[int]]:
+    """Group tables as compared: none at all when no entry is live (a sequence that let go of them)."""
+    return [list(t) for t in tables] if any(b >= 0 for t in tables for b in t) else []

@@ -30,6 +30,12 @@ class StepClock:
         self.step = 0
 
 
+# The trace format's version: 2 added KV cache groups (EngineSynced's kv_groups, group_tables and
+# companions; the block events' group fields; BlocksLeftWindow, GroupsCached). Version 1 traces have
+# none of them, and read as one group.
+TRACE_VERSION = 2
+
+
 @dataclass(frozen=True, slots=True)
 class Event:
     """Base of all events: the step number."""
@@ -68,6 +74,15 @@ class EngineSynced(Event):
     # mid-run shows the hit rate /metrics shows (0 in traces recorded before they were added).
     cache_hit_tokens: int = 0
     cache_lookup_tokens: int = 0
+    # KV cache groups (kv_groups.py; empty for one group): (window or 0, layers) per group, group 0 first;
+    # (seq_id, group_tables, cpu_group_tables) per live sequence that has them (FREED entries are -1);
+    # (group 0's cached block, its companions in groups 1..) per cached block the tree holds them for
+    kv_groups: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    group_tables: tuple[tuple, ...] = ()
+    companions: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # The trace format (TRACE_VERSION when recorded; 1: before the format had a number). A reader
+    # refuses a trace newer than itself and reads every older one.
+    trace_version: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +139,7 @@ class BlocksAllocated(Event):
 
     seq_id: str
     block_ids: tuple[int, ...]
+    group: int = 0                    # KV cache group (kv_groups.py): 0 unless the model has several
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +149,7 @@ class BlocksFreed(Event):
     seq_id: str
     block_ids: tuple[int, ...]
     released: tuple[int, ...]
+    group: int = 0                    # KV cache group (kv_groups.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +253,7 @@ class PrefixMatched(Event):
     num_tokens: int                   # tokens looked up (the prompt, or prompt + output after preemption)
     num_hit_tokens: int               # tokens whose KV is reused: their prefill is skipped
     block_ids: tuple[int, ...]        # the cached blocks now at the start of the sequence's table
+    group_block_ids: tuple[tuple[int, ...], ...] = ()   # groups 1..: the cached blocks each now holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +306,7 @@ class BlockDeduplicated(Event):
     dropped: int                      # its own copy (freed, back to the free queue if nobody else holds it)
     kept: int                         # the cached block with the same tokens
     released: bool                    # True when `dropped` reached the free queue
+    group: int = 0                    # KV cache group (kv_groups.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,6 +327,7 @@ class CowCopied(Event):
     index: int                        # position in the sequence's block table
     src: int                          # the shared block (one holder fewer)
     dst: int                          # a fresh block from the free queue, holding a copy of src's KV
+    group: int = 0                    # KV cache group (kv_groups.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,6 +345,7 @@ class SwappedOut(Event):
     block_ids: tuple[int, ...]        # device blocks, in table order (one holder fewer each)
     released: tuple[int, ...]         # the device blocks that went back to the free queue, in that order
     cpu_block_ids: tuple[int, ...]    # where each one's KV now lives
+    group: int = 0                    # KV cache group (kv_groups.py): one event per group
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,6 +355,7 @@ class SwappedIn(Event):
     seq_id: str
     cpu_block_ids: tuple[int, ...]    # freed in the CPU pool
     block_ids: tuple[int, ...]        # fresh device blocks, in table order
+    group: int = 0                    # KV cache group (kv_groups.py): one event per group
 
 
 # -- across processes: tensor parallelism, prefill/decode disaggregation (nanoserve/distributed/) --------
@@ -382,6 +404,48 @@ class KVTransferred(Event):
         return self.request_id
 
 
+@dataclass(frozen=True, slots=True)
+class GroupsCached(Event):
+    """The prefix cache took group 0's new blocks (RadixInserted): it holds these, at the same positions in
+    KV cache groups 1.., with them (one reference each), and frees them when it evicts those."""
+
+    seq_id: str
+    block_ids: tuple[int, ...]                    # group 0's newly cached blocks
+    group_block_ids: tuple[tuple[int, ...], ...]  # per block: its companions in groups 1..
+
+
+@dataclass(frozen=True, slots=True)
+class GroupsForked(Event):
+    """After Forked: the new sequence shares its parent's tables in KV cache groups 1.. too (kv_groups.py)."""
+
+    parent_id: str
+    seq_id: str
+    group_block_ids: tuple[tuple[int, ...], ...]   # per group 1..: the shared table (-1: left the window)
+
+
+@dataclass(frozen=True, slots=True)
+class CompanionEvicted(Event):
+    """The prefix cache let go of a cached block's companion in one KV cache group (group_cache.py)."""
+
+    block_id: int                     # the cached group-0 block it went with
+    group: int
+    companion: int                    # the block it held in that group (one holder fewer)
+    released: bool                    # True when it reached the free queue
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksLeftWindow(Event):
+    """A windowed KV group's blocks fell out of its sliding window: the sequence lets them go (kv_groups.py)."""
+
+    seq_id: str
+    group: int                        # the windowed group (1..; group 0 holds every token)
+    window: int                       # its layers' sliding window, in tokens
+    num_computed_tokens: int          # the next query's position: keys <= this - window are never read again
+    indices: tuple[int, ...]          # positions in the group's table, now empty
+    block_ids: tuple[int, ...]        # the blocks they held (one holder fewer each)
+    released: tuple[int, ...]         # those that went back to the free queue (the rest stay cached)
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.__name__: cls
     for cls in (
@@ -389,6 +453,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         BlocksFreed, Preempted, TokenConstrained, TokenSampled, SequenceFinished, SequenceAborted, StepFinished,
         DraftProposed, DraftVerified, KVTrimmed, PrefixMatched, RadixInserted, RadixSplit, RadixLocked,
         RadixEvicted, BlockDeduplicated, Forked, CowCopied, BeamPruned, SwappedOut, SwappedIn,
-        CollectiveOps, RankPoolState, KVTransferred,
+        CollectiveOps, RankPoolState, KVTransferred, BlocksLeftWindow, GroupsCached,
+        CompanionEvicted, GroupsForked,
     )
 }

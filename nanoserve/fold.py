@@ -17,6 +17,7 @@ nothing but `events.py` and `view.py`.
 from __future__ import annotations
 
 from nanoserve import events as ev
+from nanoserve.fold_groups import fold_group_event, forget_evicted, is_group_event, shared_groups
 from nanoserve.view import (
     FINISHED_STATUS,
     HISTORY_LEN,
@@ -59,7 +60,19 @@ def synced_event(snapshot: dict) -> ev.EngineSynced:
                            bool(radix.get("enabled", False)), cpu_pool.get("num_blocks", 0), ranks,
                            tuple(dict(snapshot.get("config", {})).items()),
                            tuple(dict(snapshot.get("implementation", {})).items()),
-                           radix.get("num_hit_tokens", 0), radix.get("num_lookup_tokens", 0))
+                           radix.get("num_hit_tokens", 0), radix.get("num_lookup_tokens", 0),
+                           *_synced_groups(snapshot, order, by_id), trace_version=ev.TRACE_VERSION)
+
+
+def _synced_groups(snapshot: dict, order: list[str], by_id: dict) -> tuple:
+    """EngineSynced's KV cache group fields from a snapshot: all empty for one group (kv_groups.py)."""
+    groups = snapshot.get("kv_groups") or []
+    if len(groups) <= 1:
+        return (), (), ()
+    tables = tuple((rid, tuple(map(tuple, by_id[rid].get("group_tables", ()))),
+                    tuple(map(tuple, by_id[rid].get("cpu_group_tables", ())))) for rid in order)
+    companions = tuple((b, tuple(c)) for b, c in (snapshot.get("radix") or {}).get("companions", ()))
+    return tuple((w, tuple(layers)) for w, layers in groups), tables, companions
 
 
 def _synced_state(e: ev.EngineSynced) -> ViewState:
@@ -79,6 +92,11 @@ def _synced_state(e: ev.EngineSynced) -> ViewState:
                                           GrammarView(kind) if kind else None)
         if status in queues:
             queues[status].append(rid)
+    state.kv_groups = [(w, tuple(layers)) for w, layers in e.kv_groups]
+    state.companions = {b: list(c) for b, c in e.companions}
+    for rid, tables, cpu_tables in e.group_tables:
+        state.sequences[rid].group_tables = [list(t) for t in tables]
+        state.sequences[rid].cpu_group_tables = [list(t) for t in cpu_tables]
     for node_id, parent_id, text, num_tokens, block_ids, last_access in e.radix:   # parents come first
         state.radix[node_id] = RadixNodeView(node_id, parent_id, text, num_tokens, list(block_ids), last_access)
         state.radix[parent_id].children.append(node_id)
@@ -92,7 +110,7 @@ def _finish(state: ViewState, req: SequenceView, reason: str) -> None:
         return  # SequenceAborted then SequenceFinished("abort"): count it once
     req.status, req.finish_reason = FINISHED_STATUS[reason], reason
     req.cache_node = ROOT             # a finished request holds no cache node
-    req.cpu_block_table = []          # nor CPU blocks (an aborted swapped request's are freed)
+    req.cpu_block_table = req.cpu_group_tables = []   # nor CPU blocks (an aborted swapped request's are freed)
     for queue in (state.waiting, state.running, state.swapped):
         if req.seq_id in queue:
             queue.remove(req.seq_id)
@@ -174,6 +192,7 @@ def _fold_radix(state: ViewState, event: ev.Event) -> None:
         state.evicted_nodes[node.node_id] = node
         state.hit_nodes.discard(node.node_id)
         state.inserted_nodes.discard(node.node_id)
+        forget_evicted(state, event)                  # (KV cache groups: its companions go, BlocksFreed says)
 
 
 def _fork(state: ViewState, event: ev.Forked) -> None:
@@ -224,6 +243,8 @@ def _fold_memory(state: ViewState, req: SequenceView, event: ev.Event) -> None:
         state.cache_hit_tokens += event.num_hit_tokens
         state.cache_lookup_tokens += event.num_tokens
         state.touched_blocks.update(event.block_ids)
+        if event.group_block_ids:
+            shared_groups(state, req, event.group_block_ids)
         path = _matched_nodes(state, event.block_ids)
         state.hit_nodes.update(path)
         for node_id in path:
@@ -295,6 +316,9 @@ def fold(state: ViewState | None, event: ev.Event) -> ViewState:
     state.step = max(state.step, event.step)
     rid = getattr(event, "seq_id", None)
     req = state.sequences.get(rid)
+    if is_group_event(event):              # KV cache groups 1.. (fold_groups.py)
+        fold_group_event(state, req, event)
+        return state
 
     if isinstance(event, ev.BlocksAllocated):
         for block_id in event.block_ids:
@@ -316,6 +340,7 @@ def fold(state: ViewState | None, event: ev.Event) -> ViewState:
         state.hit_nodes.clear()
         state.inserted_nodes.clear()
         state.evicted_nodes.clear()
+        state.left_window.clear()
     elif isinstance(event, ev.StepFinished):
         state.last_step = event
         state.history.append((event.step, event.num_prefill_tokens, event.num_decode_tokens,
@@ -357,7 +382,7 @@ def fold(state: ViewState | None, event: ev.Event) -> ViewState:
             req.status = "swapped"
         else:                                         # KV dropped: admitted first again, recomputed
             state.waiting.insert(0, rid)
-            req.status, req.num_computed_tokens, req.cpu_block_table = "waiting", 0, []
+            req.status, req.num_computed_tokens, req.cpu_block_table, req.cpu_group_tables = "waiting", 0, [], []
     elif isinstance(event, ev.KVTransferred):           # its KV came from another engine's pool
         req.num_computed_tokens = event.num_tokens
         state.transfers.append(TransferView(event.step, rid, event.src, event.dst, list(event.src_block_ids),

@@ -19,7 +19,6 @@ Every refusal is a `FieldError` naming the argument ("prompt",
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -126,7 +125,7 @@ def _check_limits(engine, params: SamplingParams, token_ids: list[int]) -> None:
                                 f"max_num_seqs={config.max_num_seqs}")
     if params.use_beam_search:
         length = min(max_len, len(token_ids) + params.max_tokens)
-        worst = params.num_seqs * math.ceil(length / engine.pool.block_size)
+        worst = params.num_seqs * engine.kv.blocks_for(length, 1)   # (KV cache groups: every group's blocks)
         if worst > engine.pool.num_blocks:
             raise FieldError("beam_width", f"is {params.num_seqs}: beam search with {params.num_seqs} beams may "
                                            f"need {worst} blocks; the pool has {engine.pool.num_blocks}")

@@ -66,7 +66,7 @@ def widen(chunks: list[ScheduledChunk], inputs: list[RunInput]) -> list[RunInput
         first = _first_position(chunk)
         if first is not None:       # every row from `first` to the chunk's end (sampling's last row included)
             rows = chunk.start + len(x.token_ids) - first
-            wide[i] = RunInput(x.token_ids, x.start, x.block_table, max(rows, x.num_logits))
+            wide[i] = RunInput(x.token_ids, x.start, x.block_table, max(rows, x.num_logits), x.group_tables)
     return inputs if all(w is x for w, x in zip(wide, inputs)) else wide
 
 

@@ -138,6 +138,8 @@ class RequestTable:
             child_id = request.fork_id()
         child = parent.fork(child_id, generator)
         self.kv.fork(parent, child, seed)
+        if parent.group_tables:        # KV cache groups 1.. (kv_groups.py): their tables are shared too
+            self.kv.fork_groups(parent, child)
         self.scheduler.running.append(child)
         request.seqs.append(child)
         self.sequences[child_id] = child

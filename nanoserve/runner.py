@@ -22,7 +22,10 @@ decoding uses the same class over its own cache.
 
 The cache is one pair of tensors per layer, `[num_blocks, block_size,
 num_kv_heads, head_dim]`, allocated once; blocks are handed out by the
-block pool, which never touches these tensors. Block moves the scheduler
+block pool, which never touches these tensors. With KV cache groups
+(kv_groups.py: Gemma 3's local and global layers) a pair serves slot s of
+every group, and each layer reads its own group's block tables: `prepare`
+builds one layout per group, and a layer gets its group's metadata. Block moves the scheduler
 plans are carried out here, before the forward that needs them:
 `copy_blocks` (copy-on-write, on the device) and `swap_out`/`swap_in`
 (between the device cache and a CPU copy of it, pinned when on CUDA).
@@ -43,7 +46,7 @@ padding rows.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -54,6 +57,7 @@ from nanoserve.cuda_graphs import DecodeGraphs, GraphBatch
 from nanoserve.errors import FieldError
 from nanoserve.implementation import Choice, Implementation
 from nanoserve.kernels.backends import make_backend
+from nanoserve.kv_groups import FREED, KVGroup
 
 
 @dataclass(slots=True)
@@ -64,13 +68,15 @@ class RunInput:
     start: int                    # position of the first one (= tokens already in the cache)
     block_table: list[int]        # covers at least start + len(token_ids) tokens
     num_logits: int = 1           # logits wanted for the last num_logits tokens (0: none)
+    group_tables: list[list[int]] = field(default_factory=list)   # KV cache groups 1.. (kv_groups.py)
 
 
 @dataclass(slots=True)
 class Batch:
     input_ids: torch.Tensor           # [T] int64
     positions: torch.Tensor           # [T] int64
-    meta: AttentionMetadata           # built by the attention backend from the step's BatchLayout
+    meta: AttentionMetadata | list    # built by the attention backend from the step's BatchLayout
+                                      # (KV cache groups: one per layer, its group's)
     logits_indices: torch.Tensor      # [S] rows whose logits come back, in the order of the inputs
 
 
@@ -98,15 +104,19 @@ def kv_budget(model: nn.Module, config, dtype: torch.dtype) -> tuple[int, int]:
 class ModelRunner:
     @classmethod
     def from_config(cls, model: nn.Module, config, dtype: torch.dtype, choice: Choice,
-                    make_attention: Callable[[str, bool], AttentionBackend] = make_backend) -> ModelRunner:
+                    make_attention: Callable[[str, bool], AttentionBackend] = make_backend,
+                    groups: list[KVGroup] | None = None) -> ModelRunner:
         """The runner an EngineConfig asks for (`choice`: implementation.choose(config)), in this process."""
-        return cls(model, config.num_blocks, config.block_size, dtype, torch.device(config.device), choice,
-                   make_attention=make_attention)
+        # (KV cache groups: the pool holds num_blocks blocks of every layer, in blocks of one group's layers)
+        return cls(model, config.num_blocks * len(groups or [None]), config.block_size, dtype,
+                   torch.device(config.device), choice, make_attention=make_attention, groups=groups)
 
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, choice: Choice = Choice(),
-                 make_attention: Callable[[str, bool], AttentionBackend] = make_backend) -> None:
-        """`choice`: which path and attention backend run, and the CUDA-graph settings (implementation.py
+                 make_attention: Callable[[str, bool], AttentionBackend] = make_backend,
+                 groups: list[KVGroup] | None = None) -> None:
+        """`groups`: the KV cache groups (kv_groups.py; None: one group, every layer its own tensors).
+        `choice`: which path and attention backend run, and the CUDA-graph settings (implementation.py
         builds them; `make_attention` builds "torch" and "triton", components.py). With `choice.graphs`,
         pure-decode steps are padded to batch-size buckets and replayed as CUDA graphs (cuda_graphs.py)."""
         self.block_size = block_size
@@ -115,13 +125,22 @@ class ModelRunner:
         self.model, self.attn = built.model, built.attention
         self.implementation: Implementation = built.implementation
         zeros, graphs = built.zeros, choice.graphs
+        self.groups = groups or [KVGroup(None, tuple(range(model.num_layers)))]
+        if len(self.groups) > 1:
+            graphs = None     # (CUDA graphs replay one block table per sequence: grouped models run eagerly)
         if any(w is not None for w in getattr(model, "sliding_windows", ())) and not self.attn.windows:
             raise FieldError("attention_backend", f"runs {self.attn.label}, which has no sliding-window mask, "
                                                   f"and this model's local layers need one")
         # With graphs, one scratch block past the pool's last: padding rows write their K/V there.
         shape = (num_blocks + (graphs is not None), block_size, model.num_kv_heads, model.head_dim)
-        # One (k_cache, v_cache) pair per layer.
-        self.kv_caches = [(zeros(shape, dtype), zeros(shape, dtype)) for _ in range(model.num_layers)]
+        # One (k_cache, v_cache) pair per layer of a group: slot s of every group shares it (a block id
+        # names the same bytes in any group), and layer l reads the slot of its place in its group.
+        self.slot_caches = [(zeros(shape, dtype), zeros(shape, dtype)) for _ in self.groups[0].layers]
+        self.layer_group = [0] * model.num_layers          # layer -> its group
+        self.kv_caches = [self.slot_caches[0]] * model.num_layers
+        for g, group in enumerate(self.groups):
+            for slot, layer in enumerate(group.layers):
+                self.layer_group[layer], self.kv_caches[layer] = g, self.slot_caches[slot]
 
         self.cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] = []   # swap space, see allocate_swap
         self.graphs = DecodeGraphs(self, graphs, pad_block=num_blocks) if graphs is not None else None
@@ -131,11 +150,11 @@ class ModelRunner:
 
     def allocate_swap(self, num_cpu_blocks: int) -> None:
         """A CPU copy of the cache layout with `num_cpu_blocks` blocks per layer (swap preemption)."""
-        k, _ = self.kv_caches[0]
+        k, _ = self.slot_caches[0]
         shape = (num_cpu_blocks, *k.shape[1:])
         pin = self.device.type == "cuda"      # pinned pages make device <-> host copies fast and async
         self.cpu_caches = [(torch.zeros(shape, dtype=k.dtype, pin_memory=pin),
-                            torch.zeros(shape, dtype=k.dtype, pin_memory=pin)) for _ in self.kv_caches]
+                            torch.zeros(shape, dtype=k.dtype, pin_memory=pin)) for _ in self.slot_caches]
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -144,15 +163,15 @@ class ModelRunner:
             return
         src = self._tensor([s for s, _ in pairs])
         dst = self._tensor([d for _, d in pairs])
-        self.attn.copy_blocks([c for kv in self.kv_caches for c in kv], src, dst)
+        self.attn.copy_blocks([c for kv in self.slot_caches for c in kv], src, dst)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, CPU block): copy each device block's KV to its CPU block."""
-        self._move(pairs, self.kv_caches, self.cpu_caches)
+        self._move(pairs, self.slot_caches, self.cpu_caches)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(CPU block, device block): copy each CPU block's KV back into its (fresh) device block."""
-        self._move(pairs, self.cpu_caches, self.kv_caches)
+        self._move(pairs, self.cpu_caches, self.slot_caches)
 
     @torch.inference_mode()
     def _move(self, pairs: list[tuple[int, int]], src_caches, dst_caches) -> None:
@@ -170,7 +189,6 @@ class ModelRunner:
                 dst_cache[dst] = src_cache[src].to(dst_device, non_blocking=non_blocking)
 
     def prepare(self, inputs: list[RunInput]) -> Batch | GraphBatch:
-        bs = self.block_size
         if any(not x.token_ids for x in inputs):
             raise ValueError("every RunInput needs at least one token")
         if self.graphs is not None and (padded := self.graphs.prepare(inputs)) is not None:
@@ -182,32 +200,44 @@ class ModelRunner:
                                       -inputs[i].start if len(inputs[i].token_ids) == 1 else 0))
         input_ids: list[int] = []
         positions: list[int] = []
+        first_row = [0] * len(inputs)        # where each input starts in the flat row
+        for i in order:
+            first_row[i] = len(input_ids)
+            input_ids += inputs[i].token_ids
+            positions += range(inputs[i].start, inputs[i].start + len(inputs[i].token_ids))
+        # Logits rows in input order: the last num_logits tokens of each input.
+        logits_indices = [first_row[i] + len(x.token_ids) - x.num_logits + j
+                          for i, x in enumerate(inputs) for j in range(x.num_logits)]
+        metas = [self.attn.prepare(self._layout(inputs, order, first_row, g)) for g in range(len(self.groups))]
+        meta = metas[0] if len(metas) == 1 else [metas[g] for g in self.layer_group]   # grouped: per layer
+        return Batch(self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_indices))
+
+    def _layout(self, inputs: list[RunInput], order: list[int], first_row: list[int], group: int) -> BatchLayout:
+        """The step's row as KV cache group `group`'s layers see it: its slots and its block tables.
+
+        A windowed group's FREED entries (blocks its window passed, kv_groups.py) are read as block 0:
+        the window mask hides those positions (kernels/torch_backend.py's decode_window and
+        prefill_window; the C and Triton kernels start at the window), so no weight falls on them."""
+        bs = self.block_size
         slots: list[int] = []
         decode_lens: list[int] = []
         decode_tables: list[list[int]] = []
         prefills: list[PrefillChunk] = []
-        first_row = [0] * len(inputs)        # where each input starts in the flat row
         for i in order:
             x = inputs[i]
-            n, table = len(x.token_ids), x.block_table
-            first_row[i] = len(input_ids)
-            input_ids += x.token_ids
+            n, table = len(x.token_ids), x.block_table if group == 0 else x.group_tables[group - 1]
             pos = range(x.start, x.start + n)
-            positions += pos
             slots += [table[p // bs] * bs + p % bs for p in pos]
             context = x.start + n
             blocks = table[: -(-context // bs)]           # exactly the blocks holding its context
+            if group:
+                blocks = [0 if b == FREED else b for b in blocks]
             if n == 1:
                 decode_lens.append(context)
                 decode_tables.append(blocks)
             else:
                 prefills.append(PrefillChunk(first_row[i], n, context, blocks))
-        # Logits rows in input order: the last num_logits tokens of each input.
-        logits_indices = [first_row[i] + len(x.token_ids) - x.num_logits + j
-                          for i, x in enumerate(inputs) for j in range(x.num_logits)]
-        layout = BatchLayout(bs, self._tensor(slots), decode_lens, decode_tables, prefills)
-        return Batch(self._tensor(input_ids), self._tensor(positions), self.attn.prepare(layout),
-                     self._tensor(logits_indices))
+        return BatchLayout(bs, self._tensor(slots), decode_lens, decode_tables, prefills)
 
     @torch.inference_mode()
     def run(self, batch: Batch | GraphBatch) -> torch.Tensor:

@@ -55,6 +55,7 @@ class Scenario:
     config: dict               # the plain workload's EngineConfig fields (model excluded)
     arrivals: list[Arrival]    # the plain workload's requests
     chat: Workload | None = None   # the workload for a model with a chat template (None: plain everywhere)
+    model: str | None = None   # the model it needs whatever is asked for (a sliding window: tiny-gemma3); None: any
 
     def workload(self, chat_model: bool) -> Workload:
         """The workload to run: `chat` on a model with a chat template (when there is one), else plain."""
@@ -203,6 +204,19 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
                   Arrival(2, "free", user("Describe the Moon in one sentence."), dict(GREEDY, max_tokens=24))]),
     ),
     Scenario(
+        "sliding-window",
+        "Gemma 3's shape (tiny-gemma3): local layers with an 8-token window keep their own block tables, and "
+        "blocks the window passed go back while the global table grows.",
+        dict(block_size=4, num_blocks=64, max_num_batched_tokens=16, max_num_seqs=4),
+        [Arrival(0, "long", TEXT * 2, dict(max_tokens=32)),
+         Arrival(2, "short", "Hello there!", dict(max_tokens=24))],
+        # (tiny-gemma3 has no chat template: the plain workload runs; this one is for a chat model with windows)
+        Workload(dict(block_size=8, num_blocks=96, max_num_batched_tokens=64, max_num_seqs=4),
+                 [Arrival(0, "long", user("Summarise in one sentence: " + ARTICLE), dict(GREEDY, max_tokens=48)),
+                  Arrival(2, "short", user("Say hello in Spanish."), dict(GREEDY, max_tokens=24))]),
+        model="tiny-gemma3",
+    ),
+    Scenario(
         "tensor-parallel",
         "The model split over processes (workers start first): each rank's pool has the same block "
         "tables and its own KV heads; k switches rank.",
@@ -219,6 +233,13 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
                           dict(n=2, max_tokens=16, temperature=0.8, seed=1))]),
     ),
 ]}
+
+
+def scenario_model(scenario: Scenario, model: str, loaded=None) -> tuple[str, object]:
+    """The model a scenario runs (its own, when it names one) and the loaded model to reuse (None: load it)."""
+    if scenario.model is not None and scenario.model != model:
+        return scenario.model, None
+    return model, loaded
 
 
 def get_scenario(name: str) -> Scenario:
@@ -259,6 +280,7 @@ class ScenarioRunner:
 
         self.scenario = scenario
         settings = settings or {}
+        model, loaded = scenario_model(scenario, model, loaded)
         loaded = loaded or load_for(model, settings)
         self.chat = has_chat_template(loaded.tokenizer) and scenario.chat is not None
         workload = scenario.workload(self.chat)

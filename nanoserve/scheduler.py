@@ -191,14 +191,13 @@ class Scheduler:
         """
         while self.swapped and planning.budget > 0 and not planning.plan.preempted:
             seq = self.swapped[0]
-            if self.pool.blocks_needed(0, seq.num_computed_tokens + min(1, seq.num_uncomputed_tokens)) \
-                    > self.pool.num_blocks:
+            if self.kv.blocks_for(seq.num_computed_tokens + min(1, seq.num_uncomputed_tokens),
+                                  min(1, seq.num_uncomputed_tokens)) > self.pool.num_blocks:
                 self.swapped.popleft()
                 self._fail(seq, planning.plan, f"needs more than the {self.pool.num_blocks} blocks of the pool")
                 continue
             num_new = self._chunk_size(seq, planning.budget)
-            need = len(seq.cpu_block_table) + self.pool.blocks_needed(len(seq.cpu_block_table),
-                                                                       seq.num_computed_tokens + num_new)
+            need = self.kv.blocks_to_swap_in(seq, num_new)
             if (not num_new and seq.num_uncomputed_tokens) or \
                     not self._make_room(seq, need, None, planning.scheduled, planning.plan):
                 break
@@ -221,7 +220,7 @@ class Scheduler:
         plan = planning.plan
         while self.waiting and planning.budget > 0 and not self.swapped:
             seq = self.waiting[0]
-            if self.pool.blocks_needed(0, seq.num_tokens) > self.pool.num_blocks:
+            if self.kv.blocks_for(seq.num_tokens, 1) > self.pool.num_blocks:
                 self.waiting.popleft()
                 self._fail(seq, plan, f"needs {seq.num_tokens} tokens of KV but the whole pool holds "
                                      f"{self.pool.num_blocks * self.pool.block_size}")
@@ -233,7 +232,7 @@ class Scheduler:
             num_new = self._chunk_size(seq, planning.budget, num_cached)
             if not num_new:
                 break                                  # the whole prompt must wait for a step with room
-            need = self.pool.blocks_needed(len(cached), num_cached + num_new)
+            need = self.kv.blocks_for(num_cached + num_new, num_new, len(cached))
             if not self._make_room(seq, need, node, planning.scheduled, plan):
                 break                                  # admission only when the blocks are there
             if plan.preempted and self.kv.radix is not None:   # preempted beams' blocks joined the cache:
@@ -369,9 +368,11 @@ class Scheduler:
             chunk.seq.num_computed_tokens += chunk.num_real_tokens
 
     def cache_blocks(self) -> None:
-        """After a step: running sequences' newly filled blocks go into the prefix cache."""
+        """After a step: running sequences' newly filled blocks go into the prefix cache, then (KV cache
+        groups) the blocks their windows passed go back."""
         for seq in self.running:
             self.kv.cache_full_blocks(seq)
+            self.kv.slide(seq)
 
     # -- inspection -----------------------------------------------------------------
 

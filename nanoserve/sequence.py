@@ -105,6 +105,10 @@ class Sequence:
     priority: int = 0                    # preemption_policy="priority": the lowest is preempted first
     cache_node: object | None = None     # radix_cache.RadixNode: the deepest cached node it holds locked
     cpu_block_table: list[int] = field(default_factory=list)   # swap: where its KV waits in the CPU pool
+    # KV cache groups 1.. (kv_groups.py; empty for a model with one group): one table per group, indexed
+    # as block_table, a windowed group's entries for blocks that left its window FREED (-1); and swapped out
+    group_tables: list[list[int]] = field(default_factory=list)
+    cpu_group_tables: list[list[int]] = field(default_factory=list)
     beam_logprobs: torch.Tensor | None = None   # beam search: next-token log-probs waiting for the other beams
     beam_mask: object | None = None      # ... and what the grammar's mask did to them (structured_output.MaskInfo)
     pruned: bool = False                 # beam search dropped this beam

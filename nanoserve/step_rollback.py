@@ -68,8 +68,8 @@ class Rollback:
         if not self.blocks_moved:
             device_dst = {dst for _, dst in plan.moves.copies} | {dst for _, dst in plan.moves.swap_in}
             cpu_dst = {dst for _, dst in plan.moves.swap_out}
-            for seq in [s for s in scheduler.running if device_dst.intersection(s.block_table)] + \
-                       [s for s in scheduler.swapped if cpu_dst.intersection(s.cpu_block_table)]:
+            for seq in [s for s in scheduler.running if device_dst & _held(s.block_table, s.group_tables)] + \
+                       [s for s in scheduler.swapped if cpu_dst & _held(s.cpu_block_table, s.cpu_group_tables)]:
                 scheduler.drop_kv(seq)
         for chunk in plan.chunks:
             seq = chunk.seq
@@ -94,3 +94,8 @@ def failure(step: int, exc: BaseException, plan: StepPlan | None, request_ids: l
     return StepFailed(f"step {step}: {where} failed for {ids} ({type(exc).__name__}: {exc}); "
                       "nothing was computed: those requests keep their tokens and run again next step",
                       tuple(request_ids), result)
+
+
+def _held(table: list[int], group_tables: list[list[int]]) -> set[int]:
+    """The blocks of a sequence's table and of its KV cache groups' (kv_groups.py) tables."""
+    return {*table, *(b for t in group_tables for b in t)}

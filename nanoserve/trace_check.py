@@ -49,7 +49,7 @@ MAX_EVENTS = 250_000
 MAX_BLOCKS = 262_144
 
 # Fields that hold ids of device (GPU/CPU pool) blocks, and of CPU swap blocks.
-BLOCK_FIELDS = ("block_ids", "free_queue", "kept", "dropped", "src", "dst")
+BLOCK_FIELDS = ("block_ids", "free_queue", "kept", "dropped", "src", "dst", "companion")
 CPU_BLOCK_FIELDS = ("cpu_block_ids",)
 # EngineSynced.requests rows: index of the status, of the block table and of the CPU block table
 SYNCED_STATUS, SYNCED_TABLE, SYNCED_CPU_TABLE = 1, 7, 10
@@ -145,12 +145,15 @@ def _ids(event: ev.Event, names: tuple[str, ...]) -> Iterable[tuple[str, int]]:
             yield name, value
         elif isinstance(value, tuple):
             yield from ((name, v) for v in value)
-    if isinstance(event, (ev.BlocksFreed, ev.SwappedOut)) and "block_ids" in names:
+    if isinstance(event, (ev.BlocksFreed, ev.SwappedOut, ev.BlocksLeftWindow)) and "block_ids" in names:
         yield from (("released", v) for v in event.released)
 
 
 def check_block_ids(event: ev.Event, num_blocks: int, num_cpu_blocks: int) -> None:
     """ValueError naming the first block id outside the pool (or the CPU pool)."""
+    for table in getattr(event, "group_block_ids", ()):   # KV cache groups 1.. (-1: left the window)
+        if any(not -1 <= b < num_blocks for b in table):
+            raise ValueError(f"field group_block_ids has {table!r:.60}, outside the pool of {num_blocks} blocks")
     for pool, size, names in (("pool", num_blocks, BLOCK_FIELDS), ("CPU pool", num_cpu_blocks, CPU_BLOCK_FIELDS)):
         for name, block_id in _ids(event, names):
             if not 0 <= block_id < size:
@@ -180,11 +183,30 @@ def check_synced(event: ev.EngineSynced) -> None:
             if not conforms(table, tuple[int, ...]) or any(not 0 <= b < size for b in table):
                 raise ValueError(f"field sequences: {row[0]}'s block table {table!r:.60} is not a list of "
                                  f"blocks of the {pool} ({size} blocks)")
+    if event.trace_version > ev.TRACE_VERSION:
+        raise ValueError(f"field trace_version: the trace is format {event.trace_version}, newer than this "
+                         f"nanoserve's {ev.TRACE_VERSION}: upgrade nanoserve to read it")
+    _check_groups(event)
     for row in event.radix:
         if len(row) != 6 or not conforms(row[SYNCED_RADIX_BLOCKS], tuple[int, ...]) or any(
                 not 0 <= b < event.num_blocks for b in row[SYNCED_RADIX_BLOCKS]):
             raise ValueError(f"field radix: row {row!r:.80} is not (node, parent, text, tokens, blocks, step) "
                              f"with blocks of the pool")
+
+
+def _check_groups(event: ev.EngineSynced) -> None:
+    """KV cache groups (trace format 2): tables of known sequences, blocks of the pool (-1: left the window)."""
+    live = {row[0] for row in event.sequences}
+    for row in event.group_tables:
+        if len(row) != 3 or row[0] not in live or not all(
+                conforms(t, tuple[int, ...]) and all(-1 <= b < n for b in t)
+                for tables, n in ((row[1], event.num_blocks), (row[2], event.num_cpu_blocks)) for t in tables):
+            raise ValueError(f"field group_tables: row {row!r:.80} is not (sequence, tables, CPU tables) of a "
+                             f"live sequence with blocks of the pools")
+    for row in event.companions:
+        if len(row) != 2 or not conforms(row[1], tuple[int, ...]) or any(
+                not 0 <= b < event.num_blocks for b in (row[0], *row[1])):
+            raise ValueError(f"field companions: row {row!r:.80} is not (block, blocks of groups 1..) of the pool")
 
 
 def check_token_constrained(event: ev.TokenConstrained) -> None:
@@ -223,6 +245,8 @@ class PoolBooks:
                              f"{'' if odd in self.free else 'not '}in the free queue")
         holders = Counter(b for row in synced.sequences for b in row[SYNCED_TABLE])
         holders.update(b for row in synced.radix for b in row[SYNCED_RADIX_BLOCKS])
+        holders.update(b for _, tables, _ in synced.group_tables for t in tables for b in t if b >= 0)
+        holders.update(b for _, companions in synced.companions for b in companions)   # (KV cache groups)
         wrong = next((b for b, r in enumerate(self.refs) if r != holders[b]), None)
         if wrong is not None:
             raise ValueError(f"field ref_counts: block {wrong} has {self.refs[wrong]} holders, but "
@@ -254,7 +278,13 @@ class PoolBooks:
     def apply(self, e: ev.Event) -> None:
         if isinstance(e, (ev.BlocksAllocated, ev.PrefixMatched, ev.Forked, ev.SwappedIn, ev.RadixInserted)):
             self.take("block_ids", e.block_ids)
-        elif isinstance(e, (ev.BlocksFreed, ev.SwappedOut)):
+            if isinstance(e, ev.PrefixMatched):   # KV cache groups 1..: their shares (-1: none)
+                self.take("group_block_ids", [b for t in e.group_block_ids for b in t if b >= 0])
+        elif isinstance(e, ev.GroupsForked):
+            self.take("group_block_ids", [b for t in e.group_block_ids for b in t if b >= 0])
+        elif isinstance(e, ev.GroupsCached):
+            self.take("group_block_ids", [b for t in e.group_block_ids for b in t])
+        elif isinstance(e, (ev.BlocksFreed, ev.SwappedOut, ev.BlocksLeftWindow)):
             self.drop("block_ids", e.block_ids)
             self.release("released", e.released, e.block_ids)
         elif isinstance(e, ev.RadixEvicted):
@@ -264,6 +294,9 @@ class PoolBooks:
             self.take("kept", [e.kept])
             self.drop("dropped", [e.dropped])
             self.release("released", [e.dropped] if e.released else [], [e.dropped])
+        elif isinstance(e, ev.CompanionEvicted):
+            self.drop("companion", [e.companion])
+            self.release("released", [e.companion] if e.released else [], [e.companion])
         elif isinstance(e, ev.CowCopied):
             self.drop("src", [e.src])
             if self.refs[e.src] == 0:

@@ -71,6 +71,17 @@ class SequenceView:
     cache_node: int = ROOT            # the deepest radix node this sequence holds (0: none)
     cpu_block_table: list[int] = field(default_factory=list)   # CPU pool blocks while swapped out
     grammar: GrammarView | None = None   # structured output (None: free text)
+    # KV cache groups 1.. (kv_groups.py; empty with one group): each group's table, indexed as block_table,
+    # -1 where the block left the group's window; and their CPU copies while swapped
+    group_tables: list[list[int]] = field(default_factory=list)
+    cpu_group_tables: list[list[int]] = field(default_factory=list)
+
+    def locate(self, block_id: int) -> tuple[int, int]:
+        """(KV cache group, index in its table) of a block this sequence holds: (0, i) with one group."""
+        for g, table in enumerate([self.block_table, *self.group_tables]):
+            if block_id in table:
+                return g, table.index(block_id)
+        raise ValueError(f"{self.seq_id} does not hold block {block_id}")
 
 
 @dataclass(slots=True)
@@ -156,6 +167,10 @@ class ViewState:
     transfers: list[TransferView] = field(default_factory=list)   # KV handoffs received, the last HISTORY_LEN
     # What computes the steps (runner.Implementation as a dict: path, model, attention, matmul, note)
     implementation: dict[str, str] = field(default_factory=dict)
+    # -- KV cache groups (kv_groups.py) --
+    kv_groups: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)   # (window or 0, layers); [] = one
+    companions: dict[int, list[int]] = field(default_factory=dict)   # cached group-0 block -> groups 1..'s blocks
+    left_window: set[int] = field(default_factory=set)    # blocks that left a window this step (drawn so)
 
     def implementation_line(self) -> str:
         """What computes the steps, short for a header (see `implementation_line`)."""
@@ -166,7 +181,7 @@ class ViewState:
         """Block id -> ids of the sequences whose block tables hold it (held blocks only)."""
         owners: dict[int, list[str]] = {}
         for rid, req in self.sequences.items():
-            for block_id in req.block_table:
+            for block_id in [*req.block_table, *(b for t in req.group_tables for b in t if b >= 0)]:
                 if block_id in owners:
                     owners[block_id].append(rid)
                 else:
@@ -202,13 +217,15 @@ class ViewState:
 
     def cached_blocks(self) -> dict[int, int]:
         """Block id -> the radix node holding it."""
-        return {b: node.node_id for node in self.radix.values() for b in node.block_ids}
+        return {c: node.node_id for node in self.radix.values() for b in node.block_ids
+                for c in (b, *self.companions.get(b, ())) if c >= 0}   # (KV cache groups: its companions too)
 
     def evictable_blocks(self) -> set[int]:
         """Blocks only the cache holds (ref count 1, node unlocked): reusable by a hit, or evicted for room."""
         locks = self.lock_counts()
+        alone = {c for cs in self.companions.values() for c in cs}   # (group_cache.py: evictable when unheld)
         return {b for b, node_id in self.cached_blocks().items()
-                if self.ref_counts[b] == 1 and locks[node_id] == 0}
+                if self.ref_counts[b] == 1 and (locks[node_id] == 0 or b in alone)}
 
     def block_kinds(self, owners: dict[int, list[str]] | None = None) -> list[str]:
         """Per block, what a picture colours it by:
@@ -239,7 +256,8 @@ class ViewState:
         return hit_rate(self.cache_hit_tokens, self.cache_lookup_tokens)
 
     def cpu_blocks_used(self) -> int:
-        return sum(len(req.cpu_block_table) for req in self.sequences.values())
+        return sum(len(req.cpu_block_table) + sum(b >= 0 for t in req.cpu_group_tables for b in t)
+                   for req in self.sequences.values())
 
 
 def implementation_line(impl: dict[str, str]) -> str:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import pytest
@@ -20,7 +21,10 @@ from nanoserve import EngineConfig, LLMEngine, SamplingParams
 from nanoserve.models.loader import load_model
 
 # The session fixtures cannot reach inside a state machine: load once per module.
-LOADED = load_model("tiny-llama")
+# NANOSERVE_MACHINE_MODEL=tiny-gemma3 runs the machine on Gemma 3's shape: KV cache groups, windows
+# freed (test_kv_groups.py runs it so, under the slow marker; the reference keeps every token's KV).
+MODEL = os.environ.get("NANOSERVE_MACHINE_MODEL", "tiny-llama")
+LOADED = load_model(MODEL)
 VOCAB = LOADED.model.config.vocab_size
 EOS = LOADED.eos_token_id
 MAX_DRAIN_STEPS = 3000
@@ -40,7 +44,7 @@ def small_engine(block_size, num_blocks, budget, max_num_seqs, chunked=True, max
                  **more) -> LLMEngine:
     """`more`: enable_prefix_caching, preemption_mode, num_cpu_blocks, preemption_policy, speculation."""
     return LLMEngine(
-        EngineConfig(model="tiny-llama", block_size=block_size, num_blocks=num_blocks,
+        EngineConfig(model=MODEL, block_size=block_size, num_blocks=num_blocks,
                      max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                      enable_chunked_prefill=chunked, max_model_len=max_model_len, **more),
         loaded=LOADED,
@@ -53,7 +57,7 @@ PREFIXES = [list(range(1, 25)), [7, 8, 9] * 6, list(range(100, 112))]
 
 # -- reference outputs: the same request alone on an engine with every mechanism off ------------
 
-_REFERENCE = small_engine(16, 64, 512, 8, chunked=False, enable_prefix_caching=False)
+_REFERENCE = small_engine(16, 64, 512, 8, chunked=False, enable_prefix_caching=False, kv_window_freeing=False)
 _REFERENCE_CACHE: dict[tuple, tuple[list[int], list[float], str, list[float]]] = {}
 
 

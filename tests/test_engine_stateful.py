@@ -291,11 +291,11 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
                                                length_penalty=length_penalty))
 
     def _add_beams(self, prompt, params) -> None:
-        config, block_size = self.engine.config, self.engine.pool.block_size
+        config = self.engine.config
         width = params.beam_width
-        worst = width * -(-min(self.max_model_len, len(prompt) + params.max_tokens) // block_size)
+        worst = width * self.engine.kv.blocks_for(min(self.max_model_len, len(prompt) + params.max_tokens), 1)
         refused = None
-        if len(prompt) < self.max_model_len and (width > config.max_num_seqs or worst > config.num_blocks):
+        if len(prompt) < self.max_model_len and (width > config.max_num_seqs or worst > self.engine.pool.num_blocks):
             refused = "beam_width"
         self.next_id += 1
         self._add(f"b{self.next_id - 1}", prompt, params, refused_because=refused)
@@ -347,7 +347,7 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
         dropped = Counter(b for table in tables.values() for b in table)
         for b, times in dropped.items():
             assert self.engine.pool.blocks[b].ref_count == refs_before[b] - times
-        freed = [e for e in self.events[n_events:] if isinstance(e, ev.BlocksFreed)]
+        freed = [e for e in self.events[n_events:] if isinstance(e, ev.BlocksFreed) and e.group == 0]
         assert sorted(e.seq_id for e in freed) == sorted(r for r, t in tables.items() if t)
         for e in freed:
             assert sorted(e.block_ids) == sorted(tables[e.seq_id])
@@ -410,8 +410,10 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
             assert self._call(self.engine.clear_prefix_cache) in (0, None)
             return
         free, evictable = self.engine.pool.num_free_blocks, radix.num_evictable_blocks
+        gone = sum(isinstance(e, ev.CompanionEvicted) and e.released for e in self.events)   # (KV cache groups)
         freed = radix.evict(n)
-        assert freed >= min(n, evictable) and self.engine.pool.num_free_blocks == free + freed
+        companions = sum(isinstance(e, ev.CompanionEvicted) and e.released for e in self.events)
+        assert freed >= min(n, evictable) and self.engine.pool.num_free_blocks == free + freed + companions - gone
 
     @rule(kind=st.sampled_from(["forward", "forward", "ctrl-c", "nan", "subscriber"]))
     def inject_failure(self, kind):
@@ -449,7 +451,7 @@ class EngineMachine(OutputChecks, RuleBasedStateMachine):
         assert not self.engine.has_unfinished_requests(), "engine did not drain"
         assert self.live == {}
         pool = self.engine.pool
-        cached = self.engine.radix.num_cached_blocks if self.engine.radix else 0
+        cached = self.engine.radix.num_cached_blocks + self.engine.kv.group_cache.num_blocks if self.engine.radix else 0
         assert pool.num_used_blocks == cached       # only the prefix cache holds blocks now
         self._call(self.engine.clear_prefix_cache)
         assert pool.num_used_blocks == 0

@@ -53,6 +53,11 @@ def shows_mechanism(name: str, events: list) -> bool:
         stopped = {e.seq_id for e in events if isinstance(e, ev.SequenceFinished) and e.finish_reason == "stop"}
         return any(e.forced for e in constrained) and any(e.top_masked for e in constrained) \
             and {"json", "choice", "date"} <= stopped and "free" not in {e.seq_id for e in constrained}
+    if name == "sliding-window":          # blocks leave the local groups' windows, each table within it
+        left = [e for e in events if isinstance(e, ev.BlocksLeftWindow)]
+        synced = events[0]
+        return len(left) > 5 and len(synced.kv_groups) == 3 and \
+            all(e.indices and e.window == 8 for e in left)
     raise AssertionError(f"no check for scenario {name}")
 
 

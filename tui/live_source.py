@@ -22,7 +22,7 @@ from textual.worker import get_current_worker
 from nanoserve.events import EngineSynced, Event, StepFinished, StepStarted
 from nanoserve.models.first_load import listening
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.scenarios import Scenario, chat_prompt, get_scenario, has_chat_template
+from nanoserve.scenarios import Scenario, chat_prompt, get_scenario, has_chat_template, scenario_model
 from nanoserve.trace import JsonlRecorder, ViewState, fold, synced_event
 from nanoserve.whatif.compare import first_divergence
 from nanoserve.whatif.run import Run
@@ -60,9 +60,9 @@ class LiveSource(Source):
     def __init__(self, model: str | None = None, scenario: str | None = None,
                  record: str | Path | None = None, components=None, overrides: dict | None = None,
                  explain=None) -> None:
-        self.model = model or DEFAULT_MODEL
         self.overrides = dict(overrides or {})       # settings over the scenario's, e.g. {"path": "reading"}
         self.scenario = get_scenario(scenario) if scenario else PLAYGROUND   # ValueError when unknown
+        self.model = scenario_model(self.scenario, model or DEFAULT_MODEL)[0]   # (a scenario may name its own)
         self.record = record                          # also write every event to this JSONL trace
         self.components = components                  # `--lab`: the engine's parts replaced (None: its own)
         self.explain = explain                        # `--lab`: exception -> (where and what, hint) for the panel

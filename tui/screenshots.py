@@ -33,6 +33,8 @@ def showcase_step(name: str, events: list) -> int:
         return first(lambda e: isinstance(e, ev.SwappedOut))
     if name == "tensor-parallel":           # a fork's copy-on-write, replayed on both ranks
         return first(lambda e: isinstance(e, ev.CowCopied))
+    if name == "sliding-window":            # a few blocks have left the local windows
+        return [e.step for e in events if isinstance(e, ev.BlocksLeftWindow)][4]
     if name == "structured-output":         # the last step in which three grammars mask together
         steps = [e.step for e in events if isinstance(e, ev.TokenConstrained)]
         return max((step for step in steps if steps.count(step) >= 3), default=steps[0])

@@ -72,6 +72,7 @@ ROLES = {
     "kv_manager.py": "the block work of that plan: prefix match, new blocks, copy-on-write, swaps",
     "sequence.py": "the sequence's token counts and status changes",
     "block_pool.py": "ref counts and the free queue",
+    "kv_groups.py": "the blocks each table still needs (one KV cache group here: every block, no window)",
     "radix_cache.py": "the prefix lookup at admission; after the commit, newly full blocks join the tree",
     "prompt_logprobs.py": "more logits rows for prompt log-probabilities, when a request asks (none here)",
     "runner.py": "`prepare` and `run`: the flat row of tokens, their slots, one forward",

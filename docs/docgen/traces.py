@@ -4,7 +4,8 @@ A learner watching a radix tree or a fork wants to read the prompts and the
 answers, which only a trained model makes readable. Each scenario is recorded
 here as `nanoserve record --scenario NAME --model smollm2` does (and lesson 4's
 workload for the prefix-cache page's pictures, `docgen.memory.record_prefix_cache`) (its chat
-workload: real conversations, greedy), on the float32 reading path
+workload: real conversations, greedy; a scenario that names its own model, as
+sliding-window names tiny-gemma3, runs on that one), on the float32 reading path
 (`fast_paths=False`: models/ and kernels/reference.py, torch only), with the
 steps' wall-clock durations set to 0.
 

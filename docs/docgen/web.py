@@ -64,7 +64,9 @@ def make(read) -> Result:
     out = Result()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for name in SCENARIOS:                                 # (before playwright: it runs its own event loop)
+        # (before playwright: it runs its own event loop.) The scenarios recorded on SmolLM2, whose text
+        # reads well; one that names its own random-weight model (sliding-window) is watched in the TUI.
+        for name in (n for n, scenario in SCENARIOS.items() if scenario.model is None):
             trace = shipped(name)
             replay = export_html(trace, tmp / f"{name}.html", step=showcase_step(name, read_trace(trace)))
             assert not replay.sampled, f"{name}: the docs' replays show every step"

@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanoserve.attention import AttentionMetadata, paged_attention
+from nanoserve.attention import AttentionMetadata, layer_meta, paged_attention
 from nanoserve.cpu import matmul as cpu_matmul
 from nanoserve.cpu import ops as cpu_ops
 from nanoserve.cpu.linear import CpuLinear, PanelLinear, can_pack_dtype
@@ -149,7 +149,7 @@ class CpuLlama(nn.Module):
         cos, sin = self.rotary(positions)     # [T, D] each, shared by all layers
         a = None                              # the previous layer's MLP output, not yet added to h
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            a = layer(h, a, cos, sin, k_cache, v_cache, meta, check=i == 0)   # layer 0 checks for all
+            a = layer(h, a, cos, sin, k_cache, v_cache, layer_meta(meta, i), check=i == 0)   # layer 0 checks
         return self.ops.add_rms_norm(h, a, self.norm.weight, self.norm.eps)
 
     def compute_logits(self, hidden):

@@ -164,6 +164,9 @@ class DisaggregatedEngine:
             raise ValueError("disaggregation runs each side in one process without speculative decoding")
         dtype = getattr(torch, config.dtype)
         loaded = loaded or load_model(config.model, dtype, config.device, config.seed)
+        # The handoff moves one block table per request: every layer's KV in one group (kv_groups.py, no
+        # window freeing on either side).
+        config = dataclasses.replace(config, kv_window_freeing=False)
         # The decode side keeps no prefix cache: requests arrive with their KV.
         self.decode = LLMEngine(dataclasses.replace(config, enable_prefix_caching=False), loaded=loaded)
         prefill_config = dataclasses.replace(config, enable_prefix_caching=True)

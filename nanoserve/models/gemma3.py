@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from nanoserve.attention import AttentionMetadata
+from nanoserve.attention import AttentionMetadata, layer_meta
 from nanoserve.models.llama import Llama, LlamaAttention, LlamaMLP, Rotary
 
 
@@ -106,8 +106,8 @@ class Gemma3(Llama):
         h = self.model.embed_tokens(input_ids)
         h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         tables = {False: self.rotary(positions), True: self.rotary_local(positions)}   # (cos, sin) by kind
-        for layer, local, (k_cache, v_cache) in zip(self.model.layers, self.local, kv_caches):
-            h = layer(h, *tables[local], k_cache, v_cache, meta)
+        for i, (layer, local, (k_cache, v_cache)) in enumerate(zip(self.model.layers, self.local, kv_caches)):
+            h = layer(h, *tables[local], k_cache, v_cache, layer_meta(meta, i))   # (its KV cache group's tables)
         return self.model.norm(h)
 
     def compute_logits(self, hidden):

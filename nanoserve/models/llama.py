@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from nanoserve.attention import AttentionMetadata, paged_attention
+from nanoserve.attention import AttentionMetadata, layer_meta, paged_attention
 
 
 class RMSNorm(nn.Module):
@@ -192,8 +192,8 @@ class Llama(nn.Module):
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)          # [T, D] each, shared by all layers
-        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
-            h = layer(h, cos, sin, k_cache, v_cache, meta)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_caches)):
+            h = layer(h, cos, sin, k_cache, v_cache, layer_meta(meta, i))   # (its KV cache group's tables)
         return self.model.norm(h)
 
     def compute_logits(self, hidden):

@@ -145,7 +145,7 @@ class ServerMetrics:
         self.requests.labels(name, "waiting").set(len(scheduler.waiting))
         self.requests.labels(name, "swapped").set(len(scheduler.swapped))
         usage = kv_usage(pool.num_blocks, pool.num_free_blocks,           # counted as the TUI counts them
-                         engine.radix.num_evictable_blocks if engine.radix is not None else 0)
+                         engine.kv.num_available_blocks - pool.num_free_blocks)   # (KV cache groups: companions too)
         for state in ("used", "cached", "free"):
             self.kv_blocks.labels(name, state).set(getattr(usage, state))
         self.kv_usage.labels(name).set(usage.used / pool.num_blocks)

@@ -79,9 +79,14 @@ def tables_dot(state: ViewState) -> str:
             held = min(max(req.num_computed_tokens - i * state.block_size, 0), state.block_size)
             rows.append(f'<TR><TD BGCOLOR="{fill}">logical {i}</TD>'
                         f'<TD PORT="b{i}" BGCOLOR="{fill}">{held}/{state.block_size}</TD></TR>')
+        rows += _group_rows(state, req, fill)
         g.node(node[rid], html_table(rows))
         for i, block_id in enumerate(req.block_table):
             g.edge(f"{node[rid]}:b{i}:e", f"physical:p{block_id}:w", color=line)
+        for k, table in enumerate(req.group_tables, 1):
+            for i, block_id in enumerate(table):
+                if block_id >= 0:
+                    g.edge(f"{node[rid]}:g{k}b{i}:e", f"physical:p{block_id}:w", color=line, style="dashed")
     # waiting requests without blocks (new, or preempted) share one small box
     no_blocks = [rid for rid in state.running + state.waiting if rid not in with_blocks]
     if no_blocks:
@@ -120,6 +125,21 @@ def tables_dot(state: ViewState) -> str:
     return g.source
 
 
+def _group_rows(state: ViewState, req, fill: str) -> list[str]:
+    """KV cache groups 1.. (kv_groups.py): each group's table under group 0's; a logical block whose
+    block left the group's sliding window is drawn empty ("left the window": back in the pool)."""
+    rows = []
+    for k, table in enumerate(req.group_tables, 1):
+        window = state.kv_groups[k][0] if k < len(state.kv_groups) else 0
+        rows.append(f'<TR><TD COLSPAN="2"><I>group {k}' + (f" · window {window}" if window else "") + "</I></TD></TR>")
+        for i, block_id in enumerate(table):
+            held = min(max(req.num_computed_tokens - i * state.block_size, 0), state.block_size)
+            cell = (f'<TD PORT="g{k}b{i}" BGCOLOR="{fill}">{held}/{state.block_size}</TD>' if block_id >= 0
+                    else f'<TD BGCOLOR="{FREE_FILL}"><FONT COLOR="#969696">left the window</FONT></TD>')
+            rows.append(f'<TR><TD>logical {i}</TD>{cell}</TR>')
+    return rows
+
+
 def _fill(kind: str, holders: list[str] | None, colours: dict[str, tuple[str, str]]) -> str:
     """A block's fill colour from its kind (`ViewState.block_kinds`)."""
     if kind == "owned":
@@ -148,6 +168,8 @@ def pool_dot(state: ViewState, columns: int | None = None) -> str:
             who = html.escape(holders[0]) + ('<FONT POINT-SIZE="8"> +tree</FONT>' if block_id in cached else "")
         else:
             who = "cached" if kind == "cached" else f"held ×{ref}"
+        if block_id in state.left_window and kind in ("free", "cached"):   # a sliding window passed it
+            who = "← window"
         outline = (f' BORDER="3" COLOR="{TOUCHED_LINE}"' if block_id in state.touched_blocks
                    else ' COLOR="#737373"')
         cells.append(f'<TD WIDTH="52" HEIGHT="40" BGCOLOR="{fill}"{outline}><B>#{block_id}</B><BR/>{who}</TD>')
@@ -162,6 +184,8 @@ def pool_dot(state: ViewState, columns: int | None = None) -> str:
     if state.prefix_caching:
         swatches += [(CACHED_FILL, "cached, evictable", "")]
     swatches += [(FREE_FILL, "free", ""), (FREE_FILL, "touched this step", f' BORDER="3" COLOR="{TOUCHED_LINE}"')]
+    if state.kv_groups:   # KV cache groups: what "← window" means
+        swatches += [(FREE_FILL, "← window: left a sliding window this step", "")]
     legend = "".join(f'<TD BGCOLOR="{fill}"{extra}>{text}</TD>' for fill, text, extra in swatches)
     g.node("legend", html_table([f'<TR><TD BORDER="0"><B>legend</B></TD>{legend}</TR>'], spacing=4))
 

@@ -97,6 +97,12 @@ def render_engine(engine):
             bt = "CPU " + " ".join(map(str, r["cpu_block_table"][:16]))
         table.add_row(Text(r["seq_id"], style=_colour(i)), r["status"],
                       f"{r['num_prompt_tokens']}+{r['num_output_tokens']}", str(r["num_computed_tokens"]), f"[{bt}]")
+        for g, t in enumerate(r.get("group_tables", ()), 1):   # KV cache groups 1.. (· : left the window)
+            for b in (b for b in t if b >= 0):
+                owners[b] = i
+                holders[b] = holders.get(b, 0) + 1
+            cells = " ".join("·" if b < 0 else str(b) for b in t[-16:])
+            table.add_row("", f"group {g}", "", "", f"[{'… ' if len(t) > 16 else ''}{cells}]")
     used = pool["num_blocks"] - len(pool["free_queue"])
     swapped = f"  swapped {len(s['swapped'])}" if s.get("swapped") else ""
     head = Text.assemble(
@@ -106,11 +112,12 @@ def render_engine(engine):
     )
     nodes = (s.get("radix") or {}).get("nodes") or []
     cached = {b for n in nodes for b in n["block_ids"]}
+    cached |= {c for _, cs in (s.get("radix") or {}).get("companions", ()) for c in cs if c >= 0}   # (groups 1..)
     parts = [head, render_pool(pool["ref_counts"], owners, cached=cached, holders=holders)]
     if s.get("implementation"):   # what computes a step, as it runs (engine.implementation)
         parts.insert(1, Text(implementation_line(s["implementation"]), style="dim"))
     if (s.get("radix") or {}).get("enabled"):
-        evictable = sum(len(n["block_ids"]) for n in nodes if n["lock_count"] == 0)
+        evictable = sum(r == 1 and b not in owners for b, r in enumerate(pool["ref_counts"]) if b in cached)
         parts.append(Text(f"prefix cache: {len(nodes)} nodes, {len(cached)} blocks cached ({evictable} evictable)"
                           f" · print(engine.radix) for the tree", style="dim"))
     if s.get("cpu_pool"):

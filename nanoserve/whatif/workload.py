@@ -12,7 +12,7 @@ shared by both engines.
 from __future__ import annotations
 
 from nanoserve.errors import FieldError
-from nanoserve.scenarios import Scenario, get_scenario, has_chat_template, load_for, request_args
+from nanoserve.scenarios import Scenario, get_scenario, has_chat_template, load_for, request_args, scenario_model
 from nanoserve.whatif.log import Command
 from nanoserve.whatif.run import FIXED, Run
 from nanoserve.whatif.settings import checked_config
@@ -36,6 +36,7 @@ def scenario_start(scenario: Scenario, model: str = "tiny-llama", loaded=None, c
     A bad change raises FieldError("set", ...), also when the engine refuses it (a pool that
     does not fit the model's memory budget is only known once the model is)."""
     changes, settings = changes or {}, settings or {}
+    model, loaded = scenario_model(scenario, model, loaded)   # (a scenario may need its own model)
     loaded = loaded or load_for(model, settings)
     chat = has_chat_template(loaded.tokenizer) and scenario.chat is not None
     config, script = scenario_script(scenario, chat, loaded.tokenizer)

@@ -18,11 +18,12 @@ from nanoserve_tui.palette import CACHED, CPU, FREE, SHARED, request_colours
 def token_span(state: ViewState, request_id: str, block_id: int) -> str:
     """Which token positions `block_id` holds for one request, e.g. "logical 2, tokens 8-10 (3/4)"."""
     req, bs = state.sequences[request_id], state.block_size
-    i = req.block_table.index(block_id)
+    g, i = req.locate(block_id)
+    group = f"group {g}, " if g else ""          # KV cache groups (kv_groups.py): which table holds it
     filled = max(0, min(bs, req.num_computed_tokens - i * bs))
     if filled == 0:
-        return f"logical {i}, reserved (no KV yet, 0/{bs})"
-    return f"logical {i}, tokens {i * bs}-{i * bs + filled - 1} ({filled}/{bs})"
+        return f"{group}logical {i}, reserved (no KV yet, 0/{bs})"
+    return f"{group}logical {i}, tokens {i * bs}-{i * bs + filled - 1} ({filled}/{bs})"
 
 
 def describe_block(state: ViewState, block_id: int, rank=None) -> Text:

@@ -27,7 +27,8 @@ COLOURS = {
     "RadixEvicted": "#e06c75", "BlockDeduplicated": "#7fdbca", "Forked": "bold #c678dd", "CowCopied": "#c678dd",
     "BeamPruned": "#d19a66", "SwappedOut": "bold #e06c75", "SwappedIn": "bold #98c379",
     "CollectiveOps": "#82aaff", "RankPoolState": "#9a9a9a", "KVTransferred": "bold #7fdbca",
-    "TokenConstrained": "#e5c07b",
+    "TokenConstrained": "#e5c07b", "BlocksLeftWindow": "#d19a66", "GroupsCached": "#98c379",
+    "CompanionEvicted": "#e06c75", "GroupsForked": "#c678dd",
 }
 STYLES = {name: Style.parse(colour) for name, colour in COLOURS.items()}
 NAME_WIDTH = 16
@@ -56,9 +57,10 @@ def describe(e: ev.Event, ends: bool = False) -> str:
             kind = "prefill" if e.is_prefill else "decode"
             return f"{e.seq_id} {kind} tokens {e.start}-{e.start + e.num_tokens - 1}"
         case ev.BlocksAllocated():
-            return f"{e.seq_id} +{_ids(e.block_ids)}"
+            return f"{e.seq_id} +{_ids(e.block_ids)}" + (f" in group {e.group}" if e.group else "")
         case ev.BlocksFreed():
-            return f"{e.seq_id} -{_ids(e.block_ids)}, to the free queue {_ids(e.released)}"
+            return (f"{e.seq_id} -{_ids(e.block_ids)}" + (f" in group {e.group}" if e.group else "")
+                    + f", to the free queue {_ids(e.released)}")
         case ev.Preempted():
             if e.mode == "swap":
                 return f"{e.seq_id} (swap): its KV moves to the CPU pool"
@@ -115,6 +117,16 @@ def describe(e: ev.Event, ends: bool = False) -> str:
         case ev.RankPoolState():
             return (f"rank {e.rank} (KV heads {_ids(e.kv_heads)}): wrote {e.num_blocks_written} blocks, "
                     f"copied {e.num_blocks_copied}, swapped {e.num_blocks_swapped}, slots {e.digest}")
+        case ev.BlocksLeftWindow():
+            return (f"{e.seq_id} group {e.group}: window {e.window} passed logical {_ids(e.indices)}, gives back "
+                    f"{_ids(e.block_ids)}, to the free queue {_ids(e.released)}")
+        case ev.GroupsCached():
+            return f"cache keeps, with {_ids(e.block_ids)}, the other groups' {_ids(sum(e.group_block_ids, ()))}"
+        case ev.CompanionEvicted():
+            return (f"cache lets go of block {e.companion} (group {e.group}, with {e.block_id})"
+                    + (", to the free queue" if e.released else ""))
+        case ev.GroupsForked():
+            return f"{e.parent_id} -> {e.seq_id}, groups 1.. sharing {_ids(sum(e.group_block_ids, ()))}"
         case ev.KVTransferred():
             return (f"{e.seq_id} {e.src} {_ids(e.src_block_ids)} -> {e.dst} {_ids(e.block_ids)}: "
                     f"KV of {e.num_tokens} tokens, {e.num_bytes} bytes")

@@ -140,10 +140,12 @@ def _cell_lines(state: ViewState, b: int, owners: dict[int, list[str]], kind: st
         owner, fill = "cache", ""
     elif holders:
         req = state.sequences[holders[0]]
-        i = req.block_table.index(b)
-        owner, fill = holders[0], f"{max(0, min(bs, req.num_computed_tokens - i * bs))}/{bs}"
+        g, i = req.locate(b)                          # (KV cache groups: g > 0 is a windowed/other group's)
+        owner, fill = holders[0] + (f"/g{g}" if g else ""), f"{max(0, min(bs, req.num_computed_tokens - i * bs))}/{bs}"
     else:
         owner, fill = "held", ""
+    if b in state.left_window and kind in ("free", "cached"):   # a window slid past it this step
+        owner, fill = "←window", fill
     return [str(b), owner, fill] if lines == 3 else [str(b), fill]
 
 

@@ -6,6 +6,9 @@ tokens 0-3 live in block 3, tokens 4-7 in block 7, and block 9 holds 2 of its
 Running requests come first, then waiting ones (which hold no blocks), then
 swapped-out ones (their KV sits in CPU blocks: `r2  on CPU c0 c1 c2`).
 Blocks that more than one request's table holds are marked `*` (shared).
+A model with KV cache groups (kv_groups.py) has one table per group: group 0's
+on the request's line, each other group's under it (`  g1 W8  0→·  1→·  2→31`),
+`·` where a block left the group's sliding window and went back to the pool.
 Drawn from a `ViewState` only.
 """
 
@@ -31,7 +34,8 @@ def shared_blocks(state: ViewState, live: list[str]) -> set[int]:
     multi = {b for b, ref in enumerate(state.ref_counts) if ref > 1}
     if not multi:
         return set()
-    counts = Counter(b for rid in live for b in state.sequences[rid].block_table if b in multi)
+    counts = Counter(b for rid in live for t in [state.sequences[rid].block_table, *state.sequences[rid].group_tables]
+                     for b in t if b in multi)
     return {b for b, n in counts.items() if n > 1}
 
 
@@ -47,37 +51,49 @@ class TablesLayout:
         live = state.running + state.waiting + state.swapped
         self.shared = shared_blocks(state, live)
         self.name_width = max((len(rid) for rid in live), default=0) + 2
-        self.rows: list[tuple[str, int, int]] = []     # (request id, first entry, end entry) per line
+        self.name_width = max(self.name_width, 8 if state.kv_groups else 0)   # room for "g1 W512"
+        # (request id, KV cache group, first entry, end entry) per line
+        self.rows: list[tuple[str, int, int, int]] = []
         bs = state.block_size
         for rid in live:
             req = state.sequences[rid]
-            table, computed = req.block_table, req.num_computed_tokens
-            sizes = [3 + len(str(i)) + len(str(b)) + (b in self.shared) + (
-                0 if computed - i * bs >= bs else len(f"({max(0, computed - i * bs)}/{bs})"))
-                for i, b in enumerate(table)]
-            starts = breaks(sizes, width, self.name_width, self.name_width)
-            ends = starts[1:] + [len(table)]
-            self.rows.extend((rid, a, b) for a, b in zip(starts, ends))
+            computed = req.num_computed_tokens
+            for g, table in enumerate([req.block_table, *req.group_tables]):
+                if g and not table:
+                    continue
+                sizes = [3 + len(str(i)) + len(str(b)) + (b in self.shared) + (
+                    0 if computed - i * bs >= bs else len(f"({max(0, computed - i * bs)}/{bs})"))
+                    for i, b in enumerate(table)]
+                starts = breaks(sizes, width, self.name_width, self.name_width)
+                ends = starts[1:] + [len(table)]
+                self.rows.extend((rid, g, a, b) for a, b in zip(starts, ends))
         self.width = width
 
     def line(self, index: int) -> Strip:
         if not self.rows:
             return Strip([Segment("no request holds blocks", DIM)])
-        rid, start, end = self.rows[index]
+        rid, g, start, end = self.rows[index]
         req, bs = self.state.sequences[rid], self.state.block_size
         chip = Style.parse(f"bold #000000 on {self.colours[rid]}")
-        if start == 0:
+        table = req.group_tables[g - 1] if g else req.block_table
+        if start == 0 and g:                     # another KV cache group's table: its number and window
+            window = self.state.kv_groups[g][0] if g < len(self.state.kv_groups) else 0
+            segments = [Segment(f"  g{g}{f' W{window}' if window else ''}".ljust(self.name_width), DIM)]
+        elif start == 0:
             segments = [Segment(f" {rid} ".ljust(self.name_width), chip)]
         else:
             segments = [Segment(" " * self.name_width)]
-        if req.cpu_block_table:
+        if not g and req.cpu_block_table:
             segments.append(Segment("  on CPU " + " ".join(f"c{b}" for b in req.cpu_block_table), DIM))
-        elif not req.block_table:
+        elif not g and not req.block_table:
             why = "preempted, waiting" if req.num_output_tokens else "waiting"
             segments.append(Segment(f"  no blocks ({why})", DIM))
         for i in range(start, end):
             filled = max(0, min(bs, req.num_computed_tokens - i * bs))
-            block = req.block_table[i]
+            block = table[i]
+            if block < 0:                        # left the group's window: back in the pool
+                segments += [Segment(f"  {i}→·", DIM)]
+                continue
             segments += [Segment(f"  {i}→", DIM), Segment(str(block), chip)]
             if block in self.shared:
                 segments.append(Segment("*", BOLD))
