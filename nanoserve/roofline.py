@@ -279,7 +279,9 @@ def cmd_bench(args) -> int:
         raise FieldError("batches", f"must be positive whole numbers separated by commas, got {args.batches!r}")
     if args.output is not None and not args.output.endswith((".png", ".svg")):
         raise FieldError("output", f"must name a .png or .svg file, got {args.output!r}")
-    print(apply_thread_policy(args.threads).note())
+    note = apply_thread_policy(args.threads).note()
+    if note:
+        print(note)
     result = measure(args.model, batches, args.prompt_len, args.steps, **engine_settings(args))
     print(result.table())
     if args.output is not None:
