@@ -111,7 +111,9 @@ async def load(url: str, prompts: list[str], concurrency: int, max_tokens: int) 
         while queue:
             results.append(await one(client, queue.pop(), max_tokens))
 
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
+    # a new connection per request (llama-server may close one after a stream; a reused one then fails)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0),
+                                 limits=httpx.Limits(max_keepalive_connections=0)) as client:
         await one(client, "Hello", 4)                                    # warm-up, untimed
         t0 = time.perf_counter()
         await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
