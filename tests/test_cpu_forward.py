@@ -69,11 +69,13 @@ def both_ways(runner: ModelRunner, batches: list[list[RunInput]]) -> list[tuple[
     {"head_dim": 6},
     {"num_key_value_heads": 1},
     {"num_key_value_heads": 4},
-], ids=["plain", "biases", "head_dim", "mqa", "mha"])
+    {"sliding_window": 3},                            # every layer sees only its last 3 tokens (Mistral's)
+], ids=["plain", "biases", "head_dim", "mqa", "mha", "window"])
 def test_one_call_is_bit_equal_to_the_python_loop(overrides):
     model = random_llama(**overrides)
     runner = ModelRunner(model, 16, 4, torch.float32, torch.device("cpu"), Choice("fast", "cpu"))
     assert isinstance(runner.model, CpuLlama) and runner.model.one_call is not None
+    assert [layer.window for layer in runner.model.layers] == [overrides.get("sliding_window")] * 2
     for fused, loop in both_ways(runner, steps([[5, 9, 20, 31, 7, 7, 60], [3, 1, 4, 1, 5], [42]])):
         assert torch.equal(fused, loop)
     for fused, loop in both_ways(runner, steps([[8, 2, 9]])):             # one sequence: a learner's chat
