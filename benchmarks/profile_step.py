@@ -14,7 +14,9 @@ with a subscriber that folds every event into the view state the TUI draws
     schedule     scheduler.schedule()
     prepare      runner.prepare(): the token row and the backend's metadata
     forward      runner.run(): per layer (forward hooks), attention apart
-                 (the backend's forward), the rest = embedding, final norm, LM head
+                 (the backend's forward), the rest = embedding, final norm, LM head; with the CPU
+                 Llama's layers in one C call (cpu/forward.c), that call is "layers" (attention
+                 inside it; --loop calls them from Python, attention apart)
     sample       the sampler
     events       delivering events to subscribers (events on: folding each one);
                  building and recording them happens inside schedule and postprocess
@@ -82,6 +84,9 @@ def instrument(engine: LLMEngine, timer: Timer):
         return out
 
     runner.attn.forward = timed_attention
+    one_call = getattr(runner.model, "one_call", None)      # cpu/forward.c: every layer in one C call
+    if one_call is not None:
+        one_call.run = timer.wrap("one call", one_call.run)
     engine.sampler = timer.wrap("sample", engine.sampler)
     engine.bus.publish = timer.wrap("events", engine.bus.publish)   # the subscribers (fold, when on)
     # GPT-2's blocks, cpu/llama.py's layers (a float32 Llama on a CPU), or llama.py's model.layers
@@ -106,9 +111,13 @@ def instrument(engine: LLMEngine, timer: Timer):
     return per_layer, handles
 
 
-def run(loaded, reqs, config: dict, steps: int, events_on: bool) -> list[dict]:
-    """Step the workload; one record per step: phase times (s), token counts, per-layer times."""
+def run(loaded, reqs, config: dict, steps: int, events_on: bool, loop: bool = False) -> list[dict]:
+    """Step the workload; one record per step: phase times (s), token counts, per-layer times.
+
+    `loop`: the CPU Llama's layers called from Python one by one, not as one C call (cpu/forward.c)."""
     engine = LLMEngine(EngineConfig(**config), loaded=loaded)
+    if loop and getattr(engine.runner.model, "one_call", None) is not None:
+        engine.runner.model.one_call = None
     timer = Timer()
     per_layer, handles = instrument(engine, timer)
     if events_on:
@@ -130,6 +139,9 @@ def run(loaded, reqs, config: dict, steps: int, events_on: bool) -> list[dict]:
         rec.update(schedule=r.get("schedule", 0), prepare=r.get("prepare", 0), sample=r.get("sample", 0),
                    events=r.get("events", 0), attention=sum(a for _, a in layers))
         rec["layers (no attention)"] = layer_total - rec["attention"]
+        if "one call" in r:      # the layers ran as one C call: attention inside it, not timed apart
+            layer_total = r["one call"]
+            rec["layers (no attention)"] = layer_total
         rec["embed + norm + LM head"] = r.get("forward", 0) - layer_total
         rec["postprocess"] = total - sum(rec[p] for p in PHASES)
         records.append({"phases": rec, "total": total, "prefill": result.stats.num_prefill_tokens,
@@ -218,6 +230,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="EngineConfig field")
     ap.add_argument("--out", default=str(Path(__file__).parent.parent / "docs" / "img" / "step_profile.png"))
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--loop", action="store_true",
+                    help="CpuLlama's Python loop over the layers instead of one C call (cpu/forward.c)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -231,8 +245,8 @@ def main() -> None:
     config = current_names(config)          # (older names read too: fast_paths=false is path=reading)
     print(f"model {args.model}, {args.dtype}, torch threads: {torch.get_num_threads()}, config {config}")
     run(loaded, reqs[:4], config, 3, events_on=False)          # warm-up
-    off = summarise(run(loaded, reqs, config, args.steps, events_on=False), args.num_requests)
-    on = summarise(run(loaded, reqs, config, args.steps, events_on=True), args.num_requests)
+    off = summarise(run(loaded, reqs, config, args.steps, events_on=False, loop=args.loop), args.num_requests)
+    on = summarise(run(loaded, reqs, config, args.steps, events_on=True, loop=args.loop), args.num_requests)
     for label, summary in (("events off", off), ("events on (a subscriber folds every event)", on)):
         print(f"\n{label}: mean ms per step")
         print(f"  {'step kind':24s} {'steps':>5s} {'total':>8s} " + " ".join(f"{p[:11]:>11s}" for p in PHASES))

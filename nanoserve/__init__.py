@@ -73,6 +73,7 @@ Around the engine
     distributed/        tensor parallelism and prefill/decode disaggregation across processes
     threads.py          how many CPU threads torch may use
     cli.py              the `nanoserve` command line
+    roofline.py         `nanoserve bench roofline`: memory bandwidth, the bytes a decode step reads, how close it comes
     engine_flags.py     a flag for every EngineConfig field, shared by every command that builds an engine
     cli_generate.py     `nanoserve generate`: structured-output flags, the loop that runs the prompts, --stats
     __main__.py         `python -m nanoserve`: the same command line

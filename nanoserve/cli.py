@@ -12,6 +12,7 @@
     nanoserve compare --scenario memory-pressure --set preemption_mode=swap
     nanoserve plot --trace pressure.jsonl --what blocks -o blocks.png
     nanoserve lab start block-pool               (then: nanoserve lab check block-pool)
+    nanoserve bench roofline --dtype bfloat16 -o roofline.png   (how close a decode step is to memory's speed)
 
 One prompt streams its text as it is generated; several prompts run as one
 continuous batch and print each completion as it finishes.
@@ -41,6 +42,7 @@ from nanoserve.labs.plug import components_from
 from nanoserve.models.default import HELP as MODEL_HELP
 from nanoserve.models.default import LIVE_HELP, default_model, model_note
 from nanoserve.models.resolve import TINY_MODELS, resolve_model_path
+from nanoserve.roofline import add_bench_parser, cmd_bench
 from nanoserve.scenarios import SCENARIOS
 from nanoserve.serve.command import add_serve_parser
 from nanoserve.threads import THREADS_ENV, apply_thread_policy
@@ -163,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_web_parser(sub)
     add_whatif_parsers(sub)
     add_lab_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
@@ -425,7 +428,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 COMMANDS = {"generate": cmd_generate, "record": cmd_record, "export": cmd_export, "tui": cmd_tui,
             "serve": cmd_serve, "web": cmd_web, "compare": cmd_compare, "plot": cmd_plot,
-            "lab": cmd_lab}
+            "lab": cmd_lab, "bench": cmd_bench}
 
 
 def show_warning(message, category, *args, _default=warnings.showwarning, **kwargs) -> None:
@@ -444,8 +447,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     command = subparser(parser, args.command)
-    if args.command == "lab":                        # flags live one level down: `lab check --time-limit`
-        command = subparser(command, args.lab_command)
+    if args.command in ("lab", "bench"):             # flags live one level down: `lab check --time-limit`
+        command = subparser(command, getattr(args, f"{args.command}_command"))
     flags = field_flags(command)
     try:
         return COMMANDS[args.command](args)

@@ -106,7 +106,7 @@ class Implementation:
     """What computes a step, as it actually ran: the engine reports it (snapshot, EngineSynced, TUI, --stats)."""
 
     path: str          # "fast", "torch" (the fast path without C files) or "reading" (models/, kernels/reference.py)
-    model: str         # the model class that runs, and its file
+    model: str         # the model class that runs, and its file (and what of it runs as one C call)
     attention: str     # the attention backend that runs (AttentionBackend.label)
     matmul: str        # what multiplies the linear layers
     note: str = ""     # why a faster part did not run, e.g. "attention.c not built: no C compiler found ..."
@@ -142,16 +142,17 @@ def build(model: nn.Module, dtype: torch.dtype, device: torch.device, choice: Ch
     path = _forced_path or choice.path
     own = make_attention is make_backend
     name = "torch" if choice.attention == "cpu" else choice.attention
-    attention, zeros, matmul, note = None, partial(_zeros, device=device), "torch (nn.Linear)", ""
+    attention, zeros, matmul, note, label = None, partial(_zeros, device=device), "torch (nn.Linear)", "", ""
     if path != "reading" and device.type == "cpu":    # the CPU fast path, all of it in nanoserve/cpu/
         fast = cpu.fast_path(model, dtype, c_files=path == "fast", c_attention=own and choice.attention == "cpu")
-        model, zeros, matmul, note = fast.model, fast.zeros, fast.matmul, fast.note
+        model, zeros, matmul, note, label = fast.model, fast.zeros, fast.matmul, fast.note, fast.label
         attention = fast.attention                     # the C kernel, when chosen and built
         if attention is None and own and name == "torch" and fast.upcast:
             attention = TorchBackend(grouped=True, compute_dtype=torch.float32)   # bf16 K/V, float32 math
     if attention is None:
         attention = make_attention(name, path != "reading")
-    implementation = Implementation(path, where(model), attention.label, matmul, note, _graphs(choice.graphs))
+    implementation = Implementation(path, label or where(model), attention.label, matmul, note,
+                                    _graphs(choice.graphs))
     log.info("nanoserve: %s", implementation.summary())
     return Built(model, attention, zeros, implementation)
 

@@ -84,6 +84,7 @@ ROLES = {
     "cpu/backend.py": "the CPU attention backend: every row's block table and length for the C kernel",
     "cpu/attention.py": "paged attention in C (cpu/attention.c), one query per row, K/V read in place",
     "cpu/llama.py": "the same layers on a CPU: merged matmuls, the small steps in C",
+    "cpu/forward.py": "every layer's C calls made from C, in one call (cpu/forward.c)",
     "cpu/ops.py": "RMSNorm with the residual add, RoPE, silu(gate) * up: one C call each (cpu/ops.c)",
     "kernels/checks.py": "each C call's arguments checked first (shape, dtype, layout)",
     "cpu/linear.py": "the linear layers' CPU path",

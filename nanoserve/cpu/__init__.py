@@ -25,6 +25,8 @@ the C files.
     linear.py     linear layers: panels, oneDNN-packed weights (float32; bf16 on CPUs with bf16 units),
                   float32 math for bf16 weights on CPUs without them
     llama.py      CpuLlama: a float32 or bf16 Llama's forward in fewer, larger steps
+    forward.c     CpuLlama's layers in one C call: the same C functions, called from C, in the same order
+    forward.py    its Python face: the layers' pointers prepared once, the step's filled in, one call
     memory.py     keep freed memory for the next step; 2 MB pages for the KV cache
 
 What `fast_path()` picks (each part falls back alone, and says why):
@@ -54,8 +56,9 @@ from nanoserve.cpu import attention as cpu_attention
 from nanoserve.cpu import build
 from nanoserve.cpu import matmul as cpu_matmul
 from nanoserve.cpu.backend import CpuBackend
+from nanoserve.cpu.forward import OneCall
 from nanoserve.cpu.linear import can_pack, can_pack_dtype, cpu_linear_view, half_matmuls_need_fp32
-from nanoserve.cpu.llama import cpu_llama_view
+from nanoserve.cpu.llama import CpuLlama, cpu_llama_view
 from nanoserve.cpu.memory import huge_page_zeros, keep_freed_memory
 
 
@@ -69,6 +72,7 @@ class FastPath:
     zeros: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]   # allocates the KV cache
     matmul: str                      # what multiplies the linear layers
     note: str = ""                   # why a part fell back ("" when everything here runs)
+    label: str = ""                  # what the model view is, when more than its class says ("": the class)
 
 
 def fast_path(model: nn.Module, dtype: torch.dtype, c_files: bool, c_attention: bool) -> FastPath:
@@ -100,7 +104,13 @@ def fast_path(model: nn.Module, dtype: torch.dtype, c_files: bool, c_attention: 
         failed.append("attention.c")
     elif c_files and c_attention:
         notes.append(f"the C attention kernel reads float32 and bfloat16 caches, not {str(dtype)[6:]}")
-    return FastPath(view, attention, upcast, huge_page_zeros, matmul, "; ".join(notes + _failures(failed)))
+    label = ""
+    if isinstance(view, CpuLlama) and attention is not None:   # every call of a layer may be C: one call for all
+        view.one_call = OneCall.build(view)
+        if view.one_call is not None:
+            label = "CpuLlama (cpu/llama.py), its layers in one C call (cpu/forward.c)"
+        failed.append("forward.c")
+    return FastPath(view, attention, upcast, huge_page_zeros, matmul, "; ".join(notes + _failures(failed)), label)
 
 
 def _bf16(dtype: torch.dtype) -> str:

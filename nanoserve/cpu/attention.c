@@ -7,7 +7,9 @@
    reads every K and V row exactly once, where it lies in the pool, and
    writes nothing but the output. No copies, no padding.
 
-   For every sequence b (the loop OpenMP spreads over the threads torch uses),
+   For every sequence b (the loop OpenMP spreads over the threads torch uses;
+   with fewer sequences than twice the threads, each of a sequence's KV heads
+   is a piece of its own, so one chat's attention runs on every thread too),
    with G = Hq / Hkv query heads reading each KV head:
 
        slot[t] = block_tables[b][t / bs] * bs + t % bs       0. where token t lies
@@ -66,6 +68,7 @@
    use and calls it through ctypes.   */
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -398,36 +401,44 @@ int paged_decode_attention(
     const int64_t G = Hq / Hkv;                    /* query heads per KV head: head hq reads KV head hq / G */
     const int64_t row = Hkv * D;                   /* one slot's K (or V) row: every KV head of one token */
     int failed = 0;
+    /* Fewer sequences than twice the threads (a learner's one chat: one): each KV head of a sequence is a
+       piece of work of its own, so the threads share even one sequence's attention. Otherwise a sequence
+       is one piece. The sums per head are the same either way. */
+    const int64_t parts = B < 2 * omp_get_max_threads() ? Hkv : 1;   /* pieces per sequence */
+    const int64_t Hkv_part = Hkv / parts, Hq_part = Hkv_part * G;     /* KV heads and query heads per piece */
 
-    /* One sequence per iteration; threads take the next sequence when they finish one. */
+    /* One piece per iteration; threads take the next piece when they finish one. */
     #pragma omp parallel for schedule(dynamic)
-    for (int64_t b = 0; b < B; b++) {
+    for (int64_t piece = 0; piece < B * parts; piece++) {
+        const int64_t b = piece / parts, kv0 = piece % parts * Hkv_part;   /* its sequence, its first KV head */
         /* A sliding window skips the row's first seq_len - W tokens: the rest is the same over L tokens. */
         const int64_t first = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0;
         const int64_t L = seq_lens[b] - first;
         const int64_t Lp = (L + 7) / 8 * 8;        /* a head's scores start 8-aligned: eight stored at once */
         const int64_t *table = block_tables + b * max_blocks;
-        /* scratch: scores, then probabilities [Hq, Lp]; q in pass 1's order [Hq, D]; the output in float32
-           [Hq, D]; then each attended token's row offset in the pools [L] */
-        float *s = malloc(sizeof(float) * (Hq * Lp + 2 * Hq * D) + sizeof(int64_t) * L);
+        /* scratch: scores, then probabilities [Hq_part, Lp]; q in pass 1's order [Hq_part, D]; the output in
+           float32 [Hq_part, D]; then each attended token's row offset in the pools [L] */
+        float *s = malloc(sizeof(float) * (Hq_part * Lp + 2 * Hq_part * D) + sizeof(int64_t) * L);
         if (s == NULL) {
             #pragma omp atomic write
             failed = 1;
             continue;
         }
-        float *qs = s + Hq * Lp, *o = qs + Hq * D;
-        int64_t *slot = (int64_t *)(o + Hq * D);
-        for (int64_t h = 0; h < Hq; h++) split_q(q + b * q_stride + h * D, qs + h * D, D);
+        float *qs = s + Hq_part * Lp, *o = qs + Hq_part * D;
+        int64_t *slot = (int64_t *)(o + Hq_part * D);
+        const cache_t *qb = q + b * q_stride + kv0 * G * D;          /* this piece's first query head */
+        for (int64_t h = 0; h < Hq_part; h++) split_q(qb + h * D, qs + h * D, D);
 
         /* 0. where each attended token lies: block by block through the table from the window's first
            token (position first + t), no division per token */
         for (int64_t t = 0, blk = first / bs, i = first % bs; t < L; blk++, i = 0)
             for (; i < bs && t < L; i++, t++) slot[t] = (table[blk] * bs + i) * row;
 
-        scores(qs, k_cache, slot, L, Lp, Hq, G, D, scale, s);
-        softmax(s, L, Lp, Hq);
-        weighted_values(s, v_cache, slot, L, Lp, Hq, G, D, o);
-        for (int64_t i = 0; i < Hq * D; i++) out[b * Hq * D + i] = narrow(o[i]);
+        /* the piece's KV heads start kv0 * D into each row: from there its query heads read as heads 0, 1, ... */
+        scores(qs, k_cache + kv0 * D, slot, L, Lp, Hq_part, G, D, scale, s);
+        softmax(s, L, Lp, Hq_part);
+        weighted_values(s, v_cache + kv0 * D, slot, L, Lp, Hq_part, G, D, o);
+        for (int64_t i = 0; i < Hq_part * D; i++) out[b * Hq * D + kv0 * G * D + i] = narrow(o[i]);
         free(s);
     }
     return failed ? NO_MEMORY : OK;

@@ -43,6 +43,8 @@ from torch import nn
 from nanoserve.attention import AttentionMetadata, layer_meta, paged_attention
 from nanoserve.cpu import matmul as cpu_matmul
 from nanoserve.cpu import ops as cpu_ops
+from nanoserve.cpu.backend import CpuMetadata
+from nanoserve.cpu.forward import OneCall
 from nanoserve.cpu.linear import CpuLinear, PanelLinear, can_pack_dtype
 from nanoserve.cpu.matmul import CpuMatmul
 from nanoserve.cpu.ops import CpuOps
@@ -142,14 +144,21 @@ class CpuLlama(nn.Module):
         self.embed_tokens, self.rotary, self.norm = model.model.embed_tokens, model.rotary, model.model.norm
         self.layers = nn.ModuleList(CpuLlamaLayer(layer, ops, mm) for layer in model.model.layers)
         self.lm_head = projection(model.lm_head, mm)
+        # Every layer's C calls made from C in one call (cpu/forward.c), for steps the "cpu" attention backend
+        # prepared: set by cpu/__init__.py's fast_path when that backend runs (OneCall.build, None where a layer
+        # calls torch: oneDNN matmuls, Qwen3's QK-norm). None runs the Python loop below (tests compare the two).
+        self.one_call: OneCall | None = None
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
         h = self.embed_tokens(input_ids)      # the residual stream: a fresh tensor, updated in place below
         cos, sin = self.rotary(positions)     # [T, D] each, shared by all layers
-        a = None                              # the previous layer's MLP output, not yet added to h
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            a = layer(h, a, cos, sin, k_cache, v_cache, layer_meta(meta, i), check=i == 0)   # layer 0 checks
+        if self.one_call is not None and type(meta) is CpuMetadata:   # (KV cache groups: a list, the loop)
+            a = self.one_call.run(h, cos, sin, kv_caches, meta)    # the loop below, in C: the same calls
+        else:
+            a = None                          # the previous layer's MLP output, not yet added to h
+            for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+                a = layer(h, a, cos, sin, k_cache, v_cache, layer_meta(meta, i), check=i == 0)   # layer 0 checks
         return self.ops.add_rms_norm(h, a, self.norm.weight, self.norm.eps)
 
     def compute_logits(self, hidden):
