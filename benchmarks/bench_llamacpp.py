@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 import httpx
+from bench_serving import wait_healthy  # noqa: E402 -- the same health wait as the vLLM benchmark
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_serving import free_port, machine  # noqa: E402
@@ -68,20 +69,6 @@ def start(kind: str, args, model: Path | None, concurrency: int, port: int, log:
                "-t", str(args.threads), "-tb", str(args.threads), "-np", str(concurrency),
                "-c", str(512 * concurrency), "--no-webui"]
     return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with code {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the server did not become healthy")
 
 
 async def one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple[float, float]:
