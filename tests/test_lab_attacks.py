@@ -24,8 +24,23 @@ from nanoserve_labkit.integrity import changed_files
 LIMIT = 20.0
 VICTIM = "def broken(:\n"          # a classmate's file: 0 checks pass, and it says "syntax error" (fast: no model)
 
+# The attack looks for the checkers of its own `grade` run: those started by this test process. Every checker
+# on the machine would include another test run's (CI runs two pytest processes side by side), and an attack at
+# level "none" would then kill a checker that some other test is waiting on.
 FIND_CHECKER = """
 import os, signal
+def parent(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+def started_by_this_test(pid):
+    try:
+        while pid > 1:
+            pid = parent(pid)
+            if pid == TEST_PID:
+                return True
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 def checkers():
     found = []
     for d in os.listdir("/proc"):
@@ -34,11 +49,11 @@ def checkers():
                 cmd = open(f"/proc/{d}/cmdline", "rb").read()
             except OSError:
                 continue
-            if b"nanoserve_labkit.grade" in cmd and int(d) != os.getpid():
+            if b"nanoserve_labkit.grade" in cmd and int(d) != os.getpid() and started_by_this_test(int(d)):
                 found.append(int(d))
     assert found, "no checker found"
     return found
-"""
+""".replace("TEST_PID", str(os.getpid()))
 
 
 def attack(kind: str, where) -> str:
