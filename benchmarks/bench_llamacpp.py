@@ -44,10 +44,9 @@ import time
 from pathlib import Path
 
 import httpx
-from bench_serving import wait_healthy  # noqa: E402 -- the same health wait as the vLLM benchmark
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_serving import free_port, machine  # noqa: E402
+from bench_serving import free_port, machine, wait_healthy  # noqa: E402 -- the vLLM benchmark's helpers
 
 DTYPES = {"float32": "f32", "bfloat16": "bf16"}
 

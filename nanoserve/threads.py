@@ -16,13 +16,30 @@ An explicit choice always wins, first to last:
 
 `benchmarks/bench_threads.py` measures a step on a loaded machine with this
 policy, with one thread and with torch's default.
+
+One thread does the parallel work. OpenMP (torch's CPU threads and the C
+kernels' are one runtime, libgomp) gives every thread that starts parallel
+work a team of workers of its own, kept until that thread ends. Between two
+parallel regions the workers spin, ready for the next one, but only while the
+process holds no more OpenMP threads than it has CPUs; past that they sleep at
+every barrier, and waking them is a system call. A server that loaded the
+model on the main thread and stepped it on the engine thread held two teams:
+on 2 cores a SmolLM2 decode step took 17 ms instead of 11, with some 380
+sleeps a step (`benchmarks/bench_threads.py --load-thread` shows it).
+`on_a_thread_that_ends` builds an engine on a thread that then ends, taking
+its team with it, so the thread that steps the engine holds the only one.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 THREADS_ENV = "NANOSERVE_THREADS"
 SAMPLE_S = 0.2          # how long to watch the cores
@@ -106,3 +123,23 @@ def apply_thread_policy(requested: int | None = None) -> ThreadChoice:
     else:
         os.environ["OMP_NUM_THREADS"] = str(choice.threads)
     return choice
+
+
+def on_a_thread_that_ends(fn: Callable[[], T], name: str = "nanoserve-load") -> T:
+    """`fn()` run on a new thread, waited for: its result, or its exception raised here. The thread's OpenMP
+    team ends with it (module docstring): build an engine this way when another thread will step it."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append((True, fn()))
+        except BaseException as exc:  # noqa: BLE001 -- raised again on the caller's thread
+            result.append((False, exc))
+
+    thread = threading.Thread(target=run, name=name, daemon=True)   # daemon: Ctrl-C while loading exits
+    thread.start()
+    thread.join()
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value

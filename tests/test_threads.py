@@ -70,3 +70,55 @@ def test_cli_threads_flag_sets_torch(no_choice, capsys):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def _threads_alive() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts this process's threads in /proc")
+def test_a_thread_that_ends_takes_its_openmp_workers_with_it():
+    """The engine's loader thread leaves no OpenMP team behind (threads.py: two teams on a machine's every CPU
+    make every barrier a sleep), while the same work on a thread that stays keeps its workers."""
+    import threading
+    import time
+
+    if "openmp" not in torch.__config__.parallel_info().lower():
+        pytest.skip("torch's CPU threads are not OpenMP here")
+    threads_before = torch.get_num_threads()
+
+    def parallel_work() -> int:
+        torch.set_num_threads(2)                    # this thread's team: itself and one worker
+        (torch.rand(1 << 22) * 2).sum()             # big enough for torch to split across the team
+        return _threads_alive()
+
+    try:
+        before = _threads_alive()
+        during = threads.on_a_thread_that_ends(parallel_work)
+        assert during >= before + 2                 # the loader and its worker
+        deadline = time.monotonic() + 10            # the worker is told to exit when its thread ends
+        while _threads_alive() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _threads_alive() == before
+
+        stay, done = threading.Event(), threading.Event()
+
+        def work_then_wait() -> None:
+            parallel_work()
+            done.set()
+            stay.wait(10)
+
+        keeper = threading.Thread(target=work_then_wait)
+        keeper.start()
+        done.wait(10)
+        assert _threads_alive() >= before + 2       # a thread that stays keeps its team
+        stay.set()
+        keeper.join()
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def test_a_thread_that_ends_gives_back_the_result_or_the_error():
+    assert threads.on_a_thread_that_ends(lambda: 42) == 42
+    with pytest.raises(ValueError, match="no such model"):
+        threads.on_a_thread_that_ends(lambda: (_ for _ in ()).throw(ValueError("no such model")))

@@ -84,6 +84,7 @@ def run_serve(args: argparse.Namespace) -> int:
                            "(they come with `pip install nanoserve`)") from None
     from nanoserve import EngineConfig, LLMEngine
     from nanoserve.labs.plug import components_from
+    from nanoserve.threads import on_a_thread_that_ends
 
     components = components_from(args.lab)    # a student's file that does not load fails here, before the port
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
@@ -93,7 +94,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     raise_open_file_limit()   # each connection is an open file: as many as the system allows
-    engine = LLMEngine(config, components=components)
+    # Built on a thread that ends: the engine thread then holds the process's only OpenMP team (threads.py).
+    engine = on_a_thread_that_ends(lambda: LLMEngine(config, components=components))
     app = build_app(engine, model_name=args.served_model_name, api_key=api_key, max_waiting=args.max_waiting,
                     step_delay=args.step_delay, record=args.record, max_request_bytes=args.max_request_bytes)
     url = f"http://{args.host}:{sock.getsockname()[1]}"
