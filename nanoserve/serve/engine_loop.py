@@ -21,7 +21,11 @@ scheduler needs. nanoserve serves a classroom, not thousands: a thread keeps
 outputs and events as plain Python objects (no serialization), lets /events
 subscribe to the very EventBus the TUI uses, and torch releases the GIL
 inside the model's forward, which is where a step spends its time. The
-price: heavy HTTP traffic slows the Python parts of a step.
+price: heavy HTTP traffic slows the Python parts of a step. One more rule
+for a thread that steps an engine: it should be the only thread that has
+run OpenMP work (torch's CPU ops, the C kernels), or OpenMP's workers sleep
+at every barrier; `nanoserve serve` builds the engine on a thread that ends
+(`threads.on_a_thread_that_ends`) for that reason.
 
 Back-pressure: a request is admitted only while the engine's waiting queue
 holds fewer than `max_waiting` requests; past it the submit fails with HTTP 429
