@@ -1,6 +1,7 @@
 """The thread policy (nanoserve/threads.py): explicit choices win, otherwise the cores that are free;
-applied before torch is imported it travels through OMP_NUM_THREADS. (How much it saves on a busy
-machine is measured in benchmarks/bench_threads.py, not asserted here.)"""
+applied before torch is imported it travels through OMP_NUM_THREADS. And a thread that builds an engine
+and ends leaves no OpenMP team behind. (What each saves is measured in benchmarks/bench_threads.py,
+not asserted here.)"""
 
 from __future__ import annotations
 
