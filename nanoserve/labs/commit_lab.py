@@ -332,6 +332,12 @@ def engine_forks(ctx: Context) -> None:
                 config={"num_blocks": 48}, fork_at={"f": 2},
                 hint="n > 1 forks its completions after the prompt; beam search forks, prunes and appends each step; "
                      "every fork shares its parent's blocks and text")
+    # A model with KV cache groups (tiny-gemma3: two sliding-window layers, one full): a fork shares every group's
+    # table too (kv.fork_groups, a GroupsForked event), past the window's 8 tokens
+    same_events(ctx, [("g", p[0], SamplingParams(n=2, max_tokens=12, temperature=0.9, seed=4))],
+                config={"model": "tiny-gemma3", "num_blocks": 96}, fork_at={"g": 3},
+                hint="on a model with KV cache groups the child shares the parent's tables in groups 1.. too: "
+                     "self.kv.fork_groups(parent, child) when the parent has group tables")
 
 
 LAB = Lab(
@@ -358,7 +364,8 @@ n completions or beams, a beam pruned. Every other part of the engine is the ref
                                "quiet; end the request (requests -> finished_ids) when none of its sequences is "
                                "left in the table; return the request's output",
         "RequestTable.fork": "a fresh child id from the request that is in use nowhere; the parent's fork(); the "
-                             "KV manager shares the blocks; the child runs and joins the request, the table and "
+                             "KV manager shares the blocks (and, when the parent has KV cache group tables, "
+                             "those too: fork_groups); the child runs and joins the request, the table and "
                              "gets its own detokenizer (the parent's fork()); return it",
         "RequestTable.prune": "emit BeamPruned, mark it pruned, take it out of the request's sequences, finish it "
                               "aborted and quietly; return the output",
@@ -379,8 +386,9 @@ n completions or beams, a beam pruned. Every other part of the engine is the ref
                                "quiet; the request ends with its last sequence in the table. Returns the "
                                "request's output.",
         "RequestTable.fork": "Returns a running child of the same request with an id in use nowhere, sharing "
-                             "every block of the parent (Forked), known to the scheduler, the request and the "
-                             "table, with text that goes on from the parent's on its own.",
+                             "every block of the parent in every KV cache group (Forked, GroupsForked), known to "
+                             "the scheduler, the request and the table, with text that goes on from the parent's "
+                             "on its own.",
         "RequestTable.prune": "The beam is closed quietly (BeamPruned, no SequenceFinished), marked pruned, no "
                               "longer one of the request's sequences, its blocks freed. Returns the output.",
     },

@@ -19,6 +19,7 @@ from collections import Counter
 
 from nanoserve.block_pool import BlockPool
 from nanoserve.components import Components
+from nanoserve.kv_groups import live
 from nanoserve.labs.lab import CheckFailed, Context
 from nanoserve.radix_cache import RadixCache
 
@@ -28,9 +29,9 @@ TINY = dict(model="tiny-llama", block_size=4, max_num_batched_tokens=32)
 def reference_invariants(engine) -> None:
     """The engine's invariants, checked by the engine's own code on whatever objects the engine holds."""
     running = engine.scheduler.running
-    tables = [s.block_table for s in running]
+    tables = [live(t) for s in running for t in [s.block_table, *s.group_tables]]   # every KV cache group's
     if engine.radix is not None:
-        tables += RadixCache.held_blocks(engine.radix)
+        tables += RadixCache.held_blocks(engine.radix) + engine.scheduler.kv.group_cache.held()
         locks = Counter(s.cache_node.node_id for s in running if s.cache_node is not None)
         RadixCache.check_invariants(engine.radix, dict(locks))
     BlockPool.check_invariants(engine.pool, tables)
