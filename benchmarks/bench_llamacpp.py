@@ -46,7 +46,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_serving import free_port, machine, wait_healthy  # noqa: E402 -- the vLLM benchmark's helpers
+from bench_serving import machine  # noqa: E402
+from servers import free_port, stop, wait_healthy  # noqa: E402
 
 DTYPES = {"float32": "f32", "bfloat16": "bf16"}
 
@@ -127,11 +128,7 @@ def serve_and_load(kind: str, args, model: Path | None, concurrency: int, prompt
         wait_healthy(f"http://127.0.0.1:{port}", proc)
         return asyncio.run(load(f"http://127.0.0.1:{port}", prompts, concurrency, args.output_len))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def main() -> None:

@@ -44,7 +44,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,6 +54,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
+from servers import free_port, stop, wait_healthy
 
 PROMPTS = [
     "What is a KV cache?", "Explain continuous batching in two sentences.", "Name three planets.",
@@ -70,12 +70,6 @@ class Result:
     e2e: float | None = None
     tokens: int = 0
     error: str | None = None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(kind: str, model: str, port: int, threads: int, hf_cb: bool,
@@ -97,20 +91,6 @@ def start(kind: str, model: str, port: int, threads: int, hf_cb: bool,
     log = open(f"/tmp/bench_serving_{kind}_{port}.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}", name
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with code {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the server did not become healthy")
 
 
 async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, delay: float) -> Result:
@@ -299,11 +279,11 @@ def main() -> None:
         args.servers = (args.servers or "nanoserve,vllm").split(",")
         if not set(args.servers) <= {"nanoserve", "vllm"}:
             ap.error("--servers: with --vllm-bench, nanoserve and/or vllm")
-        vllm_bench_serve.run(args, wait_healthy, free_port)
+        vllm_bench_serve.run(args)
         return
     if args.overhead:
         import serving_overhead
-        serving_overhead.run(args, wait_healthy, free_port)
+        serving_overhead.run(args)
         return
     print(machine(), flush=True)
     rates = [float(r) for r in args.rates.split(",")]
@@ -333,11 +313,7 @@ def main() -> None:
         except RuntimeError as exc:
             print(f"{kind}: could not run: {exc} (log: /tmp/bench_serving_{kind}_{port}.log)", flush=True)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc)
     if "nanoserve" in table and "transformers" in table:
         print("\nratios nanoserve / transformers (same rate, same run):")
         for rate in rates:

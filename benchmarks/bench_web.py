@@ -32,7 +32,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 import psutil
+from servers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 LAPTOP_TAB_MEMORY = 4e9          # half of an 8 GB laptop for the tabs
@@ -58,12 +58,6 @@ def machine() -> str:
     flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
     vector = [f for f in flags if f.startswith(("avx", "amx", "fma"))]
     return f"cpu: {model}, {os.cpu_count()} CPUs, vector flags: {' '.join(vector) or 'none listed'}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(args: list[str], ready_url: str) -> subprocess.Popen:

@@ -38,6 +38,7 @@ import sys
 import time
 
 import httpx
+from servers import free_port, stop, wait_healthy
 
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -100,7 +101,7 @@ def server_pass(url: str, pid: int, reqs: list[list[int]], max_tokens: int, stre
     return time.perf_counter() - t0, process_cpu_seconds(pid) - c0, tokens
 
 
-def run(args, wait_healthy, free_port) -> None:
+def run(args) -> None:
     import torch
     from bench_throughput import machine
 
@@ -140,11 +141,7 @@ def run(args, wait_healthy, free_port) -> None:
                 print(f"  [{r + 1}/{args.repeat}] {way:9s} wall {wall:7.2f} s  CPU {cpu:7.2f} s  {tokens} tokens",
                       flush=True)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     report(times)
 
 

@@ -41,6 +41,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from servers import free_port, stop, wait_healthy
+
 WARMUP_SEED = 1_000_000   # the warm-up's prompts: none of the timed runs' (their seeds are --seed + r)
 
 METRICS = [   # (JSON key of vllm bench serve, label, higher is better)
@@ -111,7 +113,7 @@ def run_client(python: str, port: int, model_dir: str, args, result: Path, seed:
     return json.loads(result.read_text())
 
 
-def run(args, wait_healthy, free_port) -> None:
+def run(args) -> None:
     """Both servers, one after the other; then the table of medians and ratios."""
     from bench_throughput import machine
 
@@ -146,11 +148,7 @@ def run(args, wait_healthy, free_port) -> None:
         except RuntimeError as exc:
             print(f"{kind}: could not run: {exc} (server log: {log})", flush=True)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc, 60)
     report(results)
 
 

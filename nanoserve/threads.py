@@ -25,7 +25,7 @@ process holds no more OpenMP threads than it has CPUs; past that they sleep at
 every barrier, and waking them is a system call. A server that loaded the
 model on the main thread and stepped it on the engine thread held two teams:
 on 2 cores a SmolLM2 decode step took 17 ms instead of 11, with some 380
-sleeps a step (`benchmarks/bench_threads.py --load-thread` shows it).
+sleeps a step (`benchmarks/bench_threads.py --teams` shows it).
 `on_a_thread_that_ends` builds an engine on a thread that then ends, taking
 its team with it, so the thread that steps the engine holds the only one.
 """
